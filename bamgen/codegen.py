@@ -1,0 +1,175 @@
+"""Stage 4: render the templates with a kernel plan and write the module.
+
+The artifact's header names every specialisation and a build hash (bamgen version, strategy,
+source and template contents), so two builds of the same input give the same bytes. Files are
+written only when their content changes, atomically (temporary file + rename) and under a file
+lock, so concurrent builds and half-written modules cannot happen.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import pprint
+import re
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import sympy as sp
+
+from . import __version__
+from .errors import SpecError
+from .lower import CodeBlock, KernelPlan, plan as make_plan
+from .resources import template_dir
+from .spec import PriorSpec, load_spec
+from .symbolic import analyse
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A rendered module: where it goes and what it holds."""
+    name: str
+    filename: str
+    text: str
+    build_hash: str
+    notes: tuple[str, ...]
+
+
+def compile_spec(spec: PriorSpec, strategy: str | None = None) -> Artifact:
+    """PriorSpec -> rendered module text (no file is touched)."""
+    ir = analyse(spec)
+    kernel_plan = make_plan(ir, strategy)
+    templates = _templates()
+    build_hash = _build_hash(spec, kernel_plan.strategy)
+    text = templates.get_template("module.py.jinja").render(
+        **_context(spec, kernel_plan, build_hash))
+    return Artifact(name=spec.name, filename=f"{spec.name}.py", text=_tidy(text),
+                    build_hash=build_hash, notes=ir.notes)
+
+
+def build_file(path: str | os.PathLike, out_dir: str | os.PathLike = "generated", *,
+               strategy: str | None = None, check: bool = False) -> tuple[Path, str]:
+    """Build ``path`` into ``out_dir``. Returns (target, status) with status one of
+    "written", "unchanged", "stale" (check mode, differs) or "fresh" (check mode, same)."""
+    try:
+        artifact = compile_spec(load_spec(path), strategy)
+    except SpecError as err:
+        raise err.located(str(path)) from None
+    target = Path(out_dir) / artifact.filename
+    current = target.read_text(encoding="utf-8") if target.is_file() else None
+    if check:
+        return target, "fresh" if current == artifact.text else "stale"
+    if current == artifact.text:
+        return target, "unchanged"
+    write_atomic(target, artifact.text)
+    return target, "written"
+
+
+def write_atomic(target: Path, text: str) -> None:
+    """Write-if-different is the caller's; this makes the write itself atomic and locked."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / ".bamgen.lock"):
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+                fh.write(text)
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+@contextmanager
+def _locked(lock_path: Path):
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _templates() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True,
+                             autoescape=False)
+    env.filters["assignments"] = _assignments
+    return env
+
+
+def _assignments(lines, indent: int) -> str:
+    """Render (name, code) pairs as statements; the template supplies the first indentation."""
+    return ("\n" + " " * indent).join(f"{name} = {code}" for name, code in lines)
+
+
+def _build_hash(spec: PriorSpec, strategy: str) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"bamgen {__version__}\nstrategy {strategy}\nsource {spec.source_hash}\n".encode())
+    for path in sorted(template_dir().glob("*.jinja")):
+        digest.update(path.name.encode() + b"\n" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _scalar_args(plan: KernelPlan, block: CodeBlock) -> str:
+    """The per-program scalars a printed hook reads: parameters, then hoisted constants."""
+    names = [f"prm_{p.name}" for p in plan.params] + [name for name, _ in block.hoisted]
+    return "".join(f", {n}" for n in names)
+
+
+def _init_code(plan: KernelPlan) -> dict[str, str]:
+    spec_params = {p.name: p for p in plan.ir.spec.params}
+    def code(expr):
+        return repr(float(expr)) if expr.is_number else sp.pycode(expr, fully_qualified_modules=True)
+    return {p.name: code(spec_params[p.name].init_expr) for p in plan.params}
+
+
+def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
+    source_name = Path(spec.path).name
+    score_text = str(spec.score) if spec.score is not None else "s + log_prior"
+    formulas = dict(spec.formulas)
+    log_prior_text = formulas.get("log_prior") or f"log({formulas['density']})"
+    meta = {
+        "name": spec.name,
+        "class_name": spec.class_name,
+        "description": spec.description,
+        "source": spec.source,
+        "log_prior": log_prior_text,
+        "log_prior_simplified": str(plan.ir.log_prior),
+        "score": score_text,
+        "params": {p.name: {"init": p.init, "domain": str(p.domain), "learnable": p.learnable,
+                            "per_head": p.per_head} for p in plan.params},
+        "constants": {p.name: p.value for p in spec.params if p.is_constant},
+        "strategy": plan.strategy,
+        "notes": list(plan.ir.notes),
+        "bamgen_version": __version__,
+        "source_hash": spec.source_hash,
+        "build_hash": build_hash,
+    }
+    header = [
+        f"Generated by bamgen {__version__} from {source_name}. Do not edit: rebuild instead.",
+        f"artifact={spec.name} strategy={plan.strategy} params={','.join(p.name for p in plan.params) or '-'}"
+        f" positions={','.join(plan.positions_used) or '-'} build-hash={build_hash}",
+        f"source-sha256={spec.source_hash}",
+    ]
+    return dict(
+        spec=spec, plan=plan, header=header, source_name=source_name,
+        prior_meta=pprint.pformat(meta, sort_dicts=False, width=96),
+        params=plan.params, learnable=plan.learnable,
+        param_names=repr(tuple(p.name for p in plan.params)),
+        learnable_names=repr(tuple(p.name for p in plan.learnable)), init_code=_init_code(plan),
+        score_text=score_text, log_prior_text=log_prior_text,
+        triton_fwd=plan.triton_fwd, triton_bwd=plan.triton_bwd,
+        torch_fwd=plan.torch_fwd, torch_bwd=plan.torch_bwd,
+        fwd_args=_scalar_args(plan, plan.triton_fwd), bwd_args=_scalar_args(plan, plan.triton_bwd),
+    )
+
+
+def _tidy(text: str) -> str:
+    """Strip trailing spaces (left by empty hooks) and runs of more than two blank lines."""
+    text = "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
+    return re.sub(r"\n{4,}", "\n\n\n", text)

@@ -1,0 +1,209 @@
+"""SymPy to Triton and SymPy to torch printers.
+
+In the manner of ``sympy/printing/pycode.py``: a printer is a mapping table from SymPy function
+names to target calls plus a few ``_print_X`` methods for the nodes that need care (powers,
+conditions, Piecewise). A rewrite pass runs before printing (:func:`prepare`): numeric
+sub-expressions become floats, and for Triton the hyperbolic functions become exponentials.
+
+Powers are where speed is won or lost: an integer exponent becomes products (``x**2`` is
+``x*x``, never ``exp2(2*log2(x))``), 1/2 becomes ``sqrt``, and only a non-integer or symbolic
+exponent pays for ``exp2(e * log2(x))`` (two special-function calls).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import sympy as sp
+from sympy.printing.precedence import PRECEDENCE, precedence
+from sympy.printing.str import StrPrinter
+
+MAX_UNROLLED_POWER = 8
+
+
+def prepare(expr: sp.Expr, *, target: str) -> sp.Expr:
+    """Rewrite an expression for printing: fold numeric constants, expand what has no intrinsic."""
+    if target == "triton":
+        expr = expr.replace(lambda e: isinstance(e, (sp.sinh, sp.cosh, sp.tanh)),
+                            lambda e: e.rewrite(sp.exp))
+    return _fold_numbers(expr)
+
+
+def _fold_numbers(expr):
+    def numeric(e):
+        return (isinstance(e, sp.Expr) and e.is_number and not e.is_Atom
+                and not isinstance(e, sp.Rational))
+    return expr.replace(numeric, lambda e: sp.Float(e.evalf(17), 17))
+
+
+class _KernelPrinter(StrPrinter):
+    """Shared printing rules; subclasses give the function table and a few intrinsics."""
+    functions: Mapping[str, str] = {}
+    where = ""
+    minimum = ""
+    maximum = ""
+
+    def __init__(self, names: Mapping[sp.Symbol, str]):
+        super().__init__({"full_prec": False})
+        self.names = {sym.name: name for sym, name in names.items()}
+
+    def doprint(self, expr) -> str:  # noqa: D102 - same contract as StrPrinter
+        return super().doprint(expr)
+
+    # leaves ---------------------------------------------------------------------------
+    def _print_Symbol(self, expr):
+        try:
+            return self.names[expr.name]
+        except KeyError:
+            raise KeyError(f"no kernel variable for symbol {expr.name}") from None
+
+    _print_Dummy = _print_Symbol
+
+    def _print_Float(self, expr):
+        return repr(float(expr))
+
+    def _print_Integer(self, expr):
+        return repr(float(expr))
+
+    def _print_Rational(self, expr):
+        return repr(float(expr))
+
+    def _print_Half(self, expr):
+        return "0.5"
+
+    def _print_Infinity(self, expr):
+        return 'float("inf")'
+
+    def _print_NegativeInfinity(self, expr):
+        return '-float("inf")'
+
+    def _print_Pi(self, expr):
+        return repr(float(sp.pi))
+
+    def _print_Exp1(self, expr):
+        return repr(float(sp.E))
+
+    # arithmetic -----------------------------------------------------------------------
+    def _print_Mul(self, expr):
+        # StrPrinter writes numeric coefficients through _print_Integer; keep "-x" readable.
+        return super()._print_Mul(expr)
+
+    def _print_Pow(self, expr, rational=False):
+        base, exp = expr.base, expr.exp
+        b = self.parenthesize(base, PRECEDENCE["Atom"] - 1 if base.is_Atom else PRECEDENCE["Pow"])
+        if exp.is_Number and float(exp).is_integer() and abs(float(exp)) <= MAX_UNROLLED_POWER:
+            n = int(float(exp))
+            if n == 0:
+                return "1.0"
+            product = "*".join([b] * abs(n))
+            if n > 0:
+                return product if n == 1 else f"({product})"
+            return f"(1.0/({product}))"
+        if exp == sp.S.Half or (exp.is_Number and float(exp) == 0.5):
+            return self.sqrt(self._print(base))
+        if exp == -sp.S.Half or (exp.is_Number and float(exp) == -0.5):
+            return self.rsqrt(self._print(base))
+        return self.power(self._print(base), self._print(exp))
+
+    # functions ------------------------------------------------------------------------
+    def _print_Function(self, expr):
+        name = type(expr).__name__
+        fmt = self.functions.get(name)
+        if fmt is None:
+            raise NotImplementedError(f"{name} has no {type(self).__name__} translation")
+        return fmt.format(*[self._print(a) for a in expr.args])
+
+    _print_exp = _print_Function
+    _print_log = _print_Function
+    _print_Abs = _print_Function
+    _print_sign = _print_Function
+    _print_floor = _print_Function
+    _print_ceiling = _print_Function
+    _print_erf = _print_Function
+    _print_atan = _print_Function
+    _print_sinh = _print_Function
+    _print_cosh = _print_Function
+    _print_tanh = _print_Function
+
+    def _print_Min(self, expr):
+        return self._fold(self.minimum, expr.args)
+
+    def _print_Max(self, expr):
+        return self._fold(self.maximum, expr.args)
+
+    def _fold(self, fn, args):
+        out = self._print(args[-1])
+        for a in reversed(args[:-1]):
+            out = fn.format(self._print(a), out)
+        return out
+
+    # conditions -----------------------------------------------------------------------
+    def _print_Piecewise(self, expr):
+        out = self._print(expr.args[-1].expr)
+        for piece in reversed(expr.args[:-1]):
+            out = self.where.format(self._print(piece.cond), self._print(piece.expr), out)
+        return out
+
+    def _print_Relational(self, expr):
+        ops = {"==": "==", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}
+        return f"({self._print(expr.lhs)} {ops[expr.rel_op]} {self._print(expr.rhs)})"
+
+    def _print_And(self, expr):
+        return "(" + " & ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Or(self, expr):
+        return "(" + " | ".join(self._print(a) for a in expr.args) + ")"
+
+
+class TritonPrinter(_KernelPrinter):
+    """Prints fp32 Triton expressions over tiles and per-program scalars."""
+    functions = {
+        "exp": "tl.exp({})", "log": "tl.log({})", "Abs": "tl.abs({})",
+        "floor": "tl.floor({})", "ceiling": "tl.ceil({})", "erf": "tl.erf({})",
+        "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0))",
+        "atan": "libdevice.atan({})",
+    }
+    where = "tl.where({}, {}, {})"
+    minimum = "tl.minimum({}, {})"
+    maximum = "tl.maximum({}, {})"
+
+    def sqrt(self, x):
+        return f"tl.sqrt({x})"
+
+    def rsqrt(self, x):
+        return f"tl.rsqrt({x})"
+
+    def power(self, base, exp):
+        return f"tl.exp2(({exp}) * tl.log2({base}))"
+
+
+class TorchPrinter(_KernelPrinter):
+    """Prints torch expressions over float32 tensors (blocks and per-head parameter columns)."""
+    functions = {
+        "exp": "torch.exp({})", "log": "torch.log({})", "Abs": "torch.abs({})",
+        "floor": "torch.floor({})", "ceiling": "torch.ceil({})", "erf": "torch.erf({})",
+        "sign": "torch.sign({})", "atan": "torch.atan({})", "sinh": "torch.sinh({})",
+        "cosh": "torch.cosh({})", "tanh": "torch.tanh({})",
+    }
+    where = "torch.where({}, {}, {})"
+    minimum = "torch.minimum(torch.as_tensor({}), torch.as_tensor({}))"
+    maximum = "torch.maximum(torch.as_tensor({}), torch.as_tensor({}))"
+
+    def sqrt(self, x):
+        return f"torch.sqrt(torch.as_tensor({x}))"
+
+    def rsqrt(self, x):
+        return f"torch.rsqrt(torch.as_tensor({x}))"
+
+    def power(self, base, exp):
+        return f"torch.pow({base}, {exp})"
+
+
+PRINTERS = {"triton": TritonPrinter, "torch": TorchPrinter}
+
+
+def print_expr(expr: sp.Expr, names: Mapping[sp.Symbol, str], *, target: str) -> str:
+    """Print one prepared expression for ``target`` ("triton" or "torch")."""
+    return PRINTERS[target](names).doprint(expr)
+
+
+__all__ = ["prepare", "print_expr", "TritonPrinter", "TorchPrinter", "precedence"]

@@ -1,0 +1,307 @@
+"""Stage 1: a prior file (YAML text) to a validated :class:`PriorSpec`.
+
+The YAML is read with ``safe_load`` (no tags, no objects), every field is checked, and every
+formula is parsed through :mod:`bamgen.formula`'s whitelist. Errors carry the field and its line.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import sympy as sp
+import yaml
+
+from .errors import SpecError
+from .formula import RESERVED, parse_formula
+
+MAX_FILE_BYTES = 64 * 1024
+MAX_PARAMS = 16
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+PARAM_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+
+# Symbols a formula may use (DESIGN.md §2). Positions are real numbers in the kernel.
+POSITION_SYMBOLS = ("d", "i", "j", "n")
+SCORE_SYMBOLS = ("s", "log_prior")
+INIT_SYMBOLS = ("h", "H")
+TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params")
+PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value")
+DOMAINS = ("real", "positive", "nonnegative")
+
+
+@dataclass(frozen=True)
+class Domain:
+    """Where a parameter lives: ``real``, ``positive``, ``nonnegative`` or an open interval."""
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+
+    def contains(self, x: float) -> bool:
+        if not math.isfinite(x):
+            return False
+        if self.kind == "positive":
+            return x > 0
+        if self.kind == "nonnegative":
+            return x >= 0
+        if self.kind == "interval":
+            return self.lo < x < self.hi
+        return True
+
+    def __str__(self) -> str:
+        return f"({self.lo:g}, {self.hi:g})" if self.kind == "interval" else self.kind
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One declared prior parameter."""
+    name: str
+    init: str                  # formula text in h (head index) and H (number of heads)
+    init_expr: sp.Expr
+    domain: Domain
+    learnable: bool
+    per_head: bool
+    value: float | None        # set: a compile-time constant folded into the kernels
+
+    @property
+    def is_constant(self) -> bool:
+        return self.value is not None
+
+    def symbol(self) -> sp.Symbol:
+        return param_symbol(self.name, self.domain)
+
+
+@dataclass(frozen=True)
+class PriorSpec:
+    """A validated prior file: formulas as SymPy expressions plus where they came from."""
+    name: str
+    description: str
+    source: str
+    log_prior: sp.Expr         # log_prior, or log(density) before simplification
+    from_density: bool
+    score: sp.Expr | None      # over s, log_prior and positions; None means s + log_prior
+    params: tuple[ParamSpec, ...]
+    formulas: tuple[tuple[str, str], ...]   # (field, text) as written, for PRIOR metadata
+    path: str
+    source_hash: str
+
+    @property
+    def class_name(self) -> str:
+        return "".join(part.capitalize() for part in self.name.split("_") if part) + "Attention"
+
+
+def param_symbol(name: str, domain: Domain) -> sp.Symbol:
+    """The SymPy symbol of a parameter, with the assumptions its domain gives."""
+    if domain.kind == "positive" or (domain.kind == "interval" and domain.lo >= 0):
+        return sp.Symbol(name, positive=True)
+    if domain.kind == "nonnegative":
+        return sp.Symbol(name, nonnegative=True)
+    return sp.Symbol(name, real=True)
+
+
+def position_symbols() -> dict[str, sp.Symbol]:
+    return {name: sp.Symbol(name, real=True) for name in POSITION_SYMBOLS}
+
+
+def load_spec(path: str | Path) -> PriorSpec:
+    """Read and validate a prior file from disk."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"cannot read the file: {exc.strerror}", file=str(path),
+                        hint="check the path") from None
+    return parse_spec(raw, path=str(path))
+
+
+def parse_spec(raw: bytes | str, *, path: str = "<prior>") -> PriorSpec:
+    """Validate prior-file text; every problem is a SpecError naming the field."""
+    try:
+        return _parse(raw, path)
+    except SpecError as err:
+        raise err.located(path) from None
+
+
+def _parse(raw: bytes | str, path: str) -> PriorSpec:
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8")
+    if len(raw) > MAX_FILE_BYTES:
+        raise SpecError(f"the file is {len(raw)} bytes; the limit is {MAX_FILE_BYTES}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError("the file is not UTF-8 text", hint="save the prior file as UTF-8") from None
+    if "\x00" in text:
+        raise SpecError("the file contains NUL bytes; it is not a text file")
+    data, lines = _load_yaml(text)
+    _check_fields(data, TOP_LEVEL_FIELDS, lines, where="the prior file")
+
+    name = data.get("name", Path(path).stem if path != "<prior>" else None)
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise SpecError(f"invalid name {name!r}", field="name", line=lines.get("name"),
+                        hint="use lower-case letters, digits and '_', starting with a letter")
+    description = _string(data, "description", lines, default="")
+    source = _string(data, "source", lines, default="")
+
+    params = _parse_params(data.get("params") or {}, lines)
+    symbols = {**position_symbols(),
+               **{p.name: p.symbol() if not p.is_constant else _constant(p.value) for p in params}}
+
+    has_lp, has_density = "log_prior" in data, "density" in data
+    if has_lp == has_density:
+        raise SpecError("give exactly one of 'log_prior' or 'density'", field="log_prior",
+                        hint="log_prior: -Abs(d)/b   or   density: exp(-Abs(d)/b)")
+    field = "log_prior" if has_lp else "density"
+    expr = _formula(data[field], symbols, field, lines)
+    if has_density:
+        expr = sp.log(expr)
+    score = None
+    if data.get("score") is not None:
+        score_symbols = {**symbols, **{n: sp.Symbol(n, real=True) for n in SCORE_SYMBOLS}}
+        score = _formula(data["score"], score_symbols, "score", lines)
+        if sp.Symbol("s", real=True) not in score.free_symbols:
+            raise SpecError("the score does not use s, the content score", field="score",
+                            line=lines.get("score"), hint="e.g. (s + log_prior) * t * log(n)")
+    formulas = tuple((f, str(data[f])) for f in ("log_prior", "density", "score")
+                     if data.get(f) is not None)
+    return PriorSpec(name=name, description=description, source=source, log_prior=expr,
+                     from_density=has_density, score=score, params=params, formulas=formulas,
+                     path=path, source_hash=hashlib.sha256(raw).hexdigest())
+
+
+def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
+    """safe_load the text and remember the line of each top-level and parameter key."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"not valid YAML: {problem}", line=mark.line + 1 if mark else None,
+                        hint="check indentation and quoting; tags such as !!python are refused") from None
+    if data is None:
+        raise SpecError("the file is empty", hint="see priors/laplace.yaml for an example")
+    if not isinstance(data, dict):
+        raise SpecError("the file must be a YAML mapping of fields",
+                        hint="start with 'name: my_prior' and 'log_prior: ...'")
+    lines: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            lines[str(key.value)] = key.start_mark.line + 1
+            if key.value == "params" and isinstance(value, yaml.MappingNode):
+                for pkey, _ in value.value:
+                    lines[f"params.{pkey.value}"] = pkey.start_mark.line + 1
+    return data, lines
+
+
+def _check_fields(data: dict, allowed: tuple[str, ...], lines: dict, where: str, prefix: str = ""):
+    for key in data:
+        if not isinstance(key, str) or key not in allowed:
+            raise SpecError(f"unknown field {key!r} in {where}", field=f"{prefix}{key}",
+                            line=lines.get(f"{prefix}{key}"),
+                            hint="allowed fields: " + ", ".join(allowed))
+
+
+def _string(data: dict, field: str, lines: dict, default: str) -> str:
+    value = data.get(field, default)
+    if not isinstance(value, str):
+        raise SpecError(f"expected text, got {type(value).__name__}", field=field,
+                        line=lines.get(field), hint="quote the value")
+    if len(value) > 4000:
+        raise SpecError("the text is longer than 4000 characters", field=field, line=lines.get(field))
+    return value
+
+
+def _formula(text, symbols, field, lines) -> sp.Expr:
+    return parse_formula(text, symbols, field=field, line=lines.get(field))
+
+
+def _constant(value: float) -> sp.Expr:
+    """A `value:` parameter as a SymPy number; integral values stay integers (beta = 2 -> x*x)."""
+    return sp.Integer(int(value)) if float(value).is_integer() else sp.Float(repr(float(value)))
+
+
+def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
+    if not isinstance(raw, dict):
+        raise SpecError("'params' must be a mapping of parameter names to settings",
+                        field="params", line=lines.get("params"),
+                        hint="params:\n  b: {init: 8.0, domain: positive}")
+    if len(raw) > MAX_PARAMS:
+        raise SpecError(f"{len(raw)} parameters; the limit is {MAX_PARAMS}", field="params")
+    reserved = RESERVED | set(POSITION_SYMBOLS) | set(SCORE_SYMBOLS) | set(INIT_SYMBOLS)
+    params = []
+    for name, settings in raw.items():
+        field = f"params.{name}"
+        line = lines.get(field)
+        if not isinstance(name, str) or not PARAM_RE.match(name):
+            raise SpecError(f"invalid parameter name {name!r}", field=field, line=line,
+                            hint="use letters, digits and '_', starting with a letter")
+        if name in reserved or name.startswith("_"):
+            raise SpecError(f"the parameter name '{name}' is reserved", field=field, line=line,
+                            hint="rename it; reserved: " + ", ".join(sorted(reserved)))
+        if isinstance(settings, (int, float)) and not isinstance(settings, bool):
+            settings = {"init": settings}
+        if not isinstance(settings, dict):
+            raise SpecError("parameter settings must be a mapping", field=field, line=line,
+                            hint="e.g. {init: 1.0, domain: positive}")
+        _check_fields(settings, PARAM_FIELDS, {}, where=f"parameter '{name}'", prefix=field + ".")
+        params.append(_parse_param(name, settings, field, line))
+    return tuple(params)
+
+
+def _parse_param(name: str, settings: dict, field: str, line: int | None) -> ParamSpec:
+    domain = _parse_domain(settings.get("domain", "real"), f"{field}.domain", line)
+    learnable = settings.get("learnable", True)
+    per_head = settings.get("per_head", True)
+    for flag, value in (("learnable", learnable), ("per_head", per_head)):
+        if not isinstance(value, bool):
+            raise SpecError(f"expected true or false, got {value!r}", field=f"{field}.{flag}",
+                            line=line)
+    value = settings.get("value")
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not domain.contains(float(value)):
+            raise SpecError(f"the constant value {value!r} is not a number in the domain {domain}",
+                            field=f"{field}.value", line=line)
+        if "init" in settings:
+            raise SpecError("give either 'value' (a constant) or 'init' (a starting value)",
+                            field=f"{field}.value", line=line)
+        init_text = repr(float(value))
+    elif "init" not in settings:
+        raise SpecError("missing 'init'", field=f"{field}.init", line=line,
+                        hint="e.g. init: 1.0 or init: \"2**(8*(h + 1)/H)\"")
+    else:
+        init_text = settings["init"]
+    init_symbols = {s: sp.Symbol(s, integer=True, nonnegative=True) for s in INIT_SYMBOLS}
+    init_expr = parse_formula(init_text, init_symbols, field=f"{field}.init", line=line)
+    _check_init(init_expr, domain, f"{field}.init", line)
+    return ParamSpec(name=name, init=str(init_text), init_expr=init_expr, domain=domain,
+                     learnable=learnable and value is None, per_head=per_head,
+                     value=float(value) if value is not None else None)
+
+
+def _parse_domain(raw, field: str, line: int | None) -> Domain:
+    if isinstance(raw, str) and raw in DOMAINS:
+        return Domain(raw)
+    if isinstance(raw, list) and len(raw) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in raw):
+        lo, hi = float(raw[0]), float(raw[1])
+        if lo < hi:
+            return Domain("interval", lo, hi)
+    raise SpecError(f"invalid domain {raw!r}", field=field, line=line,
+                    hint="use real, positive, nonnegative, or an interval [lo, hi] with lo < hi")
+
+
+def _check_init(expr: sp.Expr, domain: Domain, field: str, line: int | None) -> None:
+    """The init must give a finite value inside the domain for every head of 1..64-head models."""
+    h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
+    for heads in (1, 2, 3, 8, 64):
+        for head in range(heads):
+            try:
+                value = float(expr.xreplace({h: head, H: heads}).evalf())
+            except (TypeError, ValueError, OverflowError):
+                value = float("nan")
+            if not domain.contains(value):
+                raise SpecError(f"the init gives {value!r} for head {head} of {heads}, "
+                                f"outside the domain {domain}", field=field, line=line,
+                                hint="init may use h (head index, 0-based) and H (number of heads)")

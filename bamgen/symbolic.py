@@ -1,0 +1,161 @@
+"""Stage 2: the prior as SymPy mathematics (:class:`PriorIR`).
+
+From a :class:`PriorSpec` this builds the full logit over the content score ``s`` and the
+positions, its derivative with respect to ``s`` (the chain factor of dq and dk) and with respect
+to every learnable parameter, and makes every one of them safe to evaluate in floating point:
+
+* derivatives of ``sign``/``floor``/``ceiling`` (Dirac deltas) are 0 almost everywhere;
+* at a kink ``|u| = 0`` where an expression is 0·log 0, 0/0 or 0·∞, the expression is guarded by
+  ``Piecewise((limit, Eq(u, 0)), (expr, True))``. The limit is taken from ``|u| → 0+`` with the
+  convention that the derivative of ``|u|`` at 0 is 0 (torch's subgradient), so a factor
+  ``sign(u)`` is 0 there whatever it multiplies;
+* where that limit is infinite, the kink is clamped to ``|u| = KINK_EPSILON`` and a note says so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .errors import SpecError
+from .spec import POSITION_SYMBOLS, PriorSpec, position_symbols
+
+KINK_EPSILON = 1e-5   # the BAM authors' own epsilon, used only where a limit is infinite
+
+S = sp.Symbol("s", real=True)
+LOG_PRIOR = sp.Symbol("log_prior", real=True)
+
+
+@dataclass(frozen=True)
+class PriorIR:
+    """The prior's mathematics, ready for lowering."""
+    spec: PriorSpec
+    log_prior: sp.Expr                        # over positions and runtime parameters
+    logit: sp.Expr                            # over s, positions, runtime parameters
+    dlogit_ds: sp.Expr
+    grads: tuple[tuple[str, sp.Expr], ...]    # (learnable parameter, d logit / d parameter)
+    runtime_params: tuple[str, ...]           # parameters passed to kernels, in order
+    positions_used: tuple[str, ...]           # which of d, i, j, n the kernels must provide
+    notes: tuple[str, ...]                    # build-time remarks (kinks, clamps)
+
+    @property
+    def distance_only(self) -> bool:
+        """True when the logit depends on (i, j) only through d (a Toeplitz prior)."""
+        return set(self.positions_used) <= {"d"}
+
+    @property
+    def score_is_identity(self) -> bool:
+        return self.dlogit_ds == 1
+
+
+def analyse(spec: PriorSpec) -> PriorIR:
+    """Build the PriorIR of a validated spec."""
+    notes: list[str] = []
+    log_prior = _simplify_log_prior(spec)
+    logit = S + log_prior if spec.score is None else spec.score.xreplace({LOG_PRIOR: log_prior})
+    runtime = tuple(p.name for p in spec.params if not p.is_constant)
+    symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
+    _check_finite_at_init(spec, logit, symbols)
+
+    dlds = _clean_derivative(sp.diff(logit, S), "s")
+    grads = []
+    for p in spec.params:
+        if p.learnable:
+            grads.append((p.name, _clean_derivative(sp.diff(logit, symbols[p.name]), p.name)))
+    logit = _guard(logit, "the logit", notes)
+    dlds = _guard(dlds, "d logit / d s", notes)
+    grads = tuple((name, _guard(g, f"d logit / d {name}", notes)) for name, g in grads)
+
+    exprs = [logit, dlds] + [g for _, g in grads]
+    pos = position_symbols()
+    used = tuple(n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs))
+    return PriorIR(spec=spec, log_prior=log_prior, logit=logit, dlogit_ds=dlds, grads=grads,
+                   runtime_params=runtime, positions_used=used, notes=tuple(notes))
+
+
+def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
+    expr = spec.log_prior
+    if spec.from_density:
+        # log of an unnormalised density: split products and powers so log(exp(x)) -> x.
+        expr = sp.expand_log(expr, force=True)
+        expr = sp.powsimp(sp.expand_log(sp.logcombine(expr, force=True), force=True))
+    if expr.has(sp.zoo, sp.nan) or expr == sp.oo:
+        field = "density" if spec.from_density else "log_prior"
+        raise SpecError("the formula is not finite (division by zero or log of zero)",
+                        field=field, hint="check constants; use Abs(...) + eps under logs")
+    return expr
+
+
+def _clean_derivative(expr: sp.Expr, wrt: str) -> sp.Expr:
+    """Drop Dirac deltas (derivatives of sign/steps, zero almost everywhere)."""
+    expr = expr.replace(lambda e: isinstance(e, (sp.DiracDelta,)), lambda e: sp.S.Zero)
+    derivs = expr.atoms(sp.Derivative)
+    for der in derivs:
+        if isinstance(der.expr, (sp.floor, sp.ceiling, sp.sign)):
+            expr = expr.xreplace({der: sp.S.Zero})
+        else:
+            raise SpecError(f"cannot differentiate {der.expr} with respect to {wrt}",
+                            field="log_prior", hint="rewrite it with differentiable functions")
+    return expr
+
+
+def _kink_arguments(expr: sp.Expr) -> list[sp.Expr]:
+    """Arguments u of Abs(u) that move with position: candidate kinks of the expression."""
+    pos = set(position_symbols().values())
+    args = {a.args[0] for a in expr.atoms(sp.Abs) if a.args[0].free_symbols & pos}
+    return sorted(args, key=sp.default_sort_key)
+
+
+def _at_kink(expr: sp.Expr, u: sp.Expr, value: sp.Expr) -> sp.Expr:
+    """expr with |u| replaced by value and sign(u) by 0 (the subgradient convention)."""
+    return expr.xreplace({sp.sign(u): sp.S.Zero, sp.sign(-u): sp.S.Zero}).xreplace(
+        {sp.Abs(u): value, sp.Abs(-u): value})
+
+
+def _ill_defined(expr: sp.Expr) -> bool:
+    if expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
+        return True
+    return any(p.base == 0 for p in expr.atoms(sp.Pow)) or any(
+        a.args[0] == 0 for a in expr.atoms(sp.log))
+
+
+def _guard(expr: sp.Expr, what: str, notes: list[str]) -> sp.Expr:
+    """Replace removable singularities at kinks by their limits (see the module docstring)."""
+    for u in _kink_arguments(expr):
+        # Judge the raw expression as floating point would evaluate it: |u| = 0 but sign(u)
+        # kept symbolic, so sign(u)/|u| reads as 0/0 rather than being cancelled to 0.
+        if not _ill_defined(expr.xreplace({sp.Abs(u): sp.S.Zero, sp.Abs(-u): sp.S.Zero})):
+            continue
+        r = sp.Dummy("r", positive=True)
+        try:
+            limit = sp.limit(_at_kink(expr, u, r), r, 0, "+")
+        except (NotImplementedError, ValueError, TypeError):
+            limit = sp.nan
+        if limit.is_finite and not limit.free_symbols & {r}:
+            notes.append(f"{what}: at {u} = 0 the value is its limit {limit}")
+        else:
+            limit = _at_kink(expr, u, sp.Float(KINK_EPSILON))
+            notes.append(f"{what}: the limit at {u} = 0 is not finite; "
+                         f"clamped to |{u}| = {KINK_EPSILON:g} there")
+        expr = sp.Piecewise((limit, sp.Eq(u, 0)), (expr, True))
+    return expr
+
+
+def _check_finite_at_init(spec: PriorSpec, logit: sp.Expr, symbols: dict) -> None:
+    """The logit at the initial parameters must be a number (or -oo) at a few positions."""
+    h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
+    values = {symbols[p.name]: p.init_expr.xreplace({h: 0, H: 8}) for p in spec.params
+              if not p.is_constant}
+    pos = position_symbols()
+    for i, j in ((0, 0), (5, 2), (40, 1), (3, 7)):
+        point = {pos["d"]: i - j, pos["i"]: i, pos["j"]: j, pos["n"]: i + 1, S: sp.Rational(1, 2)}
+        try:
+            value = complex(logit.xreplace({**values, **point}).evalf())
+        except (TypeError, ValueError, OverflowError):
+            value = complex("nan")
+        if value.imag != 0 or math.isnan(value.real) or value.real == math.inf:
+            field = "score" if spec.score is not None else "log_prior"
+            raise SpecError(f"the logit is not finite at the initial parameters "
+                            f"(i={i}, j={j} gives {value.real if value.imag == 0 else value})",
+                            field=field, hint="check the formula and the params' init values")
