@@ -71,7 +71,7 @@ def build_file(path: str | os.PathLike, out_dir: str | os.PathLike = "generated"
 def write_atomic(target: Path, text: str) -> None:
     """Write-if-different is the caller's; this makes the write itself atomic and locked."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / ".bamgen.lock"):
+    with _locked(_lock_path(target.parent)):
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
@@ -81,6 +81,12 @@ def write_atomic(target: Path, text: str) -> None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+
+
+def _lock_path(folder: Path) -> Path:
+    """One lock per output folder, kept in the temp dir so user folders stay clean."""
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"bamgen-{key}.lock"
 
 
 @contextmanager
