@@ -65,7 +65,9 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
         raise fail(f"cannot parse {text.strip()!r}: {exc.msg}",
                    "use Python/SymPy syntax, e.g. -(Abs(d - mu)/alpha)**beta") from None
     builder = _Builder(symbols, fail)
-    return builder.build(tree.body, depth=0)
+    expr = builder.build(tree.body, depth=0)
+    builder._require_expr(expr)
+    return expr
 
 
 class _Builder:

@@ -1,0 +1,72 @@
+"""The command line: builds, --check, and user errors (exit 2, one line, nothing written)."""
+import os
+
+from tests.helpers import run_cli, write_prior
+
+GOOD = """
+name: my_prior
+log_prior: -Abs(d) / b
+params:
+  b: {init: 4.0, domain: positive}
+"""
+
+
+def test_build_writes_a_module_then_reports_unchanged(tmp_path):
+    prior = write_prior(tmp_path, GOOD)
+    out = tmp_path / "out"
+    first = run_cli("build", str(prior), "-o", str(out))
+    assert first.returncode == 0, first.stderr
+    assert "wrote" in first.stdout and (out / "my_prior.py").is_file()
+    mtime = os.stat(out / "my_prior.py").st_mtime_ns
+    second = run_cli("build", str(prior), "-o", str(out))
+    assert second.returncode == 0 and "unchanged" in second.stdout
+    assert os.stat(out / "my_prior.py").st_mtime_ns == mtime   # write-if-different
+
+
+def test_check_mode_flags_stale_and_writes_nothing(tmp_path):
+    prior = write_prior(tmp_path, GOOD)
+    out = tmp_path / "out"
+    missing = run_cli("build", str(prior), "-o", str(out), "--check")
+    assert missing.returncode == 1 and "stale" in missing.stderr
+    assert not out.exists()
+    assert run_cli("build", str(prior), "-o", str(out)).returncode == 0
+    assert run_cli("build", str(prior), "-o", str(out), "--check").returncode == 0
+    (out / "my_prior.py").write_text("# edited\n")
+    assert run_cli("build", str(prior), "-o", str(out), "--check").returncode == 1
+
+
+def test_bad_prior_exits_2_with_one_line_and_leaves_outputs_untouched(tmp_path):
+    good = write_prior(tmp_path, GOOD)
+    out = tmp_path / "out"
+    assert run_cli("build", str(good), "-o", str(out)).returncode == 0
+    before = (out / "my_prior.py").read_bytes()
+    bad = write_prior(tmp_path, "name: my_prior\nlog_prior: -Abs(d) / bb\n", "bad.yaml")
+    res = run_cli("build", str(good), str(bad), "-o", str(out))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad.yaml" in lines[0] and "log_prior" in lines[0]
+    assert "unknown symbol 'bb'" in lines[0] and "Traceback" not in res.stderr
+    assert (out / "my_prior.py").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["my_prior.py"]
+
+
+def test_code_injection_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    bad = write_prior(tmp_path, f"name: x\nlog_prior: __import__('os').system('touch {marker}')\n")
+    res = run_cli("build", str(bad), "-o", str(tmp_path / "out"))
+    assert res.returncode == 2 and not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_bad_flags_and_missing_files_exit_2(tmp_path):
+    assert run_cli("build", "--strategy", "magic", "x.yaml").returncode == 2
+    res = run_cli("build", str(tmp_path / "nope.yaml"))
+    assert res.returncode == 2 and "nope.yaml" in res.stderr and "Traceback" not in res.stderr
+    assert run_cli("build").returncode == 2
+    assert run_cli("frobnicate").returncode == 2
+
+
+def test_list_shows_the_shipped_priors():
+    res = run_cli("list")
+    assert res.returncode == 0
+    for name in ("uniform", "laplace", "generalized_gaussian"):
+        assert name in res.stdout
