@@ -53,6 +53,20 @@ UNSEEN = {
         None,
         {"a": [3.0, 11.0], "m": [0.0, 2.5]},
     ),
+    # SSMax-style scaled softmax: the score multiplies the whole logit by t * log(n).
+    "ssmax_unseen": (
+        """
+        name: ssmax_unseen
+        log_prior: -Abs(d) / b
+        score: (s + log_prior) * t * log(n)
+        params:
+          b: {init: 4.0, domain: positive}
+          t: {init: 0.5, domain: positive}
+        """,
+        lambda d, p: -torch.abs(d) / p["b"],
+        lambda s, lp, n, p: (s + lp) * p["t"] * torch.log(n.to(s.dtype)),
+        {"b": [2.0, 6.0], "t": [0.3, 0.9]},
+    ),
 }
 
 
