@@ -3,8 +3,8 @@
 No GPU is needed: Triton compiles to a cubin for a GPUTarget (`bamgen inspect`, run in a
 subprocess because the test session runs Triton in interpreter mode). A compile error in any
 forward or backward kernel (a template bug, a printer emitting something Triton rejects, shared
-memory over the target's limit) fails here. Registers and spills are tracked in
-docs/performance.md.
+memory over the target's limit) fails here, and so does a kernel that spills registers to the
+stack (DESIGN.md §3: no spills for head dims up to 128). Figures: docs/performance.md.
 """
 import json
 import os
@@ -33,3 +33,4 @@ def test_kernels_compile_for_gpu(prior, arch, head_dim):
     for kernel in report["kernels"]:
         assert 0 < kernel["registers"] <= 255, kernel
         assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
+        assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
