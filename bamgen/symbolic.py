@@ -53,7 +53,10 @@ def analyse(spec: PriorSpec) -> PriorIR:
     """Build the PriorIR of a validated spec."""
     notes: list[str] = []
     log_prior = _simplify_log_prior(spec)
-    logit = S + log_prior if spec.score is None else spec.score.xreplace({LOG_PRIOR: log_prior})
+    if spec.score is None:
+        logit = S + log_prior
+    else:
+        logit = _canonical_positions(spec.score).xreplace({LOG_PRIOR: log_prior})
     runtime = tuple(p.name for p in spec.params if not p.is_constant)
     symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
     _check_finite_at_init(spec, logit, symbols)
@@ -74,8 +77,14 @@ def analyse(spec: PriorSpec) -> PriorIR:
                    runtime_params=runtime, positions_used=used, notes=tuple(notes))
 
 
+def _canonical_positions(expr: sp.Expr) -> sp.Expr:
+    """Write i as d + j, so a formula in j - i (BAM's own form) is seen to depend on d alone."""
+    pos = position_symbols()
+    return expr.xreplace({pos["i"]: pos["d"] + pos["j"]})
+
+
 def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
-    expr = spec.log_prior
+    expr = _canonical_positions(spec.log_prior)
     if spec.from_density:
         # log of an unnormalised density: split products and powers so log(exp(x)) -> x.
         expr = sp.expand_log(expr, force=True)

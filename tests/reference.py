@@ -1,0 +1,240 @@
+"""Naive attention-with-a-positional-prior reference (DESIGN.md §6).
+
+This module is deliberately independent of the compiler: it imports nothing from ``bamgen`` or
+``generated``, and the prior reaches it only as plain torch callables written by the test that
+uses it.  Everything is materialised (the full ``[B, Hq, Nq, Nk]`` logit tensor), so it is only
+meant for the small shapes of the tests.
+
+Math (the contract of DESIGN.md §4)::
+
+    i_abs = i + q_offset, j_abs = j + k_offset, d = i_abs - j_abs
+    s     = scale * q_i . k_j                      (scale defaults to 1 / sqrt(D))
+    lp    = log_prior(d, params_of_query_head)
+    logit = score(s, lp, n, params)                (default: s + lp)
+    visible(i, j) = j_abs <= i_abs if causal else True
+    n_i   = number of visible keys of row i
+    out_i = sum_j softmax_j(logit_ij over visible j) v_j ;  0 for a row with no visible key
+
+The same function computes two things:
+
+* ``ref``: ``compute_dtype=torch.float64`` — the exact answer (up to float64 rounding) for the
+  given, already rounded, inputs.
+* ``pt``: ``compute_dtype=`` the test dtype — "the same naive math in the test dtype", the
+  yardstick of FlashAttention's tolerance scheme.  It follows FlashAttention's own ``attention_ref``
+  with ``upcast=False``: q·k and P·v run in the test dtype, the prior (and its parameters) in
+  float32, and ``s + lp`` is therefore promoted to float32 before the softmax, exactly as
+  ``scores + attn_bias`` is in FlashAttention's ALiBi tests.  For float32 inputs every step is
+  float32.
+
+Parameter gradients and the kink convention
+-------------------------------------------
+Every prior parameter is expanded into a *per-element* leaf tensor of shape ``[Hq, Nq, Nk]`` (one
+copy per logit position, shared across the batch), so that autograd gives the per-element
+contribution ``sum_b dS_bhij * dlogit_hij/dtheta``.  The contract says that the derivative of
+``|x|`` at ``x = 0`` is 0 and that a product with that zero stays 0 even if the other factor is
+infinite (``(|d - mu| / alpha) ** beta`` with ``beta < 1`` at ``d == mu``), and that
+``0 * log 0 = 0``.  Autograd gives NaN (``0 * inf``) at exactly those points, so NaN contributions
+are replaced by 0 **only** where the element is a declared kink point (the caller's ``kink``
+callable says where the argument of an ``Abs`` is exactly 0) or where the element is masked (its
+logit never reaches the softmax).  Any other NaN is kept, so that a prior whose derivative is
+genuinely undefined shows up as NaN instead of being hidden.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Union
+
+import torch
+
+Tensor = torch.Tensor
+ParamValue = Union[float, int, Tensor]
+
+# log_prior(d, p) -> tensor broadcastable to [Hq, Nq, Nk]
+#   d: [1, Nq, Nk] distances i_abs - j_abs (floating point, exact integers)
+#   p: {name: tensor [Hq, Nq, Nk]} (a per-element copy of the per-head value)
+LogPrior = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
+# score(s, lp, n, p) -> logits; s [B, Hq, Nq, Nk], lp [Hq, Nq, Nk] (or broadcastable), n [1, Nq, 1]
+Score = Callable[[Tensor, Tensor, Tensor, Mapping[str, Tensor]], Tensor]
+# kink(d, p) -> bool tensor broadcastable to [Hq, Nq, Nk]: where the argument of an Abs is 0.
+#   p: {name: float64 tensor [Hq, 1, 1]}
+Kink = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
+
+
+def default_score(s: Tensor, lp: Tensor, n: Tensor, p: Mapping[str, Tensor]) -> Tensor:
+    return s + lp
+
+
+@dataclass
+class RefResult:
+    """Output and gradients of one reference evaluation.
+
+    ``dparams`` holds one ``[Hq]`` tensor per parameter (float64 for ``ref``, float32 for ``pt``),
+    whether or not the caller passed the parameter as a tensor.
+    """
+
+    out: Tensor
+    dq: Optional[Tensor] = None
+    dk: Optional[Tensor] = None
+    dv: Optional[Tensor] = None
+    dparams: dict = field(default_factory=dict)
+    visible: Optional[Tensor] = None  # [Nq, Nk] bool
+    empty_rows: Optional[Tensor] = None  # [Nq] bool: rows with no visible key
+    # ref only (float64, with dout): the gross magnitude of each result, {"out", "dq", "dk", "dv",
+    # "d<param>"} -> tensor of the result's shape; see gross_magnitudes() below.
+    gross: dict = field(default_factory=dict)
+
+
+def positions(nq: int, nk: int, q_offset: int, k_offset: int, causal: bool, dtype=torch.float64):
+    """Return ``d`` ``[Nq, Nk]`` (i_abs - j_abs, in ``dtype``), ``visible`` ``[Nq, Nk]`` (bool) and
+    ``n`` ``[Nq]`` (int64, number of visible keys per row)."""
+    i_abs = torch.arange(nq, dtype=torch.int64) + int(q_offset)
+    j_abs = torch.arange(nk, dtype=torch.int64) + int(k_offset)
+    d_int = i_abs[:, None] - j_abs[None, :]
+    if causal:
+        visible = d_int >= 0
+    else:
+        visible = torch.ones(nq, nk, dtype=torch.bool)
+    n = visible.sum(-1)
+    return d_int.to(dtype), visible, n
+
+
+def _per_head(value: ParamValue, hq: int) -> Tensor:
+    """A parameter as a float64 ``[Hq]`` tensor (detached)."""
+    t = torch.as_tensor(value.detach() if isinstance(value, Tensor) else value, dtype=torch.float64)
+    t = t.reshape(-1)
+    if t.numel() == 1:
+        t = t.expand(hq)
+    if t.numel() != hq:
+        raise ValueError(f"parameter has {t.numel()} values, expected 1 or {hq}")
+    return t.clone()
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: Mapping[str, ParamValue],
+    log_prior: Optional[LogPrior],
+    *,
+    causal: bool,
+    scale: Optional[float] = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    score: Optional[Score] = None,
+    kink: Optional[Kink] = None,
+    dout: Optional[Tensor] = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> RefResult:
+    """Naive attention with a positional prior; with ``dout`` also all gradients.
+
+    ``compute_dtype=torch.float64`` gives ``ref``; the test dtype gives ``pt`` (see module doc).
+    ``log_prior=None`` means the zero prior.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [B, H, N, D]")
+    bsz, hq, nq, dim = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if hq % hk != 0:
+        raise ValueError("Hq must be a multiple of Hk")
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    score = score or default_score
+    is_ref = compute_dtype == torch.float64
+    # Parameters and the prior: float64 for ref, float32 for pt (FlashAttention's fp32 bias).
+    prior_dtype = torch.float64 if is_ref else torch.float32
+
+    qc = q.detach().to(compute_dtype).requires_grad_(dout is not None)
+    kc = k.detach().to(compute_dtype).requires_grad_(dout is not None)
+    vc = v.detach().to(compute_dtype).requires_grad_(dout is not None)
+
+    d, visible, n_int = positions(nq, nk, q_offset, k_offset, causal, dtype=prior_dtype)
+    empty = n_int == 0
+
+    heads64 = {name: _per_head(val, hq) for name, val in params.items()}
+    leaves = {
+        name: t.to(prior_dtype).reshape(hq, 1, 1).expand(hq, nq, nk).clone().requires_grad_(dout is not None)
+        for name, t in heads64.items()
+    }
+
+    group = hq // hk
+    kx = kc.repeat_interleave(group, dim=1)
+    vx = vc.repeat_interleave(group, dim=1)
+
+    s = torch.matmul(qc, kx.transpose(-1, -2)) * scale  # [B, Hq, Nq, Nk], compute dtype
+    if log_prior is None:
+        lp = torch.zeros(1, nq, nk, dtype=prior_dtype)
+    else:
+        lp = log_prior(d[None], leaves)
+    # n as seen by the score; rows with n == 0 are fully masked and their value is irrelevant, so
+    # they get n = 1 to keep e.g. log(n) finite (and its gradient, 0 * log 0, out of the picture).
+    n = n_int.clamp(min=1).to(prior_dtype).reshape(1, nq, 1)
+    logit_raw = score(s, lp, n, leaves)  # pt: promoted to float32 by the float32 prior
+    if logit_raw.dim() < 4:
+        logit_raw = logit_raw.expand(bsz, hq, nq, nk)
+    logit = logit_raw
+
+    fill = torch.where(empty, 0.0, float("-inf")).to(logit.dtype)[:, None]  # [Nq, 1]
+    logit = torch.where(visible, logit, fill)
+    p = torch.softmax(logit, dim=-1) * (~empty).to(logit.dtype)[:, None]
+    out = torch.matmul(p.to(vx.dtype), vx)
+
+    res = RefResult(out=out.detach(), visible=visible, empty_rows=empty)
+    if dout is None:
+        return res
+
+    kink_mask = torch.zeros(hq, nq, nk, dtype=torch.bool)
+    if kink is not None:
+        p64 = {name: t.reshape(hq, 1, 1) for name, t in heads64.items()}
+        d64, _, _ = positions(nq, nk, q_offset, k_offset, causal, dtype=torch.float64)
+        kink_mask = kink_mask | torch.as_tensor(kink(d64[None], p64), dtype=torch.bool).expand(hq, nq, nk)
+    excused = kink_mask | (~visible)[None]
+
+    def clean(g, leaf):  # the kink convention: NaN -> 0 only at kinks and masked elements
+        if g is None:
+            return torch.zeros_like(leaf)
+        return torch.where(excused & torch.isnan(g), torch.zeros_like(g), g)
+
+    dout_c = dout.detach().to(out.dtype)
+    if is_ref:
+        res.gross = gross_magnitudes(p.detach(), qc.detach(), kx.detach(), vx.detach(), dout_c, scale, group)
+        if leaves:
+            # sum_b dS_abs * dlogit/dtheta per element (dlogit/dtheta does not depend on b for a
+            # log-prior; for a score that mixes s in, this is a lower bound, fine for a floor)
+            ds_abs = res.gross.pop("_ds_abs")
+            gg = torch.autograd.grad(logit_raw, list(leaves.values()), grad_outputs=ds_abs,
+                                     retain_graph=True, allow_unused=True)
+            for (name, leaf), g in zip(leaves.items(), gg):
+                res.gross["d" + name] = torch.where(visible, clean(g, leaf).abs(), 0.0).sum(dim=(1, 2))
+        res.gross.pop("_ds_abs", None)
+
+    inputs = [qc, kc, vc] + list(leaves.values())
+    grads = torch.autograd.grad(out, inputs, grad_outputs=dout_c, allow_unused=True)
+    res.dq, res.dk, res.dv = (g if g is not None else torch.zeros_like(x) for g, x in zip(grads[:3], inputs[:3]))
+    for (name, leaf), g in zip(leaves.items(), grads[3:]):
+        res.dparams[name] = clean(g, leaf).sum(dim=(1, 2))
+    return res
+
+
+def gross_magnitudes(p, q, kx, vx, dout, scale, group):
+    """The size of the terms that each result is a (possibly cancelling) sum of.
+
+    The backward is dS = P * (dP - rowsum(P * dP)), dP = dO v^T; a result such as a parameter
+    gradient, sum_ij dS_ij dlogit_ij/dtheta, can cancel to (nearly) 0 although its terms are
+    large — with a single key dS is exactly 0.  Any implementation then carries a rounding error
+    proportional to the terms, not to the result.  This returns, per result element, the same
+    expressions with every product and sum replaced by its absolute-value counterpart:
+    A = |dO| |v|^T (bounds |dP|), dS_abs = P * (A + rowsum(P * A)), and
+    out: P |v|, dv: P^T |dO|, dq: scale dS_abs |k|, dk: scale dS_abs^T |q|; the caller adds
+    the parameters (dS_abs against |dlogit/dtheta|).  All in float64.
+    """
+    bsz, hq, nq, dim = q.shape
+    hk = hq // group
+    nk = kx.shape[2]
+    a = torch.matmul(dout.abs(), vx.abs().transpose(-1, -2))
+    ds_abs = p * (a + (p * a).sum(-1, keepdim=True))
+    g_out = torch.matmul(p, vx.abs())
+    g_dq = scale * torch.matmul(ds_abs, kx.abs())
+    g_dk = scale * torch.matmul(ds_abs.transpose(-1, -2), q.abs()).reshape(bsz, hk, group, nk, dim).sum(2)
+    g_dv = torch.matmul(p.transpose(-1, -2), dout.abs()).reshape(bsz, hk, group, nk, dim).sum(2)
+    return {"out": g_out, "dq": g_dq, "dk": g_dk, "dv": g_dv, "_ds_abs": ds_abs}
