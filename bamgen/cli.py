@@ -2,6 +2,7 @@
 
 Every user error exits with status 2 and one line on stderr naming the file and field; nothing
 is written unless every requested build succeeded. ``--check`` exits 1 when an output is stale.
+A build never shows a traceback: an unexpected exception is reported as an internal error.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ BUILD_SECONDS = 120
 
 
 def _fail(message: str) -> None:
+    # One line, whatever a file name or a prior put in the message: escape \n, ESC and the like.
+    message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
     click.echo(f"error: {message}", err=True)
     sys.exit(2)
 
@@ -54,7 +57,7 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
     stale = []
     for path, artifact in zip(paths, artifacts):
         target = out_dir / artifact.filename
-        current = target.read_text(encoding="utf-8") if target.is_file() else None
+        current = target.read_text(encoding="utf-8", errors="replace") if target.is_file() else None
         if check:
             if current != artifact.text:
                 stale.append(str(target))
@@ -62,7 +65,10 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
         if current == artifact.text:
             click.echo(f"unchanged {target}")
         else:
-            write_atomic(target, artifact.text)
+            try:
+                write_atomic(target, artifact.text)
+            except OSError as exc:
+                _fail(f"cannot write {target}: {exc.strerror or exc}")
             click.echo(f"wrote {target}")
         for note in artifact.notes:
             click.echo(f"  note: {note}")
@@ -86,6 +92,9 @@ def _compile_all(paths: list[Path], strategy: str | None) -> list[Artifact]:
             _fail(f"{path}: the build took longer than {BUILD_SECONDS} s; simplify the formula")
         except RecursionError:
             _fail(f"{path}: the formula is too deeply nested to compile")
+        except Exception as exc:   # a bug in bamgen, not in the file: still one line, exit 2
+            _fail(f"{path}: internal error while building ({type(exc).__name__}: "
+                  f"{str(exc)[:200]}); please report it with the prior file")
         if artifact.name in names:
             _fail(f"{path} and {names[artifact.name]} both define the prior '{artifact.name}'")
         names[artifact.name] = path
@@ -129,6 +138,97 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_j
     for k in report["kernels"]:
         click.echo(f"  {k['name']:16s} {k['registers']:5d} {k['stack_bytes']:6d} "
                    f"{k['spill_bytes']:6d} {k['shared_bytes']:8d}")
+
+
+def _load_ir(file: Path):
+    from .symbolic import analyse
+    try:
+        with time_limit(BUILD_SECONDS):
+            return analyse(load_spec(file))
+    except SpecError as err:
+        _fail(str(err.located(str(file))))
+    except BuildTimeout:
+        _fail(f"{file}: the analysis took longer than {BUILD_SECONDS} s")
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--heads", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Number of heads for the analysis at init.")
+def show(file: Path, heads: int) -> None:
+    """Show the derived log-prior, its derivatives, the kernel plan and an analysis."""
+    from .analysis import analyse_prior
+    from .lower import plan as make_plan
+    ir = _load_ir(file)
+    spec = ir.spec
+    click.echo(f"prior '{spec.name}' ({file})" + (f": {spec.description}" if spec.description else ""))
+    if spec.source:
+        click.echo(f"source: {spec.source}")
+    click.echo(f"\nlog_prior          = {ir.log_prior}")
+    click.echo(f"logit              = {ir.logit}")
+    click.echo(f"d logit / d s      = {ir.dlogit_ds}")
+    for name, grad in ir.grads:
+        click.echo(f"d logit / d {name:6s} = {grad}")
+    for note in ir.notes:
+        click.echo(f"note: {note}")
+    kernel_plan = make_plan(ir)
+    block = kernel_plan.triton_bwd
+    click.echo(f"\nplan: strategy {kernel_plan.strategy}; positions used: "
+               f"{', '.join(ir.positions_used) or 'none'}; distance-only: "
+               f"{'yes' if ir.distance_only else 'no'}")
+    click.echo(f"  backward kernel: {len(block.hoisted)} per-head constant(s), "
+               f"{len(block.body)} per-score temporarie(s)")
+    for name, code in block.hoisted + block.body:
+        click.echo(f"    {name} = {code}")
+    labels = ["logit", "d logit / d s"] + [f"d logit / d {n}" for n, _ in ir.grads]
+    for label, code in zip(labels, block.outputs):
+        click.echo(f"    {label}: {code}")
+    analysis = analyse_prior(ir, num_heads=heads)
+    where = "" if analysis.distance_only else f" (depends on i too: at query position 1024)"
+    click.echo(f"\nanalysis at init, {heads} heads{where}:")
+    click.echo(f"  symmetric in d: {'yes' if analysis.symmetric else 'no'}")
+    click.echo(f"  tail: {analysis.tail}")
+    norm = {True: "yes", False: "no", None: "unknown"}[analysis.normalisable]
+    click.echo(f"  normalisable over the integers: {norm}")
+    click.echo(f"  {'head':>4s} {'mode':>6s} {'-20 nats beyond |d|':>20s}  params")
+    for h in analysis.heads:
+        reach = f"{h.reach:.0f}" if h.reach is not None else "never (< 2^30)"
+        params = ", ".join(f"{n}={v:.4g}" for n, v in h.params)
+        click.echo(f"  {h.head:4d} {h.mode:6d} {reach:>20s}  {params}")
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--out", "out_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG file to write.")
+@click.option("--heads", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option("--max-distance", type=click.IntRange(1, 1 << 20), default=256, show_default=True)
+def plot(file: Path, out_file: Path, heads: int, max_distance: int) -> None:
+    """Plot the prior at init, one curve per head (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _fail("bamgen plot needs matplotlib: pip install 'bamgen[plot]'")
+    from .analysis import init_values, log_prior_function
+    ir = _load_ir(file)
+    if out_file.suffix.lower() != ".png":
+        _fail(f"--out {out_file}: give a .png file name")
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
+    distances = list(range(-max_distance // 8, max_distance + 1))
+    for head, values in enumerate(init_values(ir, heads)):
+        f = log_prior_function(ir, values)
+        ax.plot(distances, [f(d) for d in distances], label=f"head {head}", linewidth=1.2)
+    ax.set_xlabel("d = i - j (how far back the key is)")
+    ax.set_ylabel("log prior")
+    ax.set_title(f"{ir.spec.name}: {ir.spec.formulas[0][1]}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_file)
+    click.echo(f"wrote {out_file}")
 
 
 @main.command(name="list")

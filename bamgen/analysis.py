@@ -1,0 +1,123 @@
+"""What a prior means, at its initial parameters: shape, tail, mode and reach.
+
+Used by ``bamgen show`` and ``bamgen plot``. Everything is evaluated numerically at the init
+values of an ``H``-head model (the formulas went through the whitelist, so lambdify only ever
+sees SymPy-printed code). A prior that depends on i or j as well as d is analysed at a fixed
+query position.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .spec import position_symbols
+from .symbolic import PriorIR
+
+FAR = (1e3, 1e4, 1e5, 1e6)
+BELOW_NATS = 20.0
+QUERY_POSITION = 1024
+
+
+@dataclass(frozen=True)
+class HeadAnalysis:
+    head: int
+    mode: int                      # the distance where the prior peaks (within the scan)
+    reach: float | None            # |d| beyond which log_prior is BELOW_NATS under the mode
+    params: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class PriorAnalysis:
+    symmetric: bool                # log_prior(d) == log_prior(-d) at init, for every head
+    tail: str                      # flat, polynomial (power p), exponential-type (|d|^p), ...
+    normalisable: bool | None      # sum over the integers of exp(log_prior) finite
+    heads: tuple[HeadAnalysis, ...]
+    distance_only: bool
+
+
+def init_values(ir: PriorIR, num_heads: int) -> list[dict[sp.Symbol, float]]:
+    """Per head, {parameter symbol: init value} for the runtime parameters."""
+    h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
+    heads = []
+    for head in range(num_heads):
+        heads.append({p.symbol(): float(p.init_expr.xreplace({h: head, H: num_heads}).evalf())
+                      for p in ir.spec.params if not p.is_constant})
+    return heads
+
+
+def log_prior_function(ir: PriorIR, values: dict[sp.Symbol, float]):
+    """A float function of d (at a fixed query position if the prior also uses i or j)."""
+    pos = position_symbols()
+    expr = ir.log_prior.xreplace(values).xreplace(
+        {pos["j"]: QUERY_POSITION - pos["d"], pos["i"]: QUERY_POSITION, pos["n"]: QUERY_POSITION + 1})
+    fn = sp.lambdify(pos["d"], expr, modules="math")
+
+    def safe(d: float) -> float:
+        try:
+            return float(fn(d))
+        except (ValueError, ZeroDivisionError, OverflowError):
+            return float("nan")
+    return safe
+
+
+def analyse_prior(ir: PriorIR, num_heads: int = 8, scan: int = 4096) -> PriorAnalysis:
+    heads, symmetric = [], True
+    fns = []
+    for head, values in enumerate(init_values(ir, num_heads)):
+        f = log_prior_function(ir, values)
+        fns.append(f)
+        lps = {d: f(d) for d in range(-scan, scan + 1)}
+        finite = {d: v for d, v in lps.items() if math.isfinite(v)}
+        mode = max(finite, key=lambda d: (finite[d], -abs(d))) if finite else 0
+        symmetric &= all(abs(f(d) - f(-d)) <= 1e-9 * (1 + abs(f(d))) for d in (1, 3, 17, 250, 4000))
+        heads.append(HeadAnalysis(head=head, mode=mode, reach=_reach(f, mode),
+                                  params=tuple((s.name, v) for s, v in values.items())))
+    tail, normalisable = _tail(fns)
+    return PriorAnalysis(symmetric=symmetric, tail=tail, normalisable=normalisable,
+                         heads=tuple(heads), distance_only=ir.distance_only)
+
+
+def _reach(f, mode: int) -> float | None:
+    """Smallest |d| (past the mode, on the causal side) where the prior is 20 nats down."""
+    top = f(mode)
+    if not math.isfinite(top):
+        return None
+    lo, hi = max(mode, 0), None
+    for d in (2 ** k for k in range(0, 31)):
+        if d >= lo and f(d) < top - BELOW_NATS:
+            hi = d
+            break
+        lo = max(lo, d)
+    if hi is None:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if f(mid) < top - BELOW_NATS else (mid, hi)
+    return float(hi)
+
+
+def _tail(fns) -> tuple[str, bool | None]:
+    """Classify the decay of the slowest head far away. -log_prior growing by the same amount
+    per decade of d is logarithmic: a power-law prior |d|^-c, normalisable iff c > 1; growing
+    by a factor 10^p per decade is an exponential-type tail exp(-|d|^p), always normalisable."""
+    slowest = None
+    for f in fns:
+        far = [-f(d) for d in FAR]
+        if not all(math.isfinite(v) for v in far):
+            return "undefined far away", None
+        if far[-1] - far[0] <= 1e-9 * (1 + abs(far[0])):
+            return "flat (no decay)", False
+        if far[-1] < far[0]:
+            return "growing (anti-local)", False
+        step_ratio = (far[3] - far[2]) / (far[2] - far[1]) if far[2] != far[1] else math.inf
+        if step_ratio < 1.05:
+            c = (far[3] - far[2]) / math.log(10)
+            kind = (0, c, f"polynomial (prior ~ |d|^-{c:.2f})", c > 1)
+        else:
+            p = math.log10(far[3] / far[2])
+            kind = (1, p, f"exponential-type (log-prior ~ -|d|^{p:.2f})", True)
+        if slowest is None or kind[:2] < slowest[:2]:
+            slowest = kind
+    return slowest[2], slowest[3]
