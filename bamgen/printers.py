@@ -124,6 +124,13 @@ class _KernelPrinter(StrPrinter):
     _print_cosh = _print_Function
     _print_tanh = _print_Function
 
+    def _print_Heaviside(self, expr):
+        # Derivatives of Min/Max. The value at 0 is SymPy's default 1/2: ties split the
+        # gradient evenly, as torch.maximum's backward does.
+        x = self._print(expr.args[0])
+        at_zero = self._print(expr.args[1]) if len(expr.args) > 1 else "0.5"
+        return self.where.format(f"{x} > 0", "1.0", self.where.format(f"{x} < 0", "0.0", at_zero))
+
     def _print_Min(self, expr):
         return self._fold(self.minimum, expr.args)
 
@@ -160,7 +167,7 @@ class TritonPrinter(_KernelPrinter):
         "exp": "tl.exp({})", "log": "tl.log({})", "Abs": "tl.abs({})",
         "floor": "tl.floor({})", "ceiling": "tl.ceil({})", "erf": "tl.erf({})",
         "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0))",
-        "atan": "libdevice.atan({})",
+        "atan": "_atan({})",   # defined in the Triton template (no intrinsic)
     }
     where = "tl.where({}, {}, {})"
     minimum = "tl.minimum({}, {})"

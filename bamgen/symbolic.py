@@ -123,7 +123,8 @@ def _at_kink(expr: sp.Expr, u: sp.Expr, value: sp.Expr) -> sp.Expr:
 
 
 def _ill_defined(expr: sp.Expr) -> bool:
-    if expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
+    # (an infinity on its own is a legitimate value: a window's -oo outside it)
+    if expr.has(sp.zoo, sp.nan):
         return True
     return any(p.base == 0 for p in expr.atoms(sp.Pow)) or any(
         a.args[0] == 0 for a in expr.atoms(sp.log))
