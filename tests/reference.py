@@ -165,7 +165,11 @@ def reference_attention(
     if log_prior is None:
         lp = torch.zeros(1, nq, nk, dtype=prior_dtype)
     else:
-        lp = log_prior(d[None], leaves)
+        # A prior may use the absolute positions too: p["i"] [1, Nq, 1] and p["j"] [1, 1, Nk]
+        # (i and j are reserved names, never parameters).
+        i_abs = (torch.arange(nq, dtype=prior_dtype) + q_offset).reshape(1, nq, 1)
+        j_abs = (torch.arange(nk, dtype=prior_dtype) + k_offset).reshape(1, 1, nk)
+        lp = log_prior(d[None], {**leaves, "i": i_abs, "j": j_abs})
     # n as seen by the score; rows with n == 0 are fully masked and their value is irrelevant, so
     # they get n = 1 to keep e.g. log(n) finite (and its gradient, 0 * log 0, out of the picture).
     n = n_int.clamp(min=1).to(prior_dtype).reshape(1, nq, 1)

@@ -67,6 +67,35 @@ UNSEEN = {
         lambda s, lp, n, p: (s + lp) * p["t"] * torch.log(n.to(s.dtype)),
         {"b": [2.0, 6.0], "t": [0.3, 0.9]},
     ),
+    # Depends on the absolute query position, not only on d: a recency bias whose strength
+    # grows with depth into the sequence, plus an exponential tail.
+    "depth_aware_unseen": (
+        """
+        name: depth_aware_unseen
+        log_prior: -Abs(d) * log(1 + i) / w - c * exp(-j / 16)
+        params:
+          w: {init: 8.0, domain: positive}
+          c: {init: 0.5}
+        """,
+        lambda d, p: -torch.abs(d) * torch.log1p(p["i"]) / p["w"] - p["c"] * torch.exp(-p["j"] / 16),
+        None,
+        {"w": [4.0, 12.0], "c": [0.5, -0.3]},
+    ),
+    # BAM's own form with a small (and a negative) shape: the epsilon keeps |.|^tb finite at
+    # the kink d = -2 sinh(tm), and tm is a buffer.
+    "bam_small_beta_unseen": (
+        """
+        name: bam_small_beta_unseen
+        log_prior: -exp(ta) * (Abs(j - i - 2*sinh(tm)) + 1e-5) ** tb
+        params:
+          ta: {init: -1.0}
+          tb: {init: 0.1}
+          tm: {init: 0.0, learnable: false}
+        """,
+        lambda d, p: -torch.exp(p["ta"]) * (torch.abs(-d - 2 * torch.sinh(p["tm"])) + 1e-5) ** p["tb"],
+        None,
+        {"ta": [-1.0, 0.5], "tb": [0.05, -0.2], "tm": [0.0, 0.0]},
+    ),
 }
 
 
@@ -99,15 +128,59 @@ def test_unseen_prior_matches_reference(modules, name, backend, causal):
     dout = torch.randn(B, Hq, Nq, D)
     params = {n: torch.tensor(vals, dtype=torch.float32) for n, vals in values.items()}
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    p_leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
+    learnable = module.LEARNABLE
+    p_leaves = {n: t.clone().requires_grad_(n in learnable) for n, t in params.items()}
     out = module.attention(*leaves, **p_leaves, causal=causal, q_offset=Nk - Nq + 3,
                            backend=backend)
-    grads = torch.autograd.grad(out, leaves + list(p_leaves.values()), dout)
+    grads = torch.autograd.grad(out, leaves + [p_leaves[n] for n in learnable], dout)
     kw = dict(causal=causal, q_offset=Nk - Nq + 3, score=score, dout=dout)
     ref = reference_attention(q, k, v, params, log_prior, **kw)
     pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
     results = [("out", out, ref.out, pt.out), ("dq", grads[0], ref.dq, pt.dq),
                ("dk", grads[1], ref.dk, pt.dk), ("dv", grads[2], ref.dv, pt.dv)]
-    results += [(f"d{n}", g, ref.dparams[n], pt.dparams[n]) for n, g in zip(p_leaves, grads[3:])]
+    results += [(f"d{n}", g, ref.dparams[n], pt.dparams[n]) for n, g in zip(learnable, grads[3:])]
     assert all(torch.isfinite(g).all() for _, g, _, _ in results)
     assert_all_close(results, torch.float32, context=f"{name} {backend} causal={causal}")
+
+
+def test_shared_parameter_and_domain_maps_in_the_module(tmp_path):
+    prior = write_prior(tmp_path, """
+        name: shared_params
+        log_prior: -r1 * Abs(d) ** r2 - g * Abs(d)
+        params:
+          r1: {init: 0.5, domain: nonnegative}
+          r2: {init: 1.0, domain: [0, 2]}
+          g: {init: 0.01, per_head: false}
+        """)
+    module = bamgen.load(prior, cache_dir=tmp_path / "cache")
+    attn = module.SharedParamsAttention(num_heads=4)
+    shapes = {n: tuple(p.shape) for n, p in attn.named_parameters()}
+    assert shapes == {"raw_r1": (4,), "raw_r2": (4,), "raw_g": (1,)}
+    values = attn.prior_params()
+    assert torch.allclose(values["r1"], torch.full((4,), 0.5), atol=1e-6)
+    assert torch.allclose(values["r2"], torch.ones(4), atol=1e-6)
+    with torch.no_grad():
+        attn.raw_r2.fill_(50.0)      # the interval map keeps r2 inside (0, 2)
+    assert float(attn.prior_params()["r2"].detach().max()) <= 2.0
+    q = torch.randn(1, 4, 9, 16)
+    attn(q, q, q).sum().backward()
+    assert attn.raw_g.grad.shape == (1,) and torch.isfinite(attn.raw_g.grad).all()
+
+
+def test_infinite_limit_is_clamped_with_a_note(tmp_path):
+    # beta may be negative here, so |d - mu|^beta has no finite limit at d = mu.
+    prior = write_prior(tmp_path, """
+        name: unbounded_shape
+        log_prior: -(Abs(d - mu) / alpha) ** beta
+        params:
+          alpha: {init: 4.0, domain: positive}
+          beta: {init: 1.0}
+          mu: {init: 0.0}
+        """)
+    module = bamgen.load(prior, cache_dir=tmp_path / "cache")
+    assert any("clamped" in note for note in module.PRIOR["notes"])
+    q = torch.randn(1, 2, 7, 16, requires_grad=True)
+    beta = torch.tensor([-0.5, 0.5], requires_grad=True)
+    out = module.attention(q, q, q, alpha=4.0, beta=beta, mu=0.0)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(beta.grad).all()
