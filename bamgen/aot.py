@@ -16,6 +16,24 @@ from types import ModuleType
 ARCHS = {"sm_80": 80, "sm_90": 90}
 
 
+# Per-SM, per-clock throughputs used by the cost model (dense, no sparsity):
+#   tensor: bf16/fp16 flops; H100 SXM 989 TFLOP/s over 132 SMs at 1.83 GHz = 4096, A100 312
+#   TFLOP/s over 108 SMs at 1.41 GHz = 2048. fp32: FMA-pipe lanes (2 flops each) — 128 on
+#   sm_90, 64 on sm_80. mufu: special-function lanes (ex2, lg2, rcp, ...) — 16 on both.
+THROUGHPUT = {
+    "sm_80": {"tensor": 2048, "fp32": 64, "mufu": 16},
+    "sm_90": {"tensor": 4096, "fp32": 128, "mufu": 16},
+}
+CATEGORIES = {
+    "mma": ("HMMA", "HGMMA", "IMMA"),
+    "mufu": ("MUFU",),
+    "fp32": ("FFMA", "FMUL", "FADD"),
+    "ld_global": ("LDG", "LDGSTS", "UTMALDG"),
+    "ld_shared": ("LDS", "LDSM"),
+    "st_global": ("STG",),
+}
+
+
 @dataclass(frozen=True)
 class CompiledKernel:
     """One kernel compiled for one target, with what the cubin says about its resources."""
@@ -26,6 +44,9 @@ class CompiledKernel:
     local_bytes: int
     shared_bytes: int
     cubin: bytes
+    num_warps: int = 4
+    sass: dict | None = None        # instruction mix of the whole kernel
+    main_loop: dict | None = None   # instruction mix of the innermost loop holding the MMAs
 
     @property
     def spills(self) -> bool:
@@ -48,6 +69,86 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in fields.items()}
 
 
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)(.*?);")
+_BRANCH = re.compile(r"BRA\s+(?:`\()?[^0-9]*?(0x[0-9a-f]+)")
+
+
+def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
+    """(address, opcode with modifiers, operands) of every SASS instruction, via cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        text = subprocess.run([_cuobjdump(), "-sass", fh.name], capture_output=True, text=True,
+                              check=True).stdout
+    return [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(text)]
+
+
+def instruction_mix(instructions) -> dict:
+    """Counts per category (CATEGORIES) plus the total, and the MMA shapes seen."""
+    mix = {"total": len(instructions), **{k: 0 for k in CATEGORIES}, "mma_shapes": {}}
+    for _, op, _ in instructions:
+        base = op.split(".")[0]
+        for category, names in CATEGORIES.items():
+            if base in names:
+                mix[category] += 1
+        if base in CATEGORIES["mma"]:
+            mix["mma_shapes"][op] = mix["mma_shapes"].get(op, 0) + 1
+    return mix
+
+
+def main_loop(instructions) -> list:
+    """The innermost loop (a backward branch's span) that contains tensor-core instructions."""
+    best = None
+    for addr, op, rest in instructions:
+        if not op.startswith("BRA"):
+            continue
+        match = re.search(r"0x([0-9a-f]+)", rest)
+        if not match or int(match.group(1), 16) >= addr:
+            continue
+        lo = int(match.group(1), 16)
+        body = [ins for ins in instructions if lo <= ins[0] <= addr]
+        if any(ins[1].split(".")[0] in CATEGORIES["mma"] for ins in body):
+            if best is None or len(body) < len(best):
+                best = body
+    return best or []
+
+
+def _mma_flops(op: str) -> int:
+    """Flops of one MMA instruction: HMMA.16816 -> 2*16*8*16; HGMMA.64x128x16 -> 2*64*128*16."""
+    shape = re.search(r"(\d+)x(\d+)x(\d+)", op)
+    if shape:
+        m, n, k = (int(x) for x in shape.groups())
+        return 2 * m * n * k
+    digits = re.search(r"MMA\.(\d{2})(\d)(\d{2})", op)
+    if digits:
+        m, n, k = (int(x) for x in digits.groups())
+        return 2 * m * n * k
+    return 0
+
+
+def loop_model(mix: dict, arch: str, num_warps: int) -> dict:
+    """Cycles one SM spends on one pass of the main loop (one K/V tile), per unit, and the bound.
+
+    Tensor work: each HMMA is issued by every warp; an HGMMA is issued by the 4 warps of a
+    warpgroup together, so it counts once per warpgroup. MUFU and FP32 instructions run on all
+    32 lanes of every warp. The estimate is the slowest unit (the units overlap perfectly),
+    which is optimistic about latency and issue limits and ignores memory stalls.
+    """
+    rates = THROUGHPUT[arch]
+    flops = 0
+    for op, count in mix["mma_shapes"].items():
+        per_issue = num_warps / 4 if op.startswith("HGMMA") else num_warps
+        flops += count * _mma_flops(op) * per_issue
+    cycles = {
+        "tensor": flops / rates["tensor"],
+        "mufu": mix["mufu"] * 32 * num_warps / rates["mufu"],
+        "fp32": mix["fp32"] * 32 * num_warps / rates["fp32"],
+    }
+    bound = max(cycles, key=cycles.get)
+    return {"cycles_per_tile": round(cycles[bound], 1), "bound": bound,
+            "cycles": {k: round(v, 1) for k, v in cycles.items()}, "mma_flops_per_tile": flops}
+
+
 def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf16",
                    head_dim: int = 64, causal: bool = True) -> list[CompiledKernel]:
     """Compile every Triton kernel of a generated module for ``arch``; raises on a compile error."""
@@ -65,8 +166,11 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
                                 target=target, options={"num_warps": warps, "num_stages": stages})
         cubin = kernel.asm["cubin"]
         usage = resource_usage(cubin)
+        instructions = disassemble(cubin)
         compiled.append(CompiledKernel(name=name, arch=arch, registers=usage.get("REG", 0),
                                        stack_bytes=usage.get("STACK", 0),
                                        local_bytes=usage.get("LOCAL", 0),
-                                       shared_bytes=kernel.metadata.shared, cubin=cubin))
+                                       shared_bytes=kernel.metadata.shared, cubin=cubin,
+                                       num_warps=warps, sass=instruction_mix(instructions),
+                                       main_loop=instruction_mix(main_loop(instructions))))
     return compiled

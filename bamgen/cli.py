@@ -117,7 +117,7 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_j
     import json
     import os
     os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU, not the interpreter
-    from .aot import compile_module
+    from .aot import compile_module, loop_model
     from .loader import import_module_file, load_prior
     try:
         with time_limit(BUILD_SECONDS):
@@ -128,16 +128,34 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_j
     report = {"prior": module.PRIOR["name"], "arch": arch, "dtype": dtype, "head_dim": head_dim,
               "causal": causal,
               "kernels": [{"name": k.name, "registers": k.registers, "stack_bytes": k.stack_bytes,
-                           "spill_bytes": k.local_bytes, "shared_bytes": k.shared_bytes}
+                           "spill_bytes": k.local_bytes, "shared_bytes": k.shared_bytes,
+                           "num_warps": k.num_warps, "sass": _mix(k.sass),
+                           "main_loop": _mix(k.main_loop),
+                           "model": loop_model(k.main_loop, arch, k.num_warps)}
                           for k in kernels]}
+    fwd = next(k for k in report["kernels"] if k["name"] == "attn_fwd")
+    report["model"] = {"cycles_per_tile": fwd["model"]["cycles_per_tile"],
+                       "bound": fwd["model"]["bound"], "kernel": "attn_fwd",
+                       "units": "SM cycles per K/V tile of the main loop (see docs/performance.md)"}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"{report['prior']}: {arch} {dtype} head_dim={head_dim} causal={causal}")
-    click.echo(f"  {'kernel':16s} {'regs':>5s} {'stack':>6s} {'spill':>6s} {'shared':>8s}")
+    click.echo(f"  {'kernel':16s} {'regs':>5s} {'stack':>6s} {'spill':>6s} {'shared':>8s}"
+               f" | main loop: {'mma':>4s} {'mufu':>5s} {'fp32':>5s} {'ldg':>4s} {'lds':>4s}"
+               f" | model cycles/tile (bound)")
     for k in report["kernels"]:
+        loop, model = k["main_loop"], k["model"]
         click.echo(f"  {k['name']:16s} {k['registers']:5d} {k['stack_bytes']:6d} "
-                   f"{k['spill_bytes']:6d} {k['shared_bytes']:8d}")
+                   f"{k['spill_bytes']:6d} {k['shared_bytes']:8d} | {'':10s} {loop['mma']:4d} "
+                   f"{loop['mufu']:5d} {loop['fp32']:5d} {loop['ld_global']:4d} "
+                   f"{loop['ld_shared']:4d} | {model['cycles_per_tile']:.0f} ({model['bound']})")
+
+
+def _mix(mix: dict) -> dict:
+    """An instruction mix for JSON: counts, with the MMA shapes as a sorted mapping."""
+    return {**{k: v for k, v in mix.items() if k != "mma_shapes"},
+            "mma_shapes": dict(sorted(mix["mma_shapes"].items()))}
 
 
 def _load_ir(file: Path):

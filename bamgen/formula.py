@@ -5,12 +5,15 @@ Here a formula goes through Python's :mod:`ast` parser and is rebuilt node by no
 admitting only a whitelist: numbers, the symbols the caller declares, the functions of
 :data:`FUNCTIONS`, ``+ - * / **``, unary minus, and comparisons / ``&`` / ``|`` inside
 ``Piecewise``. Sizes are bounded so that no formula can make SymPy work for long: text length,
-nesting depth, literal magnitude and constant powers.
+nesting depth, literal magnitude, constant powers, the degree that nested powers multiply to, and
+every constant must fit in a float. :func:`evaluate` computes a formula in float64, as a kernel
+would, and refuses what SymPy's exact arithmetic could only do with astronomically large numbers.
 """
 from __future__ import annotations
 
 import ast
 import math
+import warnings
 from typing import Mapping
 
 import sympy as sp
@@ -22,6 +25,7 @@ MAX_DEPTH = 32
 MAX_LITERAL = 1e12
 MAX_CONST_EXPONENT = 64
 MAX_SYMBOLIC_EXPONENT = 1000
+MAX_DEGREE = 1000   # nested constant powers multiply: ((d**10 + 1)**10 + 1)**10 has degree 1000
 
 FUNCTIONS: Mapping[str, object] = {
     "exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "Abs": sp.Abs, "sign": sp.sign,
@@ -52,6 +56,10 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
         raise fail(f"expected a formula (a string or a number), got {type(text).__name__}",
                    "write the formula as a quoted string")
     if isinstance(text, (int, float)):
+        if isinstance(text, int) and abs(text) > MAX_LITERAL:   # before repr: 10**5000 has none
+            raise fail(f"the number ({text.bit_length()} bits) is larger than {MAX_LITERAL:g}")
+        if isinstance(text, float) and not (math.isfinite(text) and abs(text) <= MAX_LITERAL):
+            raise fail(f"the number {text!r} is not finite or larger than {MAX_LITERAL:g}")
         text = repr(text)
     if not text.strip():
         raise fail("the formula is empty", "write an expression such as '-Abs(d)/b'")
@@ -59,14 +67,26 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
         raise fail(f"the formula is {len(text)} characters long; the limit is {MAX_FORMULA_CHARS}")
     if "\x00" in text:
         raise fail("the formula contains a NUL byte")
+    if "#" in text or "\\" in text:
+        # The text is copied into the generated module's docstrings: no comments, no escapes.
+        raise fail("comments ('#') and backslashes are not allowed in a formula",
+                   "put remarks in 'description'")
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # SyntaxWarnings would print a second line
+            tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
         raise fail(f"cannot parse {text.strip()!r}: {exc.msg}",
                    "use Python/SymPy syntax, e.g. -(Abs(d - mu)/alpha)**beta") from None
+    except (RecursionError, MemoryError):
+        raise fail("the formula is nested too deeply to parse", "simplify the expression") from None
     builder = _Builder(symbols, fail)
     expr = builder.build(tree.body, depth=0)
     builder._require_expr(expr)
+    degree = _degree(expr, {})
+    if degree > MAX_DEGREE:
+        raise fail(f"the powers in the formula multiply to degree {degree:g}; the limit is {MAX_DEGREE}",
+                   "nested powers such as (d**100)**100 are refused")
     return expr
 
 
@@ -86,7 +106,21 @@ class _Builder:
             raise self.fail(f"{_describe(node)} is not allowed in a formula",
                             "only numbers, declared symbols, + - * / **, and the functions "
                             + ", ".join(sorted(FUNCTIONS)) + " are allowed")
-        return method(node, depth + 1)
+        result = method(node, depth + 1)
+        if isinstance(result, sp.Expr) and result.is_number:
+            self._check_constant(result)
+        return result
+
+    def _check_constant(self, value: sp.Expr) -> None:
+        """A constant must fit in a float before anything is built on it: SymPy evaluates
+        constants exactly, and exp(exp(exp(exp(5.0)))) or floor of it would never finish."""
+        try:
+            x = evaluate(value, {})
+        except OverflowError as exc:
+            raise self.fail(f"the constant {_short(value)} cannot be computed: {exc}") from None
+        if math.isinf(x) and not value.has(sp.oo, sp.S.NegativeInfinity, sp.zoo):
+            raise self.fail(f"the constant {_short(value)} overflows a float",
+                            "constants must lie within about 1e308")
 
     def _Constant(self, node: ast.Constant, depth: int):
         value = node.value
@@ -231,5 +265,145 @@ def _describe(node: ast.AST) -> str:
              "SetComp": "a comprehension", "Subscript": "indexing", "List": "a list",
              "Dict": "a dict", "Set": "a set", "Tuple": "a tuple", "IfExp": "an if-expression",
              "JoinedStr": "an f-string", "Starred": "unpacking", "NamedExpr": "':='",
-             "Await": "await", "Yield": "yield"}
+             "Await": "await", "Yield": "yield", "Constant": "a constant"}
     return names.get(type(node).__name__, type(node).__name__)
+
+
+def _short(value: sp.Expr, limit: int = 40) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit - 12] + "..." + text[-9:]
+
+
+def _degree(expr: sp.Basic, memo: dict) -> float:
+    """How large a power of a position SymPy's exact arithmetic may build: the product of the
+    constant exponents along a path (a product adds its factors' degrees)."""
+    if expr in memo:
+        return memo[expr]
+    if expr.is_Atom:
+        degree = 0.0 if expr.is_number else 1.0
+    elif expr.is_Pow and expr.exp.is_Number:
+        degree = _degree(expr.base, memo) * max(1.0, abs(float(expr.exp)))
+    elif expr.is_Mul:
+        degree = sum(_degree(a, memo) for a in expr.args)
+    else:
+        degree = max((_degree(a, memo) for a in expr.args), default=0.0)
+    memo[expr] = degree
+    return degree
+
+
+def evaluate(expr: sp.Basic, values: Mapping[sp.Symbol, float]) -> float:
+    """``expr`` in float64 at ``values``, as a kernel computes it: an overflow gives ±inf, an
+    invalid operation (log of a negative number, 0/0) gives nan.
+
+    Raises OverflowError where SymPy, which computes exactly, would have to carry an
+    astronomically large number: a value that overflowed fed to exp, sinh, cosh, tanh, erf, atan,
+    floor or ceiling, used as an exponent, or a power with a non-constant exponent that overflows
+    (exp(exp(exp(d))) at d = 40, d**d**d). Only ``oo`` written in the formula is a true infinity.
+    """
+    return _Evaluator(values).value(expr)[0]
+
+
+_UNARY = {
+    sp.exp: math.exp, sp.sinh: math.sinh, sp.cosh: math.cosh, sp.tanh: math.tanh,
+    sp.erf: math.erf, sp.atan: math.atan,
+    sp.floor: lambda x: float(math.floor(x)), sp.ceiling: lambda x: float(math.ceil(x)),
+}
+
+
+class _Evaluator:
+    """Walks a SymPy expression in floats; each value carries whether it overflowed."""
+
+    def __init__(self, values: Mapping[sp.Symbol, float]):
+        self.values = values
+
+    def value(self, e) -> tuple[float, bool]:
+        if e in self.values:
+            return float(self.values[e]), False
+        if e.is_Atom:
+            try:
+                x = float(e)
+            except (TypeError, ValueError):   # I, zoo, an unbound symbol
+                return math.nan, False
+            return x, math.isinf(x) and e not in (sp.oo, sp.S.NegativeInfinity)
+        args = [self.value(a) for a in e.args] if not isinstance(e, sp.Piecewise) else []
+        xs = [x for x, _ in args]
+        if e.is_Add:
+            return self._out(sum(xs), args)
+        if e.is_Mul:
+            return self._out(math.prod(xs), args)
+        if e.is_Pow:
+            return self._pow(e, args)
+        if e.func in _UNARY:
+            (x, big), = args
+            if big:
+                raise OverflowError(f"{e.func.__name__}() of a value that overflows a float")
+            try:
+                y = _UNARY[e.func](x)
+            except OverflowError:   # exp, sinh, cosh of a large number; floor or ceiling of ±inf
+                y = (x if e.func in (sp.floor, sp.ceiling)
+                     else math.inf if e.func is sp.cosh else math.copysign(math.inf, x))
+            except ValueError:      # floor or ceiling of nan
+                y = math.nan
+            return self._out(y, args)
+        if e.func is sp.log:   # log(0) = -inf is exact, not an overflow
+            (x, big), = args
+            return (math.nan if not x >= 0 else -math.inf if x == 0 else math.log(x)), big
+        if e.func is sp.Abs:
+            return self._out(abs(xs[0]), args)
+        if e.func is sp.sign:
+            x = xs[0]
+            return (x if math.isnan(x) else float((x > 0) - (x < 0))), False
+        if e.func in (sp.Min, sp.Max):
+            y = math.nan if any(map(math.isnan, xs)) else (min if e.func is sp.Min else max)(xs)
+            return self._out(y, args)
+        if isinstance(e, sp.Piecewise):
+            chosen = None
+            for piece, cond in e.args:   # every branch, as SymPy substitutes into every branch
+                y = self.value(piece)
+                if self.condition(cond) and chosen is None:
+                    chosen = y
+            return chosen if chosen is not None else (math.nan, False)
+        if any(big for _, big in args):
+            raise OverflowError(f"{e.func.__name__}() of a value that overflows a float")
+        try:   # not met in practice: SymPy, on arguments that fit in a float
+            return float(e.func(*[sp.Float(x) for x in xs]).evalf()), False
+        except (TypeError, ValueError, OverflowError):
+            return math.nan, False
+
+    def _pow(self, e: sp.Pow, args) -> tuple[float, bool]:
+        (b, big_b), (x, big_x) = args
+        if big_x:
+            raise OverflowError("a power whose exponent overflows a float")
+        try:
+            y = math.pow(b, x)
+        except OverflowError:
+            odd = x.is_integer() and x % 2 == 1
+            y = -math.inf if b < 0 and odd else math.inf
+        except ValueError:          # 0 ** negative (exact: a division by zero), negative ** fraction
+            return (math.inf if b == 0 else math.nan), big_b
+        result = self._out(y, args)
+        if result[1] and not e.exp.is_Number:
+            raise OverflowError("a power with a non-constant exponent overflows a float")
+        return result
+
+    def condition(self, c) -> bool:
+        if c is sp.true or c is sp.false:
+            return bool(c)
+        if isinstance(c, sp.core.relational.Relational):
+            a, b = self.value(c.lhs)[0], self.value(c.rhs)[0]
+            return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b,
+                    "==": a == b, "!=": a != b}[c.rel_op]
+        parts = [self.condition(a) for a in c.args]
+        if isinstance(c, sp.And):
+            return all(parts)
+        if isinstance(c, sp.Or):
+            return any(parts)
+        if isinstance(c, sp.Not):
+            return not parts[0]
+        return False
+
+    @staticmethod
+    def _out(y: float, args) -> tuple[float, bool]:
+        """A result overflowed when it is infinite and not made only of true infinities."""
+        xs = [x for x, _ in args]
+        return y, math.isinf(y) and (any(big for _, big in args) or all(map(math.isfinite, xs)))

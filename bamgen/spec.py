@@ -2,12 +2,16 @@
 
 The YAML is read with ``safe_load`` (no tags, no objects), every field is checked, and every
 formula is parsed through :mod:`bamgen.formula`'s whitelist. Errors carry the field and its line.
+Text that reaches the generated module (names, description, source, the file name) is refused
+when it could break out of a docstring or an identifier.
 """
 from __future__ import annotations
 
 import hashlib
+import keyword
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,12 +19,12 @@ import sympy as sp
 import yaml
 
 from .errors import SpecError
-from .formula import RESERVED, parse_formula
+from .formula import MAX_LITERAL, RESERVED, evaluate, parse_formula
 
 MAX_FILE_BYTES = 64 * 1024
 MAX_PARAMS = 16
-NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-PARAM_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")          # used with fullmatch: no trailing newline
+PARAM_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 
 # Symbols a formula may use (DESIGN.md §2). Positions are real numbers in the kernel.
 POSITION_SYMBOLS = ("d", "i", "j", "n")
@@ -29,6 +33,12 @@ INIT_SYMBOLS = ("h", "H")
 TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params")
 PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value")
 DOMAINS = ("real", "positive", "nonnegative")
+# A parameter is a keyword argument of the generated attention(...): no Python keywords, and no
+# names of its other arguments or of the modules and locals it uses.
+API_NAMES = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "backend", "num_heads",
+             "columns", "theta", "torch", "math", "triton", "tl", "self", "init", "device")
+# Where the logit is checked at the initial parameters (symbolic._check_finite_at_init).
+CHECK_POINTS = ((0, 0), (5, 2), (40, 1), (3, 7))
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,27 @@ def position_symbols() -> dict[str, sp.Symbol]:
     return {name: sp.Symbol(name, real=True) for name in POSITION_SYMBOLS}
 
 
+def _show(value) -> str:
+    """repr for messages, bounded: a YAML alias bomb or a 5000-digit integer stays one short line."""
+    shower = reprlib.Repr()
+    shower.maxlevel, shower.maxlist, shower.maxstring, shower.maxother = 2, 4, 60, 60
+    try:
+        return shower.repr(value)
+    except ValueError:   # int too large to print
+        return f"<{type(value).__name__}>"
+
+
+def _unsafe_text(text: str, *, newlines: bool) -> str | None:
+    """Why ``text`` cannot be copied into the generated module's docstring, or None."""
+    if '"""' in text:
+        return "contains '\"\"\"'"
+    if "\\" in text:
+        return "contains a backslash"
+    if any(not (c.isprintable() or (newlines and c in "\n\t")) for c in text):
+        return "contains a control or non-printable character"
+    return None
+
+
 def load_spec(path: str | Path) -> PriorSpec:
     """Read and validate a prior file from disk."""
     path = Path(path)
@@ -124,6 +155,9 @@ def parse_spec(raw: bytes | str, *, path: str = "<prior>") -> PriorSpec:
 
 
 def _parse(raw: bytes | str, path: str) -> PriorSpec:
+    problem = _unsafe_text(Path(path).name, newlines=False)
+    if problem:   # the file name is written into the module's header and docstring
+        raise SpecError(f"the file name {problem}", hint="rename the file")
     if isinstance(raw, str):
         raw = raw.encode("utf-8")
     if len(raw) > MAX_FILE_BYTES:
@@ -134,17 +168,19 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
         raise SpecError("the file is not UTF-8 text", hint="save the prior file as UTF-8") from None
     if "\x00" in text:
         raise SpecError("the file contains NUL bytes; it is not a text file")
+    if not text.strip():
+        raise SpecError("the file is empty", hint="see priors/laplace.yaml for an example")
     data, lines = _load_yaml(text)
     _check_fields(data, TOP_LEVEL_FIELDS, lines, where="the prior file")
 
     name = data.get("name", Path(path).stem if path != "<prior>" else None)
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise SpecError(f"invalid name {name!r}", field="name", line=lines.get("name"),
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise SpecError(f"invalid name {_show(name)}", field="name", line=lines.get("name"),
                         hint="use lower-case letters, digits and '_', starting with a letter")
     description = _string(data, "description", lines, default="")
     source = _string(data, "source", lines, default="")
 
-    params = _parse_params(data.get("params") or {}, lines)
+    params = _parse_params({} if data.get("params") is None else data["params"], lines)
     symbols = {**position_symbols(),
                **{p.name: p.symbol() if not p.is_constant else _constant(p.value) for p in params}}
 
@@ -163,6 +199,7 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
         if sp.Symbol("s", real=True) not in score.free_symbols:
             raise SpecError("the score does not use s, the content score", field="score",
                             line=lines.get("score"), hint="e.g. (s + log_prior) * t * log(n)")
+    _check_evaluable(expr, score, params, field, lines)
     formulas = tuple((f, str(data[f])) for f in ("log_prior", "density", "score")
                      if data.get(f) is not None)
     return PriorSpec(name=name, description=description, source=source, log_prior=expr,
@@ -175,11 +212,22 @@ def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
+    except (ValueError, OverflowError) as exc:   # a 5000-digit integer, a date such as 2001-02-30
+        raise SpecError(f"not valid YAML: a value cannot be read ({str(exc)[:80]})",
+                        hint="quote the value") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise SpecError(f"not valid YAML: {problem}", line=mark.line + 1 if mark else None,
                         hint="check indentation and quoting; tags such as !!python are refused") from None
+    except RecursionError:
+        raise SpecError("not valid YAML: it is nested too deeply",
+                        hint="a prior file needs two levels of nesting at most") from None
+    duplicate = _duplicate_key(node)
+    if duplicate:
+        field, line = duplicate
+        raise SpecError(f"the key '{field.rpartition('.')[2]}' is given twice", field=field,
+                        line=line, hint="keep one of them")
     if data is None:
         raise SpecError("the file is empty", hint="see priors/laplace.yaml for an example")
     if not isinstance(data, dict):
@@ -195,10 +243,33 @@ def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
     return data, lines
 
 
+def _duplicate_key(root) -> tuple[str, int] | None:
+    """The first mapping key given twice (PyYAML keeps the last one silently), with its line.
+    Each node is visited once, so an alias bomb costs no more than its text."""
+    stack, seen = [(root, "")], set()
+    while stack:
+        node, path = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in keys:
+                        return f"{path}{key.value}", key.start_mark.line + 1
+                    keys.add(key.value)
+                stack.append((value, f"{path}{key.value}." if isinstance(key, yaml.ScalarNode) else path))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, path) for item in node.value)
+    return None
+
+
 def _check_fields(data: dict, allowed: tuple[str, ...], lines: dict, where: str, prefix: str = ""):
     for key in data:
         if not isinstance(key, str) or key not in allowed:
-            raise SpecError(f"unknown field {key!r} in {where}", field=f"{prefix}{key}",
+            shown = key if isinstance(key, str) else _show(key)
+            raise SpecError(f"unknown field {_show(key)} in {where}", field=f"{prefix}{shown}",
                             line=lines.get(f"{prefix}{key}"),
                             hint="allowed fields: " + ", ".join(allowed))
 
@@ -210,6 +281,10 @@ def _string(data: dict, field: str, lines: dict, default: str) -> str:
                         line=lines.get(field), hint="quote the value")
     if len(value) > 4000:
         raise SpecError("the text is longer than 4000 characters", field=field, line=lines.get(field))
+    problem = _unsafe_text(value, newlines=True)
+    if problem:
+        raise SpecError(f"the text {problem}", field=field, line=lines.get(field),
+                        hint="it is copied into the generated module's docstring")
     return value
 
 
@@ -226,20 +301,22 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
     if not isinstance(raw, dict):
         raise SpecError("'params' must be a mapping of parameter names to settings",
                         field="params", line=lines.get("params"),
-                        hint="params:\n  b: {init: 8.0, domain: positive}")
+                        hint="e.g. params: {b: {init: 8.0, domain: positive}}")
     if len(raw) > MAX_PARAMS:
         raise SpecError(f"{len(raw)} parameters; the limit is {MAX_PARAMS}", field="params")
-    reserved = RESERVED | set(POSITION_SYMBOLS) | set(SCORE_SYMBOLS) | set(INIT_SYMBOLS)
+    reserved = (RESERVED | set(POSITION_SYMBOLS) | set(SCORE_SYMBOLS) | set(INIT_SYMBOLS)
+                | set(keyword.kwlist) | set(API_NAMES))
     params = []
     for name, settings in raw.items():
         field = f"params.{name}"
         line = lines.get(field)
-        if not isinstance(name, str) or not PARAM_RE.match(name):
-            raise SpecError(f"invalid parameter name {name!r}", field=field, line=line,
+        if not isinstance(name, str) or not PARAM_RE.fullmatch(name):
+            raise SpecError(f"invalid parameter name {_show(name)}", field=field, line=line,
                             hint="use letters, digits and '_', starting with a letter")
         if name in reserved or name.startswith("_"):
             raise SpecError(f"the parameter name '{name}' is reserved", field=field, line=line,
-                            hint="rename it; reserved: " + ", ".join(sorted(reserved)))
+                            hint="rename it; symbols, functions, Python keywords and the "
+                                 "arguments of attention() are reserved")
         if isinstance(settings, (int, float)) and not isinstance(settings, bool):
             settings = {"init": settings}
         if not isinstance(settings, dict):
@@ -256,13 +333,15 @@ def _parse_param(name: str, settings: dict, field: str, line: int | None) -> Par
     per_head = settings.get("per_head", True)
     for flag, value in (("learnable", learnable), ("per_head", per_head)):
         if not isinstance(value, bool):
-            raise SpecError(f"expected true or false, got {value!r}", field=f"{field}.{flag}",
+            raise SpecError(f"expected true or false, got {_show(value)}", field=f"{field}.{flag}",
                             line=line)
     value = settings.get("value")
     if value is not None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not domain.contains(float(value)):
-            raise SpecError(f"the constant value {value!r} is not a number in the domain {domain}",
-                            field=f"{field}.value", line=line)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not abs(value) <= MAX_LITERAL or not domain.contains(float(value))):
+            raise SpecError(f"the constant value {_show(value)} is not a number in the domain "
+                            f"{domain} (or larger than {MAX_LITERAL:g})", field=f"{field}.value",
+                            line=line)
         if "init" in settings:
             raise SpecError("give either 'value' (a constant) or 'init' (a starting value)",
                             field=f"{field}.value", line=line)
@@ -288,7 +367,7 @@ def _parse_domain(raw, field: str, line: int | None) -> Domain:
         lo, hi = float(raw[0]), float(raw[1])
         if lo < hi:
             return Domain("interval", lo, hi)
-    raise SpecError(f"invalid domain {raw!r}", field=field, line=line,
+    raise SpecError(f"invalid domain {_show(raw)}", field=field, line=line,
                     hint="use real, positive, nonnegative, or an interval [lo, hi] with lo < hi")
 
 
@@ -298,10 +377,35 @@ def _check_init(expr: sp.Expr, domain: Domain, field: str, line: int | None) -> 
     for heads in (1, 2, 3, 8, 64):
         for head in range(heads):
             try:
-                value = float(expr.xreplace({h: head, H: heads}).evalf())
-            except (TypeError, ValueError, OverflowError):
-                value = float("nan")
+                value = evaluate(expr, {h: head, H: heads})
+            except OverflowError as exc:
+                raise SpecError(f"the init cannot be computed for head {head} of {heads}: {exc}",
+                                field=field, line=line, hint="keep exponentials and powers moderate") from None
             if not domain.contains(value):
                 raise SpecError(f"the init gives {value!r} for head {head} of {heads}, "
                                 f"outside the domain {domain}", field=field, line=line,
                                 hint="init may use h (head index, 0-based) and H (number of heads)")
+
+
+def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSpec, ...],
+                     field: str, lines: dict) -> None:
+    """Compute the log-prior and the score in float64 where the compiler checks the logit, at the
+    initial parameters: SymPy does that check exactly, and a formula such as exp(exp(exp(d)))
+    or d**d**d would make it work with numbers of billions of digits."""
+    h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
+    values = {p.symbol(): evaluate(p.init_expr, {h: 0, H: 8}) for p in params if not p.is_constant}
+    pos = position_symbols()
+    checks = [(field, expr)]
+    if score is not None:
+        checks.append(("score", score.xreplace({sp.Symbol("log_prior", real=True): expr})))
+    for where, formula in checks:
+        for i, j in CHECK_POINTS:
+            point = {pos["d"]: i - j, pos["i"]: i, pos["j"]: j, pos["n"]: i + 1,
+                     sp.Symbol("s", real=True): 0.5}
+            try:
+                evaluate(formula, {**values, **point})
+            except OverflowError as exc:
+                raise SpecError(f"the formula cannot be computed at i={i}, j={j} with the initial "
+                                f"parameters: {exc}", field=where, line=lines.get(where),
+                                hint="keep exponentials and powers of positions moderate, "
+                                     "e.g. exp(-d/8), not exp(exp(d))") from None

@@ -34,3 +34,11 @@ def test_kernels_compile_for_gpu(prior, arch, head_dim):
         assert 0 < kernel["registers"] <= 255, kernel
         assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
+        if kernel["name"] != "bwd_preprocess":      # tensor cores in every main loop
+            loop = kernel["main_loop"]
+            assert loop["mma"] > 0 and loop["total"] < kernel["sass"]["total"], kernel["name"]
+            assert kernel["model"]["cycles_per_tile"] > 0
+    fwd = next(k for k in report["kernels"] if k["name"] == "attn_fwd")
+    if arch == "sm_90":   # Hopper's warpgroup MMA, not the Ampere fallback
+        assert all(op.startswith("HGMMA") for op in fwd["main_loop"]["mma_shapes"]), fwd
+    assert report["model"]["cycles_per_tile"] == fwd["model"]["cycles_per_tile"]
