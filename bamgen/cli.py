@@ -7,6 +7,7 @@ A build never shows a traceback: an unexpected exception is reported as an inter
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -79,22 +80,29 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
         click.echo(f"{len(paths)} module(s) up to date in {out_dir}")
 
 
+@contextmanager
+def _reported(path: Path, doing: str = "building"):
+    """Run one prior's compilation under the time limit; every failure becomes one line, exit 2."""
+    try:
+        with time_limit(BUILD_SECONDS):
+            yield
+    except SpecError as err:
+        _fail(str(err.located(str(path))))
+    except BuildTimeout:
+        _fail(f"{path}: {doing} took longer than {BUILD_SECONDS} s; simplify the formula")
+    except RecursionError:
+        _fail(f"{path}: the formula is too deeply nested to compile")
+    except Exception as exc:   # a bug in bamgen, not in the file: still one line, exit 2
+        _fail(f"{path}: internal error while {doing} ({type(exc).__name__}: "
+              f"{str(exc)[:200]}); please report it with the prior file")
+
+
 def _compile_all(paths: list[Path], strategy: str | None) -> list[Artifact]:
     """Compile every file in memory first: one bad file means nothing is written."""
     artifacts, names = [], {}
     for path in paths:
-        try:
-            with time_limit(BUILD_SECONDS):
-                artifact = compile_spec(load_spec(path), strategy)
-        except SpecError as err:
-            _fail(str(err.located(str(path))))
-        except BuildTimeout:
-            _fail(f"{path}: the build took longer than {BUILD_SECONDS} s; simplify the formula")
-        except RecursionError:
-            _fail(f"{path}: the formula is too deeply nested to compile")
-        except Exception as exc:   # a bug in bamgen, not in the file: still one line, exit 2
-            _fail(f"{path}: internal error while building ({type(exc).__name__}: "
-                  f"{str(exc)[:200]}); please report it with the prior file")
+        with _reported(path):
+            artifact = compile_spec(load_spec(path), strategy)
         if artifact.name in names:
             _fail(f"{path} and {names[artifact.name]} both define the prior '{artifact.name}'")
         names[artifact.name] = path
@@ -119,12 +127,10 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_j
     os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU, not the interpreter
     from .aot import compile_module, loop_model
     from .loader import import_module_file, load_prior
-    try:
-        with time_limit(BUILD_SECONDS):
-            module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
-    except SpecError as err:
-        _fail(str(err.located(str(file))))
-    kernels = compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal)
+    with _reported(file):
+        module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
+    with _reported(file, f"compiling for {arch}"):
+        kernels = compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal)
     report = {"prior": module.PRIOR["name"], "arch": arch, "dtype": dtype, "head_dim": head_dim,
               "causal": causal,
               "kernels": [{"name": k.name, "registers": k.registers, "stack_bytes": k.stack_bytes,
@@ -160,13 +166,8 @@ def _mix(mix: dict) -> dict:
 
 def _load_ir(file: Path):
     from .symbolic import analyse
-    try:
-        with time_limit(BUILD_SECONDS):
-            return analyse(load_spec(file))
-    except SpecError as err:
-        _fail(str(err.located(str(file))))
-    except BuildTimeout:
-        _fail(f"{file}: the analysis took longer than {BUILD_SECONDS} s")
+    with _reported(file, "analysing"):
+        return analyse(load_spec(file))
 
 
 @main.command()

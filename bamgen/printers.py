@@ -59,7 +59,10 @@ class _KernelPrinter(StrPrinter):
     _print_Dummy = _print_Symbol
 
     def _print_Float(self, expr):
-        return repr(float(expr))
+        value = float(expr)
+        if value != value or value in (float("inf"), float("-inf")):
+            return f'float("{value}")'
+        return repr(value)
 
     def _print_Integer(self, expr):
         return repr(float(expr))

@@ -22,6 +22,7 @@ from .errors import SpecError
 from .spec import POSITION_SYMBOLS, PriorSpec, position_symbols
 
 KINK_EPSILON = 1e-5   # the BAM authors' own epsilon, used only where a limit is infinite
+MAX_KINKS = 16        # distinct Abs(u) kinks per expression; each costs a symbolic limit
 
 S = sp.Symbol("s", real=True)
 LOG_PRIOR = sp.Symbol("log_prior", real=True)
@@ -132,7 +133,11 @@ def _ill_defined(expr: sp.Expr) -> bool:
 
 def _guard(expr: sp.Expr, what: str, notes: list[str]) -> sp.Expr:
     """Replace removable singularities at kinks by their limits (see the module docstring)."""
-    for u in _kink_arguments(expr):
+    kinks = _kink_arguments(expr)
+    if len(kinks) > MAX_KINKS:
+        raise SpecError(f"{what} has {len(kinks)} distinct kinks Abs(...); the limit is {MAX_KINKS}",
+                        field="log_prior", hint="combine the Abs terms or use fewer of them")
+    for u in kinks:
         # Judge the raw expression as floating point would evaluate it: |u| = 0 but sign(u)
         # kept symbolic, so sign(u)/|u| reads as 0/0 rather than being cancelled to 0.
         if not _ill_defined(expr.xreplace({sp.Abs(u): sp.S.Zero, sp.Abs(-u): sp.S.Zero})):

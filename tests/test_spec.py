@@ -79,6 +79,8 @@ def test_rejected_formulas_name_the_problem(formula, words):
     ("name: x\nlog_prior: -d/0\n", "log_prior", "not finite"),
     ("name: x\nlog_prior: -d\nscore: log_prior\n", "score", "does not use s"),
     ("name: x\nlog_prior: -d/b\nparams:\n  b: {init: 1, learnable: maybe}\n", "params.b.learnable", "true or false"),
+    ("name: x\nlog_prior: -(" + " + ".join(f"Abs(d - {k})" for k in range(17)) + ")\n",
+     "log_prior", "distinct kinks"),
 ])
 def test_bad_files_name_the_field(text, field, words):
     with pytest.raises(SpecError) as err:
