@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto tests
 
 build: $(STAMP)
 	$(VENV)/bin/bamgen build --all -o generated
