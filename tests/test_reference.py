@@ -363,3 +363,15 @@ def test_gross_magnitudes_bound_the_results(causal, nk):
     if nk == 1:  # a single key: dS == 0, so dq, dk and every dtheta vanish, but their terms do not
         for name, x in pairs[1:3] + pairs[4:]:
             assert x.abs().max() < 1e-12 and res.gross[name].max() > 1e-3, name
+
+
+def test_tolerance_gross_floor_is_elementwise():
+    ref = torch.tensor([0.0, 0.0], dtype=F64)
+    pt = torch.zeros(2)
+    gross = torch.tensor([1e3, 1.0], dtype=F64)  # element 0 may carry ~2e-4 of fp32 noise, element 1 not
+    from tests.tolerance import ACCUM_EPS
+    ok = torch.tensor([0.9 * ACCUM_EPS * 1e3, 0.0])
+    assert verdict("x", ok, ref, pt, torch.float32, gross).ok
+    bad = torch.tensor([0.0, 0.9 * ACCUM_EPS * 1e3])  # the same error where the terms are small
+    assert 0.9 * ACCUM_EPS * 1e3 > ATOL[torch.float32] + ACCUM_EPS
+    assert not verdict("x", bad, ref, pt, torch.float32, gross).ok
