@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import sympy as sp
-from sympy.printing.precedence import PRECEDENCE, precedence
+from sympy.printing.precedence import PRECEDENCE
 from sympy.printing.str import StrPrinter
 
 MAX_UNROLLED_POWER = 8
@@ -45,9 +45,6 @@ class _KernelPrinter(StrPrinter):
     def __init__(self, names: Mapping[sp.Symbol, str]):
         super().__init__({"full_prec": False})
         self.names = {sym.name: name for sym, name in names.items()}
-
-    def doprint(self, expr) -> str:  # noqa: D102 - same contract as StrPrinter
-        return super().doprint(expr)
 
     # leaves ---------------------------------------------------------------------------
     def _print_Symbol(self, expr):
@@ -86,10 +83,6 @@ class _KernelPrinter(StrPrinter):
         return repr(float(sp.E))
 
     # arithmetic -----------------------------------------------------------------------
-    def _print_Mul(self, expr):
-        # StrPrinter writes numeric coefficients through _print_Integer; keep "-x" readable.
-        return super()._print_Mul(expr)
-
     def _print_Pow(self, expr, rational=False):
         base, exp = expr.base, expr.exp
         b = self.parenthesize(base, PRECEDENCE["Atom"] - 1 if base.is_Atom else PRECEDENCE["Pow"])
@@ -216,4 +209,4 @@ def print_expr(expr: sp.Expr, names: Mapping[sp.Symbol, str], *, target: str) ->
     return PRINTERS[target](names).doprint(expr)
 
 
-__all__ = ["prepare", "print_expr", "TritonPrinter", "TorchPrinter", "precedence"]
+__all__ = ["prepare", "print_expr", "TritonPrinter", "TorchPrinter"]
