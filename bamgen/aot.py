@@ -20,9 +20,11 @@ ARCHS = {"sm_80": 80, "sm_90": 90}
 #   tensor: bf16/fp16 flops; H100 SXM 989 TFLOP/s over 132 SMs at 1.83 GHz = 4096, A100 312
 #   TFLOP/s over 108 SMs at 1.41 GHz = 2048. fp32: FMA-pipe lanes (2 flops each) — 128 on
 #   sm_90, 64 on sm_80. mufu: special-function lanes (ex2, lg2, rcp, ...) — 16 on both.
+#   issue: warp-instructions per clock (4 schedulers, one each). lsu: 128-byte shared-memory / L1
+#   wavefronts per clock (one; a warp's 32-bit access is one wavefront, a 128-bit one four).
 THROUGHPUT = {
-    "sm_80": {"tensor": 2048, "fp32": 64, "mufu": 16},
-    "sm_90": {"tensor": 4096, "fp32": 128, "mufu": 16},
+    "sm_80": {"tensor": 2048, "fp32": 64, "mufu": 16, "issue": 4, "lsu": 1},
+    "sm_90": {"tensor": 4096, "fp32": 128, "mufu": 16, "issue": 4, "lsu": 1},
 }
 CATEGORIES = {
     "mma": ("HMMA", "HGMMA", "IMMA"),
@@ -31,7 +33,9 @@ CATEGORIES = {
     "ld_global": ("LDG", "LDGSTS", "UTMALDG"),
     "ld_shared": ("LDS", "LDSM"),
     "st_global": ("STG",),
+    "st_shared": ("STS",),
 }
+MEMORY = ("ld_global", "ld_shared", "st_shared")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class CompiledKernel:
     num_warps: int = 4
     sass: dict | None = None        # instruction mix of the whole kernel
     main_loop: dict | None = None   # instruction mix of the innermost loop holding the MMAs
+    block: tuple[int, ...] = ()     # the tile: (BLOCK_M, BLOCK_N) or (BLOCK,) for the prologue
 
     @property
     def spills(self) -> bool:
@@ -85,15 +90,27 @@ def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
 
 def instruction_mix(instructions) -> dict:
     """Counts per category (CATEGORIES) plus the total, and the MMA shapes seen."""
-    mix = {"total": len(instructions), **{k: 0 for k in CATEGORIES}, "mma_shapes": {}}
+    mix = {"total": len(instructions), **{k: 0 for k in CATEGORIES}, "wavefronts": 0,
+           "mma_shapes": {}}
     for _, op, _ in instructions:
         base = op.split(".")[0]
         for category, names in CATEGORIES.items():
             if base in names:
                 mix[category] += 1
+                if category in MEMORY:
+                    mix["wavefronts"] += _wavefronts(op)
         if base in CATEGORIES["mma"]:
             mix["mma_shapes"][op] = mix["mma_shapes"].get(op, 0) + 1
     return mix
+
+
+def _wavefronts(op: str) -> int:
+    """128-byte L1/shared wavefronts of one warp memory instruction, from its width suffix."""
+    if ".128" in op or ".M88.4" in op:
+        return 4
+    if ".64" in op or ".M88.2" in op:
+        return 2
+    return 1
 
 
 def main_loop(instructions) -> list:
@@ -131,8 +148,9 @@ def loop_model(mix: dict, arch: str, num_warps: int) -> dict:
 
     Tensor work: each HMMA is issued by every warp; an HGMMA is issued by the 4 warps of a
     warpgroup together, so it counts once per warpgroup. MUFU and FP32 instructions run on all
-    32 lanes of every warp. The estimate is the slowest unit (the units overlap perfectly),
-    which is optimistic about latency and issue limits and ignores memory stalls.
+    32 lanes of every warp. Every instruction of every warp takes an issue slot; every shared /
+    L1 access takes LSU wavefronts. The estimate is the slowest unit (the units overlap
+    perfectly), which is optimistic about latency and ignores DRAM/L2 stalls.
     """
     rates = THROUGHPUT[arch]
     flops = 0
@@ -143,15 +161,37 @@ def loop_model(mix: dict, arch: str, num_warps: int) -> dict:
         "tensor": flops / rates["tensor"],
         "mufu": mix["mufu"] * 32 * num_warps / rates["mufu"],
         "fp32": mix["fp32"] * 32 * num_warps / rates["fp32"],
+        "issue": mix["total"] * num_warps / rates["issue"],
+        "lsu": mix.get("wavefronts", 0) * num_warps / rates["lsu"],
     }
     bound = max(cycles, key=cycles.get)
     return {"cycles_per_tile": round(cycles[bound], 1), "bound": bound,
             "cycles": {k: round(v, 1) for k, v in cycles.items()}, "mma_flops_per_tile": flops}
 
 
+# Integer arguments that Triton's launcher sees as multiples of 16 in a typical training call
+# (B, H, N, D powers of two >= 16, zero offsets). At run time Triton specialises every pointer
+# that is 16-byte aligned and every such integer (``tt.divisibility = 16``), which is what lets it
+# emit vector loads; an AOT compile without these hints would judge a kernel that never runs.
+ALIGNED_INTS = ("Hq", "Hk", "Nq", "Nk", "q_offset", "k_offset")
+
+
+def _alignment_hints(fn, signature: dict) -> dict:
+    """``attrs`` for ASTSource: the divisibility hints of a typical call (see ALIGNED_INTS)."""
+    hints = {}
+    for index, name in enumerate(fn.arg_names):
+        kind = signature.get(name)
+        if kind is None or kind == "constexpr":
+            continue
+        if kind.startswith("*") or name.startswith("stride_") or name in ALIGNED_INTS:
+            hints[(index,)] = [["tt.divisibility", 16]]
+    return hints
+
+
 def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf16",
-                   head_dim: int = 64, causal: bool = True) -> list[CompiledKernel]:
-    """Compile every Triton kernel of a generated module for ``arch``; raises on a compile error."""
+                   head_dim: int = 64, causal: bool = True, candidate: int = 0) -> list[CompiledKernel]:
+    """Compile every Triton kernel of a generated module for ``arch`` with its ``candidate``-th
+    tile config (the default: 0); raises on a compile error."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -161,8 +201,11 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     target = GPUTarget("cuda", ARCHS[arch], 32)
     compiled = []
-    for name, fn, signature, constexprs, warps, stages in module.triton_kernel_specs(dtype, head_dim, causal):
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    specs = module.triton_kernel_specs(dtype, head_dim, causal, arch=arch, candidate=candidate)
+    for name, fn, signature, constexprs, warps, stages in specs:
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                           attrs=_alignment_hints(fn, signature))
+        kernel = triton.compile(source,
                                 target=target, options={"num_warps": warps, "num_stages": stages})
         cubin = kernel.asm["cubin"]
         usage = resource_usage(cubin)
@@ -172,5 +215,7 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
                                        local_bytes=usage.get("LOCAL", 0),
                                        shared_bytes=kernel.metadata.shared, cubin=cubin,
                                        num_warps=warps, sass=instruction_mix(instructions),
+                                       block=tuple(constexprs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK")
+                                                   if b in constexprs),
                                        main_loop=instruction_mix(main_loop(instructions))))
     return compiled

@@ -117,7 +117,10 @@ def _compile_all(paths: list[Path], strategy: str | None) -> list[Artifact]:
 @click.option("--head-dim", type=click.IntRange(1, 256), default=64, show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_json: bool) -> None:
+@click.option("--save", "save_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write each kernel's cubin into this directory.")
+def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_json: bool,
+            save_dir: Path | None) -> None:
     """Compile FILE's kernels ahead of time for a GPU and report their resources.
 
     FILE is a prior (.yaml) or a generated module (.py). No GPU is needed.
@@ -131,31 +134,58 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_j
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
     with _reported(file, f"compiling for {arch}"):
         kernels = compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal)
+    cubins = _save_cubins(save_dir, module.PRIOR["name"], kernels, arch, dtype, head_dim, causal)
     report = {"prior": module.PRIOR["name"], "arch": arch, "dtype": dtype, "head_dim": head_dim,
-              "causal": causal,
+              "causal": causal, "strategy": module.PRIOR.get("strategy"),
               "kernels": [{"name": k.name, "registers": k.registers, "stack_bytes": k.stack_bytes,
                            "spill_bytes": k.local_bytes, "shared_bytes": k.shared_bytes,
-                           "num_warps": k.num_warps, "sass": _mix(k.sass),
-                           "main_loop": _mix(k.main_loop),
-                           "model": loop_model(k.main_loop, arch, k.num_warps)}
+                           "num_warps": k.num_warps, "block": list(k.block),
+                           "sass": _mix(k.sass), "main_loop": _mix(k.main_loop),
+                           "model": loop_model(k.main_loop, arch, k.num_warps),
+                           "cubin": cubins.get(k.name)}
                           for k in kernels]}
     fwd = next(k for k in report["kernels"] if k["name"] == "attn_fwd")
+    scores = fwd["block"][0] * fwd["block"][1]
     report["model"] = {"cycles_per_tile": fwd["model"]["cycles_per_tile"],
+                       "cycles_per_1k_scores": round(fwd["model"]["cycles_per_tile"] * 1000 / scores, 1),
                        "bound": fwd["model"]["bound"], "kernel": "attn_fwd",
-                       "units": "SM cycles per K/V tile of the main loop (see docs/performance.md)"}
+                       "tile": fwd["block"], "cycles": fwd["model"]["cycles"],
+                       "units": "SM cycles per K/V tile of the forward's steady-state loop "
+                                "(see docs/performance.md)"}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"{report['prior']}: {arch} {dtype} head_dim={head_dim} causal={causal}")
-    click.echo(f"  {'kernel':16s} {'regs':>5s} {'stack':>6s} {'spill':>6s} {'shared':>8s}"
-               f" | main loop: {'mma':>4s} {'mufu':>5s} {'fp32':>5s} {'ldg':>4s} {'lds':>4s}"
+    click.echo(f"{report['prior']}: {arch} {dtype} head_dim={head_dim} causal={causal} "
+               f"strategy={report['strategy']}")
+    click.echo(f"  {'kernel':16s} {'tile':>8s} {'regs':>5s} {'stack':>6s} {'spill':>6s} {'shared':>8s}"
+               f" | main loop: {'all':>4s} {'mma':>4s} {'mufu':>5s} {'fp32':>5s} {'ldg':>4s} {'lds':>4s}"
                f" | model cycles/tile (bound)")
     for k in report["kernels"]:
         loop, model = k["main_loop"], k["model"]
-        click.echo(f"  {k['name']:16s} {k['registers']:5d} {k['stack_bytes']:6d} "
-                   f"{k['spill_bytes']:6d} {k['shared_bytes']:8d} | {'':10s} {loop['mma']:4d} "
-                   f"{loop['mufu']:5d} {loop['fp32']:5d} {loop['ld_global']:4d} "
+        tile = "x".join(str(b) for b in k["block"])
+        click.echo(f"  {k['name']:16s} {tile:>8s} {k['registers']:5d} {k['stack_bytes']:6d} "
+                   f"{k['spill_bytes']:6d} {k['shared_bytes']:8d} | {'':10s} {loop['total']:4d} "
+                   f"{loop['mma']:4d} {loop['mufu']:5d} {loop['fp32']:5d} {loop['ld_global']:4d} "
                    f"{loop['ld_shared']:4d} | {model['cycles_per_tile']:.0f} ({model['bound']})")
+    for name, path in cubins.items():
+        click.echo(f"  wrote {path}")
+
+
+def _save_cubins(save_dir: Path | None, prior: str, kernels, arch: str, dtype: str,
+                 head_dim: int, causal: bool) -> dict[str, str]:
+    """Write each cubin as <prior>.<kernel>.<arch>.<dtype>.d<head_dim>[.causal].cubin."""
+    if save_dir is None:
+        return {}
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _fail(f"--save {save_dir}: cannot create the directory ({exc.strerror})")
+    paths = {}
+    for k in kernels:
+        path = save_dir / f"{prior}.{k.name}.{arch}.{dtype}.d{head_dim}{'.causal' if causal else ''}.cubin"
+        path.write_bytes(k.cubin)
+        paths[k.name] = str(path)
+    return paths
 
 
 def _mix(mix: dict) -> dict:
@@ -195,11 +225,23 @@ def show(file: Path, heads: int) -> None:
     click.echo(f"\nplan: strategy {kernel_plan.strategy}; positions used: "
                f"{', '.join(ir.positions_used) or 'none'}; distance-only: "
                f"{'yes' if ir.distance_only else 'no'}")
+    costs = ", ".join(f"{name} {cost}" for name, cost in kernel_plan.cost)
+    click.echo(f"  cost model (issue slots per score over NoPE's): {costs}")
+    if kernel_plan.ramp is not None:
+        click.echo(f"  causal side: log2(e) * log_prior = {kernel_plan.ramp.outputs[1]} + "
+                   f"{kernel_plan.ramp.outputs[0]} * d (row and column terms, no per-score work)")
+    if kernel_plan.table is not None:
+        pro = kernel_plan.table.prologue
+        click.echo(f"  table prologue: log2(e) * log_prior and d/d({', '.join(kernel_plan.table.grads)}) "
+                   f"per (head, distance)")
+        for name, code in pro.hoisted + pro.body:
+            click.echo(f"    {name} = {code}")
     click.echo(f"  backward kernel: {len(block.hoisted)} per-head constant(s), "
                f"{len(block.body)} per-score temporarie(s)")
     for name, code in block.hoisted + block.body:
         click.echo(f"    {name} = {code}")
-    labels = ["logit", "d logit / d s"] + [f"d logit / d {n}" for n, _ in ir.grads]
+    labels = [] if kernel_plan.score_is_identity else ["logit", "d logit / d s"]
+    labels += [f"d logit / d {n}" for n, _ in ir.grads]
     for label, code in zip(labels, block.outputs):
         click.echo(f"    {label}: {code}")
     analysis = analyse_prior(ir, num_heads=heads)

@@ -26,6 +26,7 @@ from .lower import CodeBlock, KernelPlan, plan as make_plan
 from .resources import template_dir
 from .spec import PriorSpec, load_spec
 from .symbolic import analyse
+from .tiles import tile_kind, tiles_for
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ def _assignments(lines, indent: int) -> str:
 def _build_hash(spec: PriorSpec, strategy: str) -> str:
     digest = hashlib.sha256()
     digest.update(f"bamgen {__version__}\nstrategy {strategy}\nsource {spec.source_hash}\n".encode())
-    for path in sorted(template_dir().glob("*.jinja")):
+    # the templates and the compiler itself: any change to what a build emits changes the hash
+    compiler_dir = Path(__file__).parent
+    for path in sorted(template_dir().glob("*.jinja")) + sorted(compiler_dir.glob("*.py")):
         digest.update(path.name.encode() + b"\n" + path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -151,6 +154,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
                             "per_head": p.per_head} for p in plan.params},
         "constants": {p.name: p.value for p in spec.params if p.is_constant},
         "strategy": plan.strategy,
+        "skip_below": spec.skip_below,
         "notes": list(plan.ir.notes),
         "bamgen_version": __version__,
         "source_hash": spec.source_hash,
@@ -172,7 +176,47 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         triton_fwd=plan.triton_fwd, triton_bwd=plan.triton_bwd,
         torch_fwd=plan.torch_fwd, torch_bwd=plan.torch_bwd,
         fwd_args=_scalar_args(plan, plan.triton_fwd), bwd_args=_scalar_args(plan, plan.triton_bwd),
+        table=plan.table, fwd_tab=_table_args(plan, grads=False), bwd_tab=_table_args(plan, grads=True),
+        clamp_free=_clamp_free(plan),
+        skip_repr=_float_repr(plan.skip), tile_kind=tile_kind(plan),
+        triton_config=_render_tiles(tiles_for(plan)),
     )
+
+
+def _render_tiles(table: dict) -> str:
+    """TRITON_CONFIG as readable source: one line per (family, head dim)."""
+    lines = ["{"]
+    for arch, by_dim in table.items():
+        lines.append(f"    {arch!r}: {{")
+        for dim, kernels in by_dim.items():
+            lines.append(f"        {dim}: {kernels!r},")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _float_repr(value: float | None) -> str:
+    if value is None:
+        return "None"
+    return 'float("-inf")' if value == float("-inf") else repr(value)
+
+
+def _table_args(plan: KernelPlan, grads: bool) -> str:
+    """The gathered table entries a hook reads (table strategy): tab_v (not for a score
+    s + log_prior, whose hooks never see the value), then tab_<param>."""
+    if plan.table is None:
+        return ""
+    names = [] if plan.score_is_identity else ["tab_v"]
+    names += [f"tab_{n}" for n in plan.table.grads] if grads else []
+    return "".join(f", {n}" for n in names)
+
+
+def _clamp_free(plan: KernelPlan) -> tuple[str, ...]:
+    """Learnable parameters whose backward derivative is exactly a (pre-clamped) table entry."""
+    if plan.table is None:
+        return ()
+    outputs = plan.triton_bwd.outputs[0 if plan.score_is_identity else 2:]
+    return tuple(p.name for p, out in zip(plan.learnable, outputs) if out == f"tab_{p.name}")
 
 
 def _tidy(text: str) -> str:

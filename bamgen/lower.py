@@ -16,15 +16,25 @@ positions ``pos_<d|i|j|n>``, the content score ``s``, temporaries ``x<k>`` and h
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy as sp
 
+from .errors import SpecError
 from .printers import prepare, print_expr
 from .spec import Domain, position_symbols
-from .symbolic import S, PriorIR
+from .symbolic import S, TABLE_VALUE, PriorIR, TableIR, split_for_table, table_grad_symbol
 
-STRATEGIES = ("inline",)
+STRATEGIES = ("inline", "table")
+
+# The cost model, in FP32-instruction equivalents per score element on one SM (DESIGN.md §3).
+# Calibrated against the SASS of the shipped priors (docs/performance.md): what a score costs on
+# top of NoPE's, in issue slots, with special functions weighted by their lower rate.
+MUFU_COST = 8          # special-function ops (ex2, lg2, rcp, rsq) issue at 16 lanes/cycle vs 128
+POSITION_COST = 2      # d = i - j per score: an integer subtract and a conversion to float
+GATHER_COST = 3        # a table entry: its address, the load (staged through shared memory)
+RAMP_COST = 1          # a causal-side line in d: one add of a column term
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,15 @@ class ParamPlan:
 
 
 @dataclass(frozen=True)
+class TablePlan:
+    """The table strategy's extra code: the prologue that fills the tables, and which derivative
+    tables exist (slot k + 1 of the [H, 1 + len(grads), distances] table holds ``grads[k]``)."""
+    ir: TableIR
+    prologue: CodeBlock            # over pos_d: outputs value, then one per tabulated gradient
+    grads: tuple[str, ...]         # tabulated parameters, in table-slot order
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     """Everything the templates need about one prior."""
     ir: PriorIR
@@ -59,6 +78,21 @@ class KernelPlan:
     triton_bwd: CodeBlock
     torch_fwd: CodeBlock
     torch_bwd: CodeBlock
+    table: TablePlan | None = None   # set when strategy == "table"
+    # For a score s + log_prior, triton_fwd holds log2(e) * log_prior alone (the "bias"; empty
+    # when tabulated: the table holds it) and triton_bwd the parameter derivatives alone; for any
+    # other score, triton_fwd holds the logit and triton_bwd (logit, d logit / d s, derivatives).
+    cost: tuple[tuple[str, int], ...] = ()   # the cost model's figures, for `bamgen show`
+    ramp: CodeBlock | None = None   # (slope, intercept) of a causal-side linear bias, see _causal_ramp
+    # Block skipping (table strategy): key tiles whose table entries (base 2) are all <= skip
+    # are not visited; -inf skips exactly where the prior is -oo, a finite bound is skip_below.
+    skip: float | None = None
+
+    @property
+    def has_bias_hook(self) -> bool:
+        """The kernels call the printed base-2 bias: s + log_prior, inline, log_prior not 0."""
+        return (self.score_is_identity and self.table is None
+                and self.triton_fwd.outputs[0] not in ("0", "0.0"))
 
     @property
     def learnable(self) -> tuple[ParamPlan, ...]:
@@ -66,10 +100,22 @@ class KernelPlan:
 
 
 def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
-    """Choose the lowering of ``ir`` (only ``inline`` exists so far) and print its code."""
-    strategy = strategy or "inline"
-    if strategy not in STRATEGIES:
+    """Choose the lowering of ``ir`` (by the cost model unless ``strategy`` is given) and print
+    its code. The torch path's blocks are always the inline ones: it builds its own distance
+    tables (templates/torch_impl.py.jinja)."""
+    if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    split = split_for_table(ir)
+    names = _kernel_names(ir)
+    ramp = _causal_ramp(ir, names)
+    cost = _costs(ir, split, ramp is not None)
+    skippable = _skippable(ir, split)
+    if strategy is None:
+        strategy = "table" if skippable or _table_wins(dict(cost)) else "inline"
+    if strategy == "table" and split is None:
+        raise SpecError("--strategy table needs a log-prior that depends on the positions "
+                        "through d = i - j alone (and a score that uses log_prior)",
+                        field="log_prior", hint="build with --strategy inline or without --strategy")
     spec_params = {p.name: p for p in ir.spec.params}
     grad_names = [name for name, _ in ir.grads]
     params = tuple(
@@ -78,18 +124,135 @@ def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
                   domain=spec_params[name].domain,
                   grad_index=grad_names.index(name) if name in grad_names else None)
         for k, name in enumerate(ir.runtime_params))
-    names = _kernel_names(ir)
     fwd_exprs = [ir.logit]
     bwd_exprs = [ir.logit, ir.dlogit_ds] + [g for _, g in ir.grads]
     blocks = {
-        (target, pass_): _code_block(exprs, names, target, ir)
+        (target, pass_): _code_block(exprs, names, target)
         for target in ("triton", "torch")
         for pass_, exprs in (("fwd", fwd_exprs), ("bwd", bwd_exprs))
     }
-    return KernelPlan(ir=ir, strategy=strategy, params=params,
+    if ir.score_is_identity:
+        # logit = s + b(positions): the kernels add log2(e) * b to the base-2 scaled q.k, so
+        # log2(e) folds into the prior's own constants (ALiBi: one FFMA per score)
+        bias = ir.logit.xreplace({S: sp.S.Zero}) / sp.log(2)
+        blocks["triton", "fwd"] = _code_block([bias], names, "triton", prefix="b")
+        # and d logit / d s = 1: the backward's hook gives the parameter derivatives alone
+        blocks["triton", "bwd"] = _code_block([g for _, g in ir.grads], names, "triton")
+    table = None
+    if strategy == "table":
+        table, blocks["triton", "fwd"], blocks["triton", "bwd"] = _table_blocks(split, names, ir)
+    skip = None
+    if strategy == "table" and skippable:
+        skip = -ir.spec.skip_below / math.log(2) if ir.spec.skip_below else -math.inf
+    return KernelPlan(ir=ir, strategy=strategy, params=params, skip=skip,
+                      ramp=ramp if strategy == "inline" else None,
                       positions_used=ir.positions_used, score_is_identity=ir.score_is_identity,
                       triton_fwd=blocks["triton", "fwd"], triton_bwd=blocks["triton", "bwd"],
-                      torch_fwd=blocks["torch", "fwd"], torch_bwd=blocks["torch", "bwd"])
+                      torch_fwd=blocks["torch", "fwd"], torch_bwd=blocks["torch", "bwd"],
+                      table=table, cost=cost)
+
+
+def _skippable(ir: PriorIR, split: TableIR | None) -> bool:
+    """Tiles can be skipped: the log-prior is -oo somewhere (a window), or the file asks for it
+    (skip_below); both need the log-prior as a function of d (the table gives the window)."""
+    if split is None:
+        if ir.spec.skip_below is not None:
+            raise SpecError("skip_below needs a log-prior that depends on the positions through "
+                            "d = i - j alone", field="skip_below",
+                            hint="remove skip_below, or write the log-prior in d")
+        return False
+    return ir.spec.skip_below is not None or split.value.has(sp.S.NegativeInfinity)
+
+
+def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
+    """log2(e) * log_prior as ``intercept + slope * d`` on the causal side d >= 0, when it is such
+    a line (ALiBi's -|d|/b is): a bias linear in d = i - j is a row term plus a column term, so
+    the kernels' steady-state loop adds two broadcast vectors instead of evaluating the prior
+    per score. Outputs (slope, intercept), both parameter-only (hoisted constants r<k>)."""
+    if not ir.score_is_identity or set(ir.positions_used) - {"d"}:
+        return None
+    d = position_symbols()["d"]
+    d_causal = sp.Symbol("d_causal", nonnegative=True)   # |d| = d, sign(d) in {0, 1}
+    bias = (ir.logit.xreplace({S: sp.S.Zero}) / sp.log(2)).xreplace({d: d_causal})
+    if bias.has(sp.Piecewise, sp.sign) or not bias.is_polynomial(d_causal):
+        return None
+    if sp.degree(bias, d_causal) != 1:
+        return None
+    slope, intercept = sp.diff(bias, d_causal), bias.xreplace({d_causal: sp.S.Zero})
+    return _code_block([slope, intercept], names, "triton", prefix="r")
+
+
+def _table_blocks(split: TableIR, names: dict, ir: PriorIR) -> tuple[TablePlan, CodeBlock, CodeBlock]:
+    """The prologue's code over d (the value stored in base 2, log2(e) * log_prior, as the
+    softmax uses it; the derivatives in natural units), and the main loop's code over the
+    gathered entries (a score other than s + log_prior reads tab_v in natural units)."""
+    names = dict(names)
+    names[TABLE_VALUE] = "tab_v"
+    grads = tuple(name for name, _ in split.value_grads)
+    names.update({table_grad_symbol(n): f"tab_{n}" for n in grads})
+    prologue = _code_block([split.value / sp.log(2)] + [g for _, g in split.value_grads], names,
+                           "triton")
+    fwd = _code_block([] if ir.score_is_identity else [split.logit], names, "triton")
+    head = [] if ir.score_is_identity else [split.logit, split.dlogit_ds]
+    bwd = _code_block(head + [g for _, g in split.grads], names, "triton")
+    return TablePlan(ir=split, prologue=prologue, grads=grads), fwd, bwd
+
+
+# --------------------------------------------------------------------------------------------
+# the cost model
+
+
+def _costs(ir: PriorIR, split: TableIR | None, has_ramp: bool) -> tuple[tuple[str, int], ...]:
+    """Per-score cost of the forward logit: inline, as a causal-side ramp (where the prior is a
+    line in d there), and as a table gather (where the log-prior is a function of d)."""
+    varying = {S, TABLE_VALUE, *position_symbols().values()}
+    inline = _per_score_cost(ir.logit, varying)
+    if ir.positions_used:
+        inline += POSITION_COST
+    out = [("inline", inline)]
+    if has_ramp:
+        out.append(("ramp", RAMP_COST))
+    if split is not None:
+        out.append(("table", _per_score_cost(split.logit, varying) + GATHER_COST))
+    return tuple(out)
+
+
+def _table_wins(cost: dict) -> bool:
+    """Tabulate when the gather is cheaper than evaluating the log-prior per score (inline,
+    or as a ramp: the inline strategy uses the ramp where it exists)."""
+    inline = min(cost["inline"], cost.get("ramp", cost["inline"]))
+    return "table" in cost and cost["table"] < inline
+
+
+def _per_score_cost(expr: sp.Expr, varying: set) -> int:
+    """FP32-instruction equivalents of the per-score part of ``expr`` (parameter-only parts are
+    hoisted out of the loop and cost nothing here)."""
+    _, (body,) = _hoist([prepare(expr, target="triton")], varying)
+    return _op_cost(body, varying)
+
+
+def _op_cost(e: sp.Expr, varying: set) -> int:
+    if e.is_Atom or not (e.free_symbols & varying):
+        return 0
+    inner = sum(_op_cost(a, varying) for a in e.args)
+    if isinstance(e, (sp.Add, sp.Mul)):
+        return inner + len(e.args) - 1
+    if isinstance(e, sp.Pow):
+        exponent = e.exp
+        if exponent.is_Integer and abs(int(exponent)) <= 8:
+            return inner + abs(int(exponent)) - 1 + (MUFU_COST if exponent < 0 else 0)
+        if exponent == sp.Rational(1, 2) or exponent == sp.Rational(-1, 2):
+            return inner + MUFU_COST
+        return inner + 2 * MUFU_COST + 1          # exp2(e * log2(x))
+    if isinstance(e, (sp.exp, sp.log)):
+        return inner + MUFU_COST + 1              # exp2 / log2 and the scaling by log2(e)
+    if isinstance(e, (sp.sin, sp.cos)):
+        return inner + MUFU_COST + 2
+    if isinstance(e, sp.atan):
+        return inner + MUFU_COST + 12             # polynomial with a reciprocal
+    if isinstance(e, sp.Piecewise):
+        return inner + len(e.args)
+    return inner + 1
 
 
 def _kernel_names(ir: PriorIR) -> dict[sp.Symbol, str]:
@@ -105,7 +268,7 @@ def _is_invariant(expr: sp.Expr, varying: set) -> bool:
     return not (expr.free_symbols & varying)
 
 
-def _hoist(exprs: list[sp.Expr], varying: set) -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[sp.Expr]]:
+def _hoist(exprs: list[sp.Expr], varying: set, prefix: str = "c") -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[sp.Expr]]:
     """Pull parameter-only sub-expressions out of per-score expressions."""
     table: dict[sp.Expr, sp.Symbol] = {}
     order: list[tuple[sp.Symbol, sp.Expr]] = []
@@ -116,7 +279,7 @@ def _hoist(exprs: list[sp.Expr], varying: set) -> tuple[list[tuple[sp.Symbol, sp
         if e.is_number:
             return e
         if e not in table:
-            table[e] = sp.Symbol(f"c{len(table)}", real=True)
+            table[e] = sp.Symbol(f"{prefix}{len(table)}", real=True)
             order.append((table[e], e))
         return table[e]
 
@@ -138,10 +301,13 @@ def _hoist(exprs: list[sp.Expr], varying: set) -> tuple[list[tuple[sp.Symbol, sp
     return order, [walk(e) for e in exprs]
 
 
-def _code_block(exprs: list[sp.Expr], names: dict, target: str, ir: PriorIR) -> CodeBlock:
-    varying = {S, *position_symbols().values()}
+def _code_block(exprs: list[sp.Expr], names: dict, target: str, prefix: str = "c") -> CodeBlock:
+    """Hoisted constants are named <prefix>0, <prefix>1, ... (two blocks a kernel uses together
+    need different prefixes)."""
+    varying = {S, TABLE_VALUE, *position_symbols().values(),
+               *(sym for sym in names if sym.name.startswith("tab_"))}
     prepared = [prepare(e, target=target) for e in exprs]
-    hoisted, body_exprs = _hoist(prepared, varying)
+    hoisted, body_exprs = _hoist(prepared, varying, prefix)
     names = dict(names)
     names.update({sym: sym.name for sym, _ in hoisted})
     hoisted_code = tuple((sym.name, print_expr(e, names, target=target)) for sym, e in hoisted)

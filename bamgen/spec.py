@@ -30,7 +30,9 @@ PARAM_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 POSITION_SYMBOLS = ("d", "i", "j", "n")
 SCORE_SYMBOLS = ("s", "log_prior")
 INIT_SYMBOLS = ("h", "H")
-TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params")
+TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params",
+                    "skip_below")
+MAX_SKIP_BELOW = 1000.0   # nats; beyond this float32 softmax cannot tell the difference anyway
 PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value")
 DOMAINS = ("real", "positive", "nonnegative")
 # A parameter is a keyword argument of the generated attention(...): no Python keywords, and no
@@ -95,6 +97,7 @@ class PriorSpec:
     formulas: tuple[tuple[str, str], ...]   # (field, text) as written, for PRIOR metadata
     path: str
     source_hash: str
+    skip_below: float | None = None   # nats: GPU tiles whose log-prior is all below -skip_below are skipped
 
     @property
     def class_name(self) -> str:
@@ -204,7 +207,21 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
                      if data.get(f) is not None)
     return PriorSpec(name=name, description=description, source=source, log_prior=expr,
                      from_density=has_density, score=score, params=params, formulas=formulas,
-                     path=path, source_hash=hashlib.sha256(raw).hexdigest())
+                     path=path, source_hash=hashlib.sha256(raw).hexdigest(),
+                     skip_below=_skip_below(data, lines))
+
+
+def _skip_below(data: dict, lines: dict) -> float | None:
+    """The optional tile-skipping bound, in nats: a positive number."""
+    value = data.get("skip_below")
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0 < value <= MAX_SKIP_BELOW):
+        raise SpecError(f"skip_below must be a number of nats in (0, {MAX_SKIP_BELOW:g}], got "
+                        f"{_show(value)}", field="skip_below", line=lines.get("skip_below"),
+                        hint="e.g. skip_below: 30 (tiles whose log-prior is below -30 are skipped)")
+    return float(value)
 
 
 def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:

@@ -26,6 +26,7 @@ MAX_KINKS = 16        # distinct Abs(u) kinks per expression; each costs a symbo
 
 S = sp.Symbol("s", real=True)
 LOG_PRIOR = sp.Symbol("log_prior", real=True)
+TABLE_VALUE = sp.Symbol("tab_v", real=True)   # a gathered table entry: log_prior(d)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,60 @@ class PriorIR:
     @property
     def score_is_identity(self) -> bool:
         return self.dlogit_ds == 1
+
+
+def table_grad_symbol(param: str) -> sp.Symbol:
+    """The gathered table entry d log_prior(d) / d param."""
+    return sp.Symbol(f"tab_{param}", real=True)
+
+
+@dataclass(frozen=True)
+class TableIR:
+    """A prior split for the table strategy: what is tabulated once per (head, distance), and
+    the per-score remainder that reads the gathered entries.
+
+    Possible when the log-prior depends on positions through d = i - j alone (the score may
+    still use s, n, i, j: SSMax's log(n) stays per score). The per-score expressions are the
+    score with ``log_prior`` replaced by :data:`TABLE_VALUE`, and the chain rule through it:
+    d logit / d p = (d score / d p) + (d score / d log_prior) * tab_p.
+    """
+    value: sp.Expr                              # log_prior over d and runtime parameters
+    value_grads: tuple[tuple[str, sp.Expr], ...]  # (param, d log_prior / d param), guarded
+    logit: sp.Expr                              # over s, tab_v, positions, parameters
+    dlogit_ds: sp.Expr
+    grads: tuple[tuple[str, sp.Expr], ...]      # (learnable param, d logit / d param)
+
+
+def split_for_table(ir: PriorIR) -> TableIR | None:
+    """The table form of ``ir``, or None when the log-prior is not a function of d alone."""
+    pos = position_symbols()
+    spec = ir.spec
+    if ir.log_prior.free_symbols & {pos["i"], pos["j"], pos["n"]} or not ir.log_prior.has(pos["d"]):
+        return None
+    score = S + LOG_PRIOR if spec.score is None else _canonical_positions(spec.score)
+    if not score.has(LOG_PRIOR):
+        return None
+    symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
+    notes: list[str] = []    # the kinks are already reported by the inline analysis
+    value = _guard(ir.log_prior, "the log-prior", notes)
+    tabulated = [p.name for p in spec.params
+                 if p.learnable and ir.log_prior.has(symbols[p.name])]
+    value_grads = tuple(
+        (name, _guard(_clean_derivative(sp.diff(ir.log_prior, symbols[name]), name),
+                      f"d log_prior / d {name}", notes))
+        for name in tabulated)
+    logit = score.xreplace({LOG_PRIOR: TABLE_VALUE})
+    dlds = _clean_derivative(sp.diff(logit, S), "s")
+    chain = sp.diff(logit, TABLE_VALUE)
+    grads = []
+    for p in spec.params:
+        if p.learnable:
+            g = sp.diff(logit, symbols[p.name])
+            if p.name in tabulated:
+                g = g + chain * table_grad_symbol(p.name)
+            grads.append((p.name, _guard(_clean_derivative(g, p.name), f"d logit / d {p.name}", notes)))
+    return TableIR(value=value, value_grads=value_grads, logit=_guard(logit, "the logit", notes),
+                   dlogit_ds=_guard(dlds, "d logit / d s", notes), grads=tuple(grads))
 
 
 def analyse(spec: PriorSpec) -> PriorIR:

@@ -1,6 +1,8 @@
 """GPU readiness without a GPU: compile every shipped prior's kernels for sm_80 and sm_90 and
 print a markdown table of registers, spills, the main loop's instruction mix and the modelled
-cycles per K/V tile, with ratios against the NoPE (uniform) kernel of the same target.
+cost, with ratios against the NoPE (uniform) kernel of the same target. Tiles differ between
+kinds of prior (bamgen/tiles.py), so costs compare per 1000 scores: the model's cycles per
+K/V tile of the main loop divided by the tile's scores.
 
     python benchmarks/aot_report.py [--head-dim 128] [--dtype bf16] [--arch sm_90 ...]
 """
@@ -28,23 +30,27 @@ def main(argv=None):
     paths.sort(key=lambda p: (p.stem != "uniform", p.stem))       # NoPE first: the baseline
     for arch in args.arch:
         print(f"\n### {arch}, {args.dtype}, head dim {args.head_dim}, causal\n")
-        print("| prior | kernel | regs | stack | main loop: MMA | MUFU | FP32 | LDG | LDS "
-              "| model cycles/tile | bound | vs NoPE |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| prior | strategy | kernel | tile | regs | stack | main loop: all | MMA | MUFU | FP32 "
+              "| LDG | LDS | cycles/1k scores: tensor | mufu | fp32 | issue | lsu | model | bound "
+              "| vs NoPE |")
+        print("|" + "---|" * 20)
         baseline = {}
         for path in paths:
             module = load_prior(path)
             for k in compile_module(module, arch=arch, dtype=args.dtype, head_dim=args.head_dim):
-                if k.name == "bwd_preprocess":
+                if k.name in ("bwd_preprocess", "prior_table"):
                     continue
                 model = loop_model(k.main_loop, arch, k.num_warps)
-                cycles = model["cycles_per_tile"]
-                baseline.setdefault(k.name, cycles)
+                per_k = {unit: c * 1000 / (k.block[0] * k.block[1]) for unit, c in model["cycles"].items()}
+                cost = max(per_k.values())
+                baseline.setdefault(k.name, cost)
                 loop = k.main_loop
-                print(f"| {path.stem} | {k.name} | {k.registers} | {k.stack_bytes} | {loop['mma']} "
-                      f"| {loop['mufu']} | {loop['fp32']} | {loop['ld_global']} | {loop['ld_shared']} "
-                      f"| {cycles:.0f} | {model['bound']} | {cycles / baseline[k.name]:.2f}x |",
-                      flush=True)
+                units = " | ".join(f"{per_k[u]:.0f}" for u in ("tensor", "mufu", "fp32", "issue", "lsu"))
+                print(f"| {path.stem} | {module.PRIOR['strategy']} | {k.name} | "
+                      f"{k.block[0]}x{k.block[1]}/{k.num_warps} | {k.registers} | {k.stack_bytes} | "
+                      f"{loop['total']} | {loop['mma']} | {loop['mufu']} | {loop['fp32']} | "
+                      f"{loop['ld_global']} | {loop['ld_shared']} | {units} | {cost:.0f} | "
+                      f"{model['bound']} | {cost / baseline[k.name]:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,15 @@ from tests.helpers import run_cli
 PRIORS = shipped_priors()
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 KERNELS = {"attn_fwd", "bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"}
+PRIOR_DIR = PRIORS[0].parent
+
+
+def _inspect(prior, arch, head_dim, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = run_cli("inspect", str(prior), "--arch", arch, "--dtype", "bf16",
+                  "--head-dim", str(head_dim), "--json", *extra, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
 
 
 @pytest.mark.slow
@@ -24,13 +33,13 @@ KERNELS = {"attn_fwd", "bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"}
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("prior", PRIORS, ids=lambda p: p.stem)
 def test_kernels_compile_for_gpu(prior, arch, head_dim):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = run_cli("inspect", str(prior), "--arch", arch, "--dtype", "bf16",
-                  "--head-dim", str(head_dim), "--json", env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = json.loads(res.stdout)
-    assert {k["name"] for k in report["kernels"]} == KERNELS
+    report = _inspect(prior, arch, head_dim)
+    expected = KERNELS | ({"prior_table"} if report["strategy"] == "table" else set())
+    assert {k["name"] for k in report["kernels"]} == expected
     for kernel in report["kernels"]:
+        if kernel["name"] == "prior_table":     # the prologue: no tiles, no tensor cores
+            assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
+            continue
         assert 0 < kernel["registers"] <= 255, kernel
         assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
@@ -42,3 +51,58 @@ def test_kernels_compile_for_gpu(prior, arch, head_dim):
     if arch == "sm_90":   # Hopper's warpgroup MMA, not the Ampere fallback
         assert all(op.startswith("HGMMA") for op in fwd["main_loop"]["mma_shapes"]), fwd
     assert report["model"]["cycles_per_tile"] == fwd["model"]["cycles_per_tile"]
+
+
+@pytest.mark.slow
+def test_modelled_cost_of_priors_against_nope(tmp_path):
+    """The issue's bar on H100 (sm_90, bf16, head dim 128, causal): the forward main loop of
+    GGD with learnable alpha, beta, mu costs at most 1.15x NoPE's, ALiBi's at most 1.05x."""
+    cycles = {name: _inspect(PRIOR_DIR / f"{name}.yaml", "sm_90", 128)["model"]["cycles_per_1k_scores"]
+              for name in ("uniform", "laplace", "generalized_gaussian")}
+    assert cycles["generalized_gaussian"] <= 1.15 * cycles["uniform"], cycles
+    assert cycles["laplace"] <= 1.05 * cycles["uniform"], cycles
+
+
+@pytest.mark.slow
+def test_inspect_saves_cubins(tmp_path):
+    report = _inspect(PRIOR_DIR / "laplace.yaml", "sm_80", 64, "--save", str(tmp_path / "cubins"))
+    for kernel in report["kernels"]:
+        data = open(kernel["cubin"], "rb").read()
+        assert data[:4] == b"\x7fELF", kernel["name"]   # a cubin is an ELF file
+    assert len(list((tmp_path / "cubins").iterdir())) == len(report["kernels"])
+
+
+ALTERNATES_SCRIPT = r"""
+import json, sys
+from bamgen.aot import compile_module
+from bamgen.loader import load_prior
+from bamgen.resources import shipped_priors
+out = []
+for path in shipped_priors():
+    module = load_prior(path)
+    for arch, by_dim in module.TRITON_CONFIG.items():   # the table of the prior's kind
+        for dim in (64, 128):
+            longest = max(len(v) for v in by_dim[dim].values())
+            for candidate in range(1, longest):
+                for k in compile_module(module, arch=arch, head_dim=dim, candidate=candidate):
+                    out.append([path.stem, arch, dim, candidate, k.name, k.stack_bytes,
+                                k.local_bytes, k.shared_bytes])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_autotune_candidates_fit():
+    """The non-default tile candidates (BAMGEN_AUTOTUNE=1) pass the same bar as the defaults:
+    no spills, within the family's shared memory, for every shipped prior of their kind."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", ALTERNATES_SCRIPT], capture_output=True,
+                         text=True, env=env, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    assert rows, "no alternate candidates were compiled"
+    for prior, arch, dim, candidate, name, stack, spill, shared in rows:
+        assert stack == 0 and spill == 0, (prior, arch, dim, candidate, name)
+        assert shared <= SHARED_LIMIT[arch], (prior, arch, dim, candidate, name)

@@ -1,0 +1,78 @@
+"""Tile configurations of the Triton kernels, per kind of prior, GPU family and head dim.
+
+A config is (BLOCK_M, BLOCK_N, num_warps, num_stages). The generated module receives the table
+of its prior's kind as ``TRITON_CONFIG`` (a list of candidates per kernel; the first is the
+default, ``BAMGEN_AUTOTUNE=1`` times them all on a GPU). Register pressure decides the tiles,
+and it depends on what the main loop computes per score:
+
+* ``light``: nothing or a causal-side ramp (NoPE, ALiBi) — the largest tiles;
+* ``table``: a gathered table entry, and in dQ one derivative table per learnable parameter
+  with two [BLOCK_M, BLOCK_N] accumulators each (GGD, BAM, Cauchy, KERPLE);
+* ``general``: a printed expression per score, or a score other than s + log_prior (SSMax).
+
+Every entry compiles with no register spills and within the family's shared memory for every
+shipped prior of that kind, for bf16 and head dims 64 and 128 (tests/test_aot.py checks the
+defaults and the alternates; ``python benchmarks/tile_sweep.py`` is the sweep that chose them,
+and docs/performance.md has its figures). Among the spill-free tiles the default is the one the
+model ranks best with num_stages >= 2 (software pipelining hides load latency, which the model
+does not see). Head dim 256 is outside that guarantee.
+"""
+from __future__ import annotations
+
+from .lower import KernelPlan
+
+_HEAD_256 = {"fwd": [(32, 32, 4, 2)], "bwd_dkdv": [(16, 32, 4, 1)], "bwd_dq": [(32, 16, 4, 1)]}
+
+TILES = {
+    "light": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2), (128, 128, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)],
+                  "bwd_dq": [(64, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            128: {"fwd": [(64, 64, 4, 2), (128, 32, 8, 1)], "bwd_dkdv": [(64, 32, 4, 2)],
+                  "bwd_dq": [(64, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+    "table": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 32, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+    "general": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 32, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+}
+
+
+def tile_kind(plan: KernelPlan) -> str:
+    """Which table of TILES a prior's kernels use (see the module docstring)."""
+    if not plan.score_is_identity:
+        return "general"
+    if plan.strategy == "table":
+        return "table"
+    return "light" if plan.ramp is not None or not plan.has_bias_hook else "general"
+
+
+def tiles_for(plan: KernelPlan) -> dict:
+    return TILES[tile_kind(plan)]

@@ -1,0 +1,88 @@
+"""Sweep tile configurations of the generated kernels by compiling them ahead of time (no GPU).
+
+    python benchmarks/tile_sweep.py --kernel fwd --arch sm_90 --head-dim 128 \\
+        --configs 128,64,8,2 64,64,4,2 --priors uniform laplace generalized_gaussian
+
+For each shipped prior and (BLOCK_M, BLOCK_N, num_warps, num_stages) it compiles one kernel for
+the target and prints registers, stack (spills), shared memory and the main-loop model of
+bamgen.aot, per 1000 scores, so tiles of different sizes compare. This is how the candidate
+lists in templates/triton_kernels.py.jinja (TRITON_CONFIG) were chosen: the largest tiles with
+no stack on every shipped prior, then the lowest modelled cost.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)          # compile for the GPU, not the interpreter
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as bamgen.aot does
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KERNEL_NAMES = {"fwd": "attn_fwd", "bwd_dkdv": "attn_bwd_dkdv", "bwd_dq": "attn_bwd_dq"}
+
+
+def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple) -> dict:
+    """Compile `kernel` of `module` with `config` for `arch`; its resources and model."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bamgen import aot
+    table = module.TRITON_CONFIG[arch]
+    bucket = min(b for b in table if b >= head_dim)
+    saved = table[bucket][kernel]
+    table[bucket][kernel] = [config]
+    try:
+        spec = next(s for s in module.triton_kernel_specs("bf16", head_dim, True, arch=arch)
+                    if s[0] == KERNEL_NAMES[kernel])
+    finally:
+        table[bucket][kernel] = saved
+    _, fn, sig, constexprs, warps, stages = spec
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aot._alignment_hints(fn, sig)),
+        target=GPUTarget("cuda", aot.ARCHS[arch], 32), options={"num_warps": warps, "num_stages": stages})
+    cubin = compiled.asm["cubin"]
+    usage = aot.resource_usage(cubin)
+    loop = aot.instruction_mix(aot.main_loop(aot.disassemble(cubin)))
+    model = aot.loop_model(loop, arch, warps)
+    scores = config[0] * config[1]
+    return {"registers": usage.get("REG", 0), "stack": usage.get("STACK", 0),
+            "spill": usage.get("LOCAL", 0), "shared": compiled.metadata.shared,
+            "per_1k": {unit: round(c * 1000 / scores) for unit, c in model["cycles"].items()}}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=sorted(KERNEL_NAMES), default="fwd")
+    parser.add_argument("--arch", choices=["sm_80", "sm_90"], default="sm_90")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--configs", nargs="+", required=True, help="BLOCK_M,BLOCK_N,warps,stages")
+    parser.add_argument("--priors", nargs="+", default=None, help="default: every shipped prior")
+    args = parser.parse_args(argv)
+    from bamgen.loader import load_prior
+    from bamgen.resources import shipped_priors
+    paths = {p.stem: p for p in shipped_priors()}
+    names = args.priors or sorted(paths)
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    print(f"| prior | config | regs | stack | shared | tensor | mufu | fp32 | issue | lsu |  "
+          f"({args.arch}, {args.kernel}, head dim {args.head_dim}; cycles per 1000 scores)")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        module = load_prior(paths[name])
+        for config in configs:
+            try:
+                r = compile_one(module, args.kernel, args.arch, args.head_dim, config)
+            except Exception as exc:     # a config the compiler rejects (shared memory, ...)
+                print(f"| {name} | {config} | failed: {str(exc).splitlines()[0][:80]} |")
+                continue
+            c = r["per_1k"]
+            print(f"| {name} | {','.join(map(str, config))} | {r['registers']} | {r['stack']} | "
+                  f"{r['shared']} | {c['tensor']} | {c['mufu']} | {c['fp32']} | {c['issue']} | "
+                  f"{c['lsu']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
