@@ -1,0 +1,586 @@
+"""GPU benchmark of the generated Triton kernels against their peers: TFLOP/s and time ratios,
+forward and backward, causal, N from 1k to 64k.
+
+    python benchmarks/gpu.py                                  # N = 1k..64k, D = 64 128, H=16, bf16
+    python benchmarks/gpu.py --n 4096 16384 --head-dim 128    # a subset
+    python benchmarks/gpu.py --peers sdpa flex-ggd bamgen-ggd --repeats 20 --json gpu.json
+    python benchmarks/gpu.py --quick                          # CI: Triton interpreter, tiny sizes
+
+Peers, all in one process on the same q, k, v, run alternately (one repeat of every peer, then
+the next round) and reported as medians, like benchmarks/cpu.py:
+
+* ``sdpa``            torch SDPA, causal, no bias (flash or cuDNN, whichever torch picks): the
+                      floor, attention with no positional term at all.
+* ``fa2-alibi``       flash_attn.flash_attn_func(causal=True, alibi_slopes=1/b), the hand-written
+                      kernel for the Laplace prior (ALiBi); run only where ``import flash_attn``
+                      works, on its native [B, N, H, D] layout.
+* ``flex-<prior>``    torch.compile(flex_attention) with the prior as a score_mod and a causal
+                      block mask; its parameters are captured tensors that require grad, so the
+                      backward computes their gradients as bamgen's does. The GGD score_mod adds
+                      BAM's epsilon (|d - mu| + 1e-5), or the beta gradient is NaN at d = mu.
+* ``bamgen-<prior>``  the generated modules, backend="triton": generated/generalized_gaussian.py
+                      (ggd: learnable alpha, beta, mu), generated/laplace.py (ALiBi, learnable b),
+                      generated/uniform.py (NoPE, no parameters). ``bamgen-<prior>-torch`` is the
+                      same module on backend="torch" (default in --quick only).
+
+Ratios are of times, bamgen over the peer with the same prior (flex-<prior>; fa2-alibi for
+Laplace) and over sdpa: below 1 bamgen is faster. bamgen-uniform / sdpa is the cost of the
+generated kernel itself; bamgen-ggd / bamgen-uniform that of the prior.
+
+How it is timed. ``fwd`` is one forward under torch.no_grad() (inference). ``bwd`` is the
+backward alone: a forward with grad runs untimed, then ``out.backward(dout)`` is timed, as
+FlashAttention's benchmark_backward does; the gradients of the prior's parameters are included.
+On a GPU every sample is one call between two CUDA events, after a 256 MiB write that flushes the
+L2 cache (as triton.testing.do_bench does), so a call's Python launch overhead counts, as it does
+for a user. FLOPs follow FlashAttention's benchmark: causal forward 4*B*H*N^2*D / 2, backward
+2.5 times that; the prior's own arithmetic is not counted. Sizes follow it too: B*N = 16k tokens
+(B = 16384 // N, at least 1), H = 16. Warm-up calls come first; their time (``first s``:
+compiles, Triton JIT) is reported apart. torch.compile's caches are reset for every (N, D).
+A peer that cannot run (no GPU, no flash_attn, a compile error, out of memory) is listed with
+the reason under the tables instead of stopping the run. The last timed call of every peer is
+kept, and each bamgen module's output is compared with the peers that compute its function
+("Agreement", relative to the largest |value|; bf16 on a GPU, so about 1e-2 is expected there).
+
+--quick is the CI smoke run: no GPU, TRITON_INTERPRET=1 set before Triton is imported, B=1, H=2,
+N = 32 48, D=16, fp32 on the CPU. The bamgen kernels run in the Triton interpreter and on the
+torch backend, SDPA on the CPU, FlexAttention eagerly and forward only (it has no CPU backward).
+It also checks, and exits 1 if not: that the interpreted kernels' output and gradients (q, k, v
+and every parameter) match the torch backend's, and that flex-<prior> and sdpa compute the same
+function as the bamgen module they are compared with. Its timings are not GPU figures.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and "--quick" in sys.argv[1:]:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton
+
+import argparse
+import importlib
+import json
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PRIORS = {"ggd": "generalized_gaussian", "laplace": "laplace", "uniform": "uniform"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+GPU_NS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+QUICK = dict(n=[32, 48], head_dim=[16], heads=2, tokens=1, dtype="fp32")
+QUICK_TOL = 1e-4  # relative to the largest magnitude of the reference tensor
+SMOKE_HEADER = "interpreter smoke run: timings are not GPU figures"
+
+
+# --------------------------------------------------------------------------------------------
+# the problem and its peers
+
+
+@dataclass
+class Config:
+    n: int
+    batch: int
+    heads: int
+    dim: int
+    dtype: torch.dtype
+    device: str
+
+    def fwd_flops(self) -> float:
+        return 4 * self.batch * self.heads * self.n ** 2 * self.dim / 2
+
+    def bwd_flops(self) -> float:
+        return 2.5 * self.fwd_flops()
+
+
+@dataclass
+class Peer:
+    """One way of computing attention: ``fn(*inputs)``. Gradients flow to ``inputs`` and to
+    ``captured`` (tensors the function closes over, such as flex's score_mod parameters)."""
+    name: str
+    fn: Callable[..., torch.Tensor]
+    inputs: list
+    dout: torch.Tensor
+    captured: list = field(default_factory=list)
+    backward: bool = True
+    bnhd: bool = False  # output in [B, N, H, D] (flash_attn's layout)
+    fallback: Callable[[], "Peer"] | None = None  # a cheaper variant if this one fails
+    last: list = field(default_factory=list)  # see keep()
+
+    def __post_init__(self):
+        self.frozen = [t.detach() for t in self.inputs]  # same storage, no autograd
+
+    def call(self) -> torch.Tensor:
+        """One call recording autograd."""
+        return self.fn(*self.inputs)
+
+    def infer(self) -> torch.Tensor:
+        """One inference call: no grad mode and inputs that do not require grad (a module may
+        save more for the backward when they do)."""
+        with torch.no_grad():
+            return self.fn(*self.frozen)
+
+    def leaves(self) -> list:
+        return self.inputs + self.captured
+
+    def zero_grad(self) -> None:
+        for t in self.leaves():
+            t.grad = None
+
+    def keep(self, out: torch.Tensor, grads: bool) -> None:
+        """Hold the last call's output, in [B, H, N, D], and gradients for ``agreement``."""
+        out = out.detach().transpose(1, 2) if self.bnhd else out.detach()
+        self.last = [out] + ([t.grad for t in self.leaves()] if grads else [])
+
+
+class Unavailable(Exception):
+    """A peer that cannot run here; the message says why."""
+
+
+def load_module(prior: str):
+    return importlib.import_module(f"generated.{PRIORS[prior]}")
+
+
+def make_inputs(cfg: Config):
+    g = torch.Generator().manual_seed(0)
+    shape = (cfg.batch, cfg.heads, cfg.n, cfg.dim)
+    q, k, v, dout = (torch.randn(shape, generator=g).to(cfg.device, cfg.dtype) for _ in range(4))
+    return [t.requires_grad_() for t in (q, k, v)], dout
+
+
+def learnable_params(prior: str, cfg: Config) -> dict:
+    return {name: t.to(cfg.device).requires_grad_()
+            for name, t in load_module(prior).default_params(cfg.heads).items()}
+
+
+def sdpa_peer(cfg, qkv, dout) -> Peer:
+    return Peer("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                list(qkv), dout)
+
+
+def fa2_peer(cfg, qkv, dout) -> Peer:
+    if cfg.device != "cuda":
+        raise Unavailable("no GPU")
+    if cfg.dtype == torch.float32:
+        raise Unavailable("flash_attn has no fp32 kernel")
+    try:
+        from flash_attn import flash_attn_func
+    except Exception as err:  # ImportError, or a build that does not match this torch
+        raise Unavailable(f"flash_attn not importable ({type(err).__name__}: {err})") from None
+    bnhd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in qkv]
+    slopes = (1.0 / load_module("laplace").default_params(cfg.heads)["b"]).to(cfg.device)
+    return Peer("fa2-alibi", lambda q, k, v: flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes),
+                bnhd, dout.transpose(1, 2).contiguous(), bnhd=True)
+
+
+def score_mod(prior: str, params: dict):
+    """The prior as a FlexAttention score_mod (score is already scaled q.k)."""
+    if prior == "uniform":
+        return None
+    if prior == "laplace":
+        b = params["b"]
+        return lambda score, bi, h, qi, kj: score - torch.abs((qi - kj).to(torch.float32)) / b[h]
+    alpha, beta, mu = params["alpha"], params["beta"], params["mu"]
+
+    def ggd(score, bi, h, qi, kj):
+        d = (qi - kj).to(torch.float32)
+        return score - torch.pow((torch.abs(d - mu[h]) + 1e-5) / alpha[h], beta[h])
+    return ggd
+
+
+def flex_peer(prior: str, cfg, qkv, dout, learnable: bool = True) -> Peer:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    params = learnable_params(prior, cfg)
+    if not learnable:
+        params = {k: t.detach() for k, t in params.items()}
+    mod = score_mod(prior, params)
+    on_gpu = cfg.device == "cuda"
+    # built once per size, untimed; eagerly it holds an [N, N] bool for a moment (4 GiB at 64k)
+    mask = create_block_mask(lambda b, h, qi, kj: kj <= qi, None, None, cfg.n, cfg.n,
+                             device=cfg.device)
+    # on the CPU: eagerly (no compile), forward only
+    attend = torch.compile(flex_attention, dynamic=False) if on_gpu else flex_attention
+    fallback = None
+    if on_gpu and learnable and params:
+        fallback = lambda: flex_peer(prior, cfg, qkv, dout, learnable=False)
+    return Peer(f"flex-{prior}", lambda q, k, v: attend(q, k, v, score_mod=mod, block_mask=mask),
+                list(qkv), dout, captured=[t for t in params.values() if t.requires_grad],
+                backward=on_gpu, fallback=fallback)
+
+
+def bamgen_peer(prior: str, backend: str, cfg, qkv, dout) -> Peer:
+    module = load_module(prior)
+    params = learnable_params(prior, cfg)
+    names = list(params)
+
+    def fn(q, k, v, *values):
+        return module.attention(q, k, v, **dict(zip(names, values)), causal=True, backend=backend)
+    name = f"bamgen-{prior}" + ("-torch" if backend == "torch" else "")
+    return Peer(name, fn, list(qkv) + list(params.values()), dout)
+
+
+def default_peers(quick: bool) -> list[str]:
+    names = ["sdpa", "fa2-alibi"]
+    for prior in PRIORS:
+        names += [f"flex-{prior}", f"bamgen-{prior}"] + ([f"bamgen-{prior}-torch"] if quick else [])
+    return names
+
+
+def make_peer(name: str, cfg, qkv, dout) -> Peer:
+    if name == "sdpa":
+        return sdpa_peer(cfg, qkv, dout)
+    if name == "fa2-alibi":
+        return fa2_peer(cfg, qkv, dout)
+    kind, prior, *backend = name.split("-")  # names from default_peers(True)
+    if kind == "flex":
+        return flex_peer(prior, cfg, qkv, dout)
+    return bamgen_peer(prior, backend[0] if backend else "triton", cfg, qkv, dout)
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+class Timer:
+    """Seconds of one call of ``fn``: CUDA events around it after an L2 flush on a GPU,
+    perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        if self.cuda:
+            self.flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
+
+    def __call__(self, fn) -> tuple[float, object]:
+        """(seconds, what fn returned)"""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            value = fn()
+            return time.perf_counter() - t0, value
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.flush.zero_()
+        start.record()
+        value = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, value
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def time_forward(timer: Timer, peer: Peer) -> float:
+    seconds, out = timer(peer.infer)
+    peer.keep(out, grads=False)
+    return seconds
+
+
+def time_backward(timer: Timer, peer: Peer) -> float:
+    peer.zero_grad()
+    out = peer.call()  # untimed
+    seconds, _ = timer(lambda: out.backward(peer.dout))
+    peer.keep(out, grads=True)
+    return seconds
+
+
+def warm_up(timer: Timer, peer: Peer, rounds: int) -> float:
+    """Run the peer until compiled; returns the seconds the first round took."""
+    first = None
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        time_forward(timer, peer)
+        if peer.backward:
+            time_backward(timer, peer)
+        timer.sync()
+        first = time.perf_counter() - t0 if first is None else first
+    return first
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:160] if text else ''}"
+
+
+def set_up(names, cfg, qkv, dout, timer, rounds, unavailable) -> tuple[list[Peer], dict]:
+    """Build and warm up every peer; a failing one goes to ``unavailable`` with its reason."""
+    peers, first = [], {}
+    for name in names:
+        try:
+            peer = make_peer(name, cfg, qkv, dout)
+        except Unavailable as err:
+            unavailable[name] = str(err)
+            continue
+        while peer is not None:
+            try:
+                first[name] = warm_up(timer, peer, rounds)
+                peers.append(peer)
+                break
+            except Exception as err:  # compile failure, OOM, unsupported feature
+                if cfg.device == "cuda":
+                    torch.cuda.empty_cache()
+                if peer.fallback is None:
+                    unavailable[name] = _reason(err)
+                else:
+                    unavailable[name] = (f"with learnable parameters: {_reason(err)}; "
+                                         "retried with fixed ones")
+                peer = peer.fallback() if peer.fallback else None
+    return peers, first
+
+
+def measure(peers: list[Peer], timer: Timer, repeats: int, unavailable: dict) -> dict:
+    """Median seconds per (peer name, 'fwd' | 'bwd'), the peers taking turns every round."""
+    samples: dict = {}
+    live = list(peers)
+    for _ in range(repeats):
+        for peer in list(live):
+            try:
+                samples.setdefault((peer.name, "fwd"), []).append(time_forward(timer, peer))
+                if peer.backward:
+                    samples.setdefault((peer.name, "bwd"), []).append(time_backward(timer, peer))
+            except Exception as err:
+                unavailable[peer.name] = _reason(err)
+                live.remove(peer)
+    live_names = {p.name for p in live}
+    return {key: statistics.median(ts) for key, ts in samples.items() if key[0] in live_names}
+
+
+# --------------------------------------------------------------------------------------------
+# agreement between peers that compute the same function
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+
+
+def agreement(peers: list[Peer]) -> dict:
+    """Relative max error of each bamgen module against the peers computing its function:
+    forward against flex-<prior>, fa2-alibi (Laplace) and sdpa (uniform); forward and every
+    gradient of the Triton backend against the torch backend, where both ran. It reads what
+    each peer's last timed call left (``Peer.keep``): no extra calls."""
+    by_name = {p.name: p for p in peers}
+    refs = {f"bamgen-{p}": [f"flex-{p}"] for p in PRIORS}
+    refs["bamgen-laplace"].append("fa2-alibi")
+    refs["bamgen-uniform"].append("sdpa")
+    errors = {}
+    for name in refs:
+        if name not in by_name:
+            continue
+        got = by_name[name].last
+        torch_backend = by_name.get(name + "-torch")
+        if torch_backend and len(got) > 1:
+            pairs = zip(got, torch_backend.last, strict=True)
+            errors[f"{name} vs {name}-torch fwd+grads"] = max(_rel_err(a, b) for a, b in pairs)
+        for ref in refs[name]:
+            if ref in by_name:
+                errors[f"{name} vs {ref} fwd"] = _rel_err(got[0], by_name[ref].last[0])
+    return errors
+
+
+# --------------------------------------------------------------------------------------------
+# one configuration, and the tables
+
+
+def run_config(cfg: Config, names: list[str], args) -> dict:
+    if cfg.device == "cuda":
+        torch._dynamo.reset()  # drop the last size's compiled flex graphs
+        torch.cuda.empty_cache()
+    qkv, dout = make_inputs(cfg)
+    timer = Timer(cfg.device)
+    unavailable: dict = {}
+    peers, first = set_up(names, cfg, qkv, dout, timer, args.warmup, unavailable)
+    times = measure(peers, timer, args.repeats, unavailable)
+    errors = agreement(peers)
+    result = {"N": cfg.n, "B": cfg.batch, "H": cfg.heads, "D": cfg.dim, "peers": {},
+              "unavailable": unavailable, "agreement": errors}
+    for peer in peers:
+        fwd, bwd = times.get((peer.name, "fwd")), times.get((peer.name, "bwd"))
+        if fwd is None:
+            continue
+        result["peers"][peer.name] = {
+            "fwd_s": fwd, "bwd_s": bwd, "first_s": first[peer.name],
+            "fwd_tflops": cfg.fwd_flops() / fwd / 1e12,
+            "bwd_tflops": None if bwd is None else cfg.bwd_flops() / bwd / 1e12}
+    return result
+
+
+def _f(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def _ms(seconds):
+    return _f(None if seconds is None else seconds * 1e3, ".3f")
+
+
+def _ratio(a, b):
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def print_results(results: list[dict], args, env: dict) -> None:
+    print_header(args, env)
+    print_times(results)
+    print_ratios(results)
+    print_notes(results)
+
+
+def print_header(args, env: dict) -> None:
+    print()
+    if args.quick:
+        print(f"**{SMOKE_HEADER}** (Triton interpreter and torch on the CPU)\n")
+    batch = "B=1" if args.quick else f"B*N = {args.tokens} tokens (B at least 1)"
+    print(f"{env['device']}; torch {env['torch']}, triton {env['triton']}, flash_attn "
+          f"{env['flash_attn']}. H={args.heads}, {batch}, {args.dtype}, causal; median of "
+          f"{args.repeats} alternating repeats. fwd: one forward under no_grad; bwd: the backward "
+          "alone, parameter gradients included. FLOPs: causal fwd 4*B*H*N^2*D/2, bwd 2.5x that. "
+          "first s: the first (compiling) fwd + fwd/bwd.\n")
+
+
+def print_times(results: list[dict]) -> None:
+    print("| N | B | D | peer | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | first s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for name, p in r["peers"].items():
+            print(f"| {r['N']} | {r['B']} | {r['D']} | {name} | {_ms(p['fwd_s'])} | "
+                  f"{_f(p['fwd_tflops'], '.3g')} | {_ms(p['bwd_s'])} | "
+                  f"{_f(p['bwd_tflops'], '.3g')} | {_f(p['first_s'], '.1f')} |")
+
+
+def print_ratios(results: list[dict]) -> None:
+    print("\nTime ratios, bamgen / peer (below 1: bamgen is faster); flex-<prior> and fa2-alibi "
+          "(for laplace) compute the same function\n")
+    print("| N | D | bamgen | fwd / sdpa | bwd / sdpa | fwd / flex | bwd / flex | fwd / fa2-alibi | "
+          "bwd / fa2-alibi |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t = lambda peer, kind: r["peers"].get(peer, {}).get(f"{kind}_s")
+        for name, p in r["peers"].items():
+            if not name.startswith("bamgen-"):
+                continue
+            prior = name.split("-")[1]
+            refs = ("sdpa", f"flex-{prior}", "fa2-alibi" if prior == "laplace" else None)
+            cells = [_ratio(p[f"{kind}_s"], t(ref, kind)) for ref in refs for kind in ("fwd", "bwd")]
+            print(f"| {r['N']} | {r['D']} | {name} | " + " | ".join(cells) + " |")
+
+
+def print_notes(results: list[dict]) -> None:
+    notes = {}
+    for r in results:
+        for name, why in r["unavailable"].items():
+            notes.setdefault((name, why), []).append(f"{r['N']}/{r['D']}")
+    if notes:
+        print("\nNot run or not complete (N/D):")
+        for (name, why), where in notes.items():
+            print(f"* {name}: {why} [{', '.join(where)}]")
+    print("\nAgreement (max |difference| / max |reference|):")
+    for r in results:
+        if r["agreement"]:
+            print(f"* N={r['N']} D={r['D']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r["agreement"].items()))
+
+
+def environment(device: str) -> dict:
+    def version(name):
+        try:
+            return importlib.import_module(name).__version__
+        except Exception:
+            return "not installed"
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (no GPU)"
+    return {"device": name, "torch": torch.__version__, "triton": version("triton"),
+            "flash_attn": version("flash_attn") if device == "cuda" else "not used"}
+
+
+def failed_checks(results: list[dict]) -> list[str]:
+    return [f"N={r['N']} D={r['D']} {k}: {v:.2e} > {QUICK_TOL:.0e}"
+            for r in results for k, v in r["agreement"].items() if not v <= QUICK_TOL]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def lift_recompile_limits() -> None:
+    """flex_attention is compiled once per score_mod, grad mode, N and D: more than dynamo's
+    default of 8 recompiles of one function (past which it would silently run eagerly)."""
+    config = torch._dynamo.config
+    for new, old, value in (("recompile_limit", "cache_size_limit", 64),
+                            ("accumulated_recompile_limit", "accumulated_cache_size_limit", 4096)):
+        setattr(config, new if hasattr(config, new) else old, value)
+
+
+def quiet_expected_warnings() -> None:
+    """The smoke run calls flex_attention eagerly on purpose, and the interpreter evaluates
+    masked-out lanes too (log of 0 and the like)."""
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, nargs="+", help="sequence lengths (default 1024 .. 65536)")
+    ap.add_argument("--head-dim", type=int, nargs="+", help="head dims (default 64 128)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=16384, help="B = max(1, tokens // N)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--peers", nargs="+", choices=default_peers(True), metavar="PEER",
+                    help=f"subset of: {' '.join(default_peers(True))}")
+    ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; medians reported")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before (compiles)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI smoke run on the CPU under the Triton interpreter, with checks "
+                         "(fixes H=2, B=1, fp32, one repeat)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n = args.n or QUICK["n"]
+        args.head_dim = args.head_dim or QUICK["head_dim"]
+        args.heads, args.tokens, args.dtype = QUICK["heads"], QUICK["tokens"], QUICK["dtype"]
+        args.repeats, args.warmup = 1, 1
+    args.n = args.n or GPU_NS
+    args.head_dim = args.head_dim or [64, 128]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        os.environ["TRITON_INTERPRET"] = "1"  # read by the generated modules at each call
+        device = "cpu"
+    elif torch.cuda.is_available():
+        device = "cuda"
+    else:
+        print("no GPU: nothing to measure (torch.cuda.is_available() is False); "
+              "--quick runs the CPU smoke run under the Triton interpreter")
+        return 1
+    if device == "cuda":
+        lift_recompile_limits()
+    else:
+        quiet_expected_warnings()
+    names = args.peers or default_peers(args.quick)
+    env = environment(device)
+    print(f"{env['device']}, torch {env['torch']}; peers: {' '.join(names)}", flush=True)
+    results = []
+    for dim in args.head_dim:
+        for n in args.n:
+            cfg = Config(n, max(1, args.tokens // n), args.heads, dim, DTYPES[args.dtype], device)
+            t0 = time.perf_counter()
+            results.append(run_config(cfg, names, args))
+            print(f"N={n} D={dim} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    print_results(results, args, env)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "results": results},
+                                              indent=1))
+    if args.quick:
+        failed = failed_checks(results)
+        for line in failed:
+            print(f"CHECK FAILED: {line}")
+        return 1 if failed else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
