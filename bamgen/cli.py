@@ -230,6 +230,8 @@ def show(file: Path, heads: int) -> None:
     if kernel_plan.ramp is not None:
         click.echo(f"  causal side: log2(e) * log_prior = {kernel_plan.ramp.outputs[1]} + "
                    f"{kernel_plan.ramp.outputs[0]} * d (row and column terms, no per-score work)")
+        for name, code in kernel_plan.ramp.hoisted:
+            click.echo(f"    {name} = {code}")
     if kernel_plan.table is not None:
         pro = kernel_plan.table.prologue
         click.echo(f"  table prologue: log2(e) * log_prior and d/d({', '.join(kernel_plan.table.grads)}) "

@@ -7,7 +7,9 @@ and it depends on what the main loop computes per score:
 
 * ``light``: nothing or a causal-side ramp (NoPE, ALiBi) — the largest tiles;
 * ``table``: a gathered table entry, and in dQ one derivative table per learnable parameter
-  with two [BLOCK_M, BLOCK_N] accumulators each (GGD, BAM, Cauchy, KERPLE);
+  with two [BLOCK_M, BLOCK_N] accumulators each (GGD, BAM, Cauchy, KERPLE). On sm_90 dQ keeps
+  BLOCK_M = 64 (narrow BLOCK_N instead): below 64 rows there is no warpgroup MMA, and the warps
+  re-read K and V through shared memory for every product;
 * ``general``: a printed expression per score, or a score other than s + log_prior (SSMax).
 
 Every entry compiles with no register spills and within the family's shared memory for every
@@ -40,8 +42,8 @@ TILES = {
     },
     "table": {
         "sm_90": {
-            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
-            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 16, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(64, 16, 4, 2)]},
             256: _HEAD_256,
         },
         "sm_80": {
@@ -52,8 +54,8 @@ TILES = {
     },
     "general": {
         "sm_90": {
-            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
-            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 16, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(64, 16, 4, 2)]},
             256: _HEAD_256,
         },
         "sm_80": {
