@@ -1,0 +1,184 @@
+"""Passkey retrieval with bamgen-generated attention: train tiny decoders at a short length,
+test them at many times that length (64x by default).
+
+    .venv/bin/python experiments/passkey/run.py              # the whole study -> docs/results/
+    .venv/bin/python experiments/passkey/run.py --smoke      # 1 step, tiny eval, a temp dir
+    .venv/bin/python experiments/passkey/run.py --report-only
+
+Each (variant, seed) run is saved as runs/<variant>-s<seed>.json under --out; a run whose
+file exists with the same settings is reused, so an interrupted study resumes where it
+stopped. The report (results.md, accuracy.png, priors.png) is rebuilt from those files.
+See experiments/passkey/README.md.
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from model import VARIANTS  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+DEFAULT_OUT = os.path.join(ROOT, "docs", "results")
+# Relative cost of a training step per variant (measured): the longest runs start first.
+COST = {"bam_ssmax": 2.0}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. SEEDS-1 per variant")
+    ap.add_argument("--steps", type=int, default=500, help="training steps per model")
+    ap.add_argument("--batch", type=int, default=64, help="training sequences per step")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    ap.add_argument("--prior-lr-mult", type=float, default=10.0,
+                    help="learning-rate multiplier of the prior parameters")
+    ap.add_argument("--train-length", type=int, default=64, help="training sequence length")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                    help="evaluation lengths as multiples of --train-length")
+    ap.add_argument("--depths", type=int, default=5, help="evenly spread passkey depths, 0 to 1")
+    ap.add_argument("--eval-samples", type=int, default=16, help="samples per (length, depth)")
+    ap.add_argument("--workers", type=int, default=2, help="processes, one thread each")
+    ap.add_argument("--backend", choices=["generated", "materialised"], default="generated",
+                    help="attention through the generated module or a materialised bias")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, or cuda to run the generated modules' Triton kernels "
+                         "(use --workers 1 on one GPU)")
+    ap.add_argument("--timing-steps", type=int, default=10,
+                    help="training steps per timing round of the backend comparison (0: skip)")
+    ap.add_argument("--timing-rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT})")
+    ap.add_argument("--smoke", action="store_true",
+                    help="1 step, 1 seed, 2 lengths, 2 depths, 2 samples, into a temp dir")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild the report from the saved runs, train nothing")
+    ap.add_argument("--force", action="store_true", help="retrain runs that already exist")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.seeds, args.lengths, args.depths, args.batch = 1, 1, [1, 2], 2, 8
+        args.eval_samples, args.workers, args.timing_steps, args.timing_rounds = 2, 1, 1, 1
+        args.out = args.out or tempfile.mkdtemp(prefix="passkey-smoke-")
+    args.out = args.out or DEFAULT_OUT
+    return args
+
+
+def make_config(args):
+    """Every setting that changes a run's result (a saved run is reused only if they match)."""
+    depths = [round(i / (args.depths - 1), 4) for i in range(args.depths)] if args.depths > 1 else [0.5]
+    return dict(steps=args.steps, batch=args.batch, lr=args.lr, prior_lr_mult=args.prior_lr_mult, warmup_frac=0.05,
+                weight_decay=0.01, clip=1.0, train_length=args.train_length, d_model=64,
+                n_layers=2, n_heads=4, multiples=sorted(args.lengths), depths=depths,
+                eval_samples=args.eval_samples, eval_seed=1234, backend=args.backend,
+                log_every=max(1, min(50, args.steps // 10)))
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def run_path(out, variant, seed):
+    return os.path.join(out, "runs", f"{variant}-s{seed}.json")
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def save_json(path, obj):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def train_task(variant, seed, cfg, out, device):
+    """Worker: one (variant, seed) run, saved as JSON. Returns its path."""
+    from train import run_one
+    record = run_one(variant, seed, cfg, log=log, device=device)
+    path = run_path(out, variant, seed)
+    save_json(path, record)
+    return path
+
+
+def timing_task(cfg, variants, steps, rounds, out, device):
+    """Worker: the generated-path vs materialised-bias wall-time comparison, saved as JSON."""
+    from train import time_backends
+    result = dict(config=cfg, steps_per_round=steps, rounds=rounds, device=device,
+                  per_variant=time_backends(cfg, variants, steps, rounds, log=log, device=device))
+    path = os.path.join(out, "timing.json")
+    save_json(path, result)
+    return path
+
+
+def pending_tasks(args, cfg):
+    """The (function, args) jobs still to do, the costliest first."""
+    jobs = []
+    for variant in sorted(args.variants, key=lambda v: -COST.get(v, 1.0)):
+        for seed in range(args.seeds):
+            saved = load_json(run_path(args.out, variant, seed))
+            if saved and saved.get("config") == cfg and not args.force:
+                log(f"[{variant} s{seed}] reusing {os.path.relpath(run_path(args.out, variant, seed))}")
+                continue
+            jobs.append((train_task, (variant, seed, cfg, args.out, args.device)))
+    if args.timing_steps > 0:
+        saved = load_json(os.path.join(args.out, "timing.json"))
+        if saved and saved.get("config") == cfg and not args.force:
+            log("[timing] reusing timing.json")
+        else:
+            jobs.append((timing_task, (cfg, args.variants, args.timing_steps,
+                                       args.timing_rounds, args.out, args.device)))
+    return jobs
+
+
+def run_jobs(jobs, workers):
+    """Run the jobs, in this process (workers <= 1) or in a pool of fresh processes."""
+    if workers <= 1:
+        for fn, fn_args in jobs:
+            fn(*fn_args)
+        return
+    ctx = multiprocessing.get_context("spawn")   # fresh interpreters: one thread each, no forked state
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = [pool.submit(fn, *fn_args) for fn, fn_args in jobs]
+        for fut in as_completed(futures):
+            fut.result()          # re-raise a worker's error here
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = make_config(args)
+    os.makedirs(args.out, exist_ok=True)
+    if not args.report_only:
+        jobs = pending_tasks(args, cfg)
+        log(f"passkey study: {len(jobs)} job(s) on {args.workers} process(es) -> {args.out}")
+        start = time.perf_counter()
+        run_jobs(jobs, args.workers)
+        wall = time.perf_counter() - start
+        log(f"done in {wall / 60:.1f} min")
+        if jobs:
+            save_json(os.path.join(args.out, "study.json"),
+                      dict(config=cfg, wall_seconds=round(wall, 1), workers=args.workers,
+                           load_average_at_end=[round(x, 2) for x in os.getloadavg()],
+                           cpus=os.cpu_count(),
+                           jobs=len(jobs), argv=sys.argv[1:] if argv is None else list(argv)))
+    from report import write_report
+    paths = write_report(args.out, variants=args.variants)
+    for path in paths:
+        log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
