@@ -189,9 +189,10 @@ def _alignment_hints(fn, signature: dict) -> dict:
 
 
 def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf16",
-                   head_dim: int = 64, causal: bool = True, candidate: int = 0) -> list[CompiledKernel]:
-    """Compile every Triton kernel of a generated module for ``arch`` with its ``candidate``-th
-    tile config (the default: 0); raises on a compile error."""
+                   head_dim: int = 64, causal: bool = True, candidate: int = 0,
+                   only: tuple[str, ...] | None = None) -> list[CompiledKernel]:
+    """Compile every Triton kernel of a generated module (or the ones named in ``only``) for
+    ``arch`` with its ``candidate``-th tile config (the default: 0); raises on a compile error."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -203,6 +204,8 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
     compiled = []
     specs = module.triton_kernel_specs(dtype, head_dim, causal, arch=arch, candidate=candidate)
     for name, fn, signature, constexprs, warps, stages in specs:
+        if only is not None and name not in only:
+            continue
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                            attrs=_alignment_hints(fn, signature))
         kernel = triton.compile(source,

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)          # compile for the GPU, not the interpreter
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as bamgen.aot does
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -26,31 +25,20 @@ KERNEL_NAMES = {"fwd": "attn_fwd", "bwd_dkdv": "attn_bwd_dkdv", "bwd_dq": "attn_
 
 def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple) -> dict:
     """Compile `kernel` of `module` with `config` for `arch`; its resources and model."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from bamgen import aot
     table = module.TRITON_CONFIG[arch]
     bucket = min(b for b in table if b >= head_dim)
     saved = table[bucket][kernel]
     table[bucket][kernel] = [config]
     try:
-        spec = next(s for s in module.triton_kernel_specs("bf16", head_dim, True, arch=arch)
-                    if s[0] == KERNEL_NAMES[kernel])
+        (k,) = aot.compile_module(module, arch=arch, head_dim=head_dim,
+                                  only=(KERNEL_NAMES[kernel],))
     finally:
         table[bucket][kernel] = saved
-    _, fn, sig, constexprs, warps, stages = spec
-    compiled = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aot._alignment_hints(fn, sig)),
-        target=GPUTarget("cuda", aot.ARCHS[arch], 32), options={"num_warps": warps, "num_stages": stages})
-    cubin = compiled.asm["cubin"]
-    usage = aot.resource_usage(cubin)
-    loop = aot.instruction_mix(aot.main_loop(aot.disassemble(cubin)))
-    model = aot.loop_model(loop, arch, warps)
+    model = aot.loop_model(k.main_loop, arch, k.num_warps)
     scores = config[0] * config[1]
-    return {"registers": usage.get("REG", 0), "stack": usage.get("STACK", 0),
-            "spill": usage.get("LOCAL", 0), "shared": compiled.metadata.shared,
+    return {"registers": k.registers, "stack": k.stack_bytes, "spill": k.local_bytes,
+            "shared": k.shared_bytes,
             "per_1k": {unit: round(c * 1000 / scores) for unit, c in model["cycles"].items()}}
 
 
