@@ -79,12 +79,12 @@ class KernelPlan:
     torch_fwd: CodeBlock
     torch_bwd: CodeBlock
     table: TablePlan | None = None   # set when strategy == "table"
-    # For a score s + log_prior, triton_fwd holds log2(e) * log_prior alone (the "bias"; empty
+    # For a score s + log_prior, triton_fwd holds log_prior alone (the "bias"; empty
     # when tabulated: the table holds it) and triton_bwd the parameter derivatives alone; for any
     # other score, triton_fwd holds the logit and triton_bwd (logit, d logit / d s, derivatives).
     cost: tuple[tuple[str, int], ...] = ()   # the cost model's figures, for `bamgen show`
     ramp: CodeBlock | None = None   # (slope, intercept) of a causal-side linear bias, see _causal_ramp
-    # Block skipping (table strategy): key tiles whose table entries (base 2) are all <= skip
+    # Block skipping (table strategy): key tiles whose table entries (log_prior) are all <= skip
     # are not visited; -inf skips exactly where the prior is -oo, a finite bound is skip_below.
     skip: float | None = None
 
@@ -132,9 +132,10 @@ def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
         for pass_, exprs in (("fwd", fwd_exprs), ("bwd", bwd_exprs))
     }
     if ir.score_is_identity:
-        # logit = s + b(positions): the kernels add log2(e) * b to the base-2 scaled q.k, so
-        # log2(e) folds into the prior's own constants (ALiBi: one FFMA per score)
-        bias = ir.logit.xreplace({S: sp.S.Zero}) / sp.log(2)
+        # logit = s + b(positions): the kernels compute (q.k * scale + b) * log2(e); b is added
+        # in natural units, as the reference does (adding log2(e) * b to a base-2 score instead
+        # rounds a large b differently and moved dV by 1e-4 in a property test)
+        bias = ir.logit.xreplace({S: sp.S.Zero})
         blocks["triton", "fwd"] = _code_block([bias], names, "triton", prefix="b")
         # and d logit / d s = 1: the backward's hook gives the parameter derivatives alone
         blocks["triton", "bwd"] = _code_block([g for _, g in ir.grads], names, "triton")
@@ -143,7 +144,7 @@ def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
         table, blocks["triton", "fwd"], blocks["triton", "bwd"] = _table_blocks(split, names, ir)
     skip = None
     if strategy == "table" and skippable:
-        skip = -ir.spec.skip_below / math.log(2) if ir.spec.skip_below else -math.inf
+        skip = -ir.spec.skip_below if ir.spec.skip_below else -math.inf
     return KernelPlan(ir=ir, strategy=strategy, params=params, skip=skip,
                       ramp=ramp if strategy == "inline" else None,
                       positions_used=ir.positions_used, score_is_identity=ir.score_is_identity,
@@ -183,14 +184,13 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
 
 
 def _table_blocks(split: TableIR, names: dict, ir: PriorIR) -> tuple[TablePlan, CodeBlock, CodeBlock]:
-    """The prologue's code over d (the value stored in base 2, log2(e) * log_prior, as the
-    softmax uses it; the derivatives in natural units), and the main loop's code over the
-    gathered entries (a score other than s + log_prior reads tab_v in natural units)."""
+    """The prologue's code over d (the log-prior, then its derivatives, in natural units), and
+    the main loop's code over the gathered entries tab_v, tab_<param>."""
     names = dict(names)
     names[TABLE_VALUE] = "tab_v"
     grads = tuple(name for name, _ in split.value_grads)
     names.update({table_grad_symbol(n): f"tab_{n}" for n in grads})
-    prologue = _code_block([split.value / sp.log(2)] + [g for _, g in split.value_grads], names,
+    prologue = _code_block([split.value] + [g for _, g in split.value_grads], names,
                            "triton")
     fwd = _code_block([] if ir.score_is_identity else [split.logit], names, "triton")
     head = [] if ir.score_is_identity else [split.logit, split.dlogit_ds]

@@ -87,7 +87,7 @@ params:
 @pytest.mark.parametrize("causal", [True, False])
 def test_window_prior_skips_tiles_exactly(tmp_path, causal):
     module = bamgen.load(write_prior(tmp_path, WINDOW), cache_dir=tmp_path / "cache")
-    assert module.PRIOR["strategy"] == "table" and module.SKIP_BELOW_LOG2 == float("-inf")
+    assert module.PRIOR["strategy"] == "table" and module.SKIP_BELOW == float("-inf")
     window = lambda d, p: torch.where(d.abs() <= 5, -d.abs() / p["b"], -torch.inf)  # noqa: E731
     # queries at positions 64..95 see keys 59..100 at most: keys 0..31 lie in key tiles that
     # no kernel visits (the interpreter's tiles are 16 and 32 keys wide)
