@@ -188,6 +188,15 @@ def _alignment_hints(fn, signature: dict) -> dict:
     return hints
 
 
+def _fp_fusion(module: ModuleType, kernel: str) -> bool:
+    """The kernel's FMA-contraction setting as the module launches it: its attention kernels
+    run with FP_FUSION (off: the backward must recompute the forward's logits bit for bit),
+    the other kernels with Triton's default (on)."""
+    if kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
+        return getattr(module, "FP_FUSION", True)
+    return True
+
+
 def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf16",
                    head_dim: int = 64, causal: bool = True, candidate: int = 0,
                    only: tuple[str, ...] | None = None) -> list[CompiledKernel]:
@@ -209,7 +218,8 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                            attrs=_alignment_hints(fn, signature))
         kernel = triton.compile(source,
-                                target=target, options={"num_warps": warps, "num_stages": stages})
+                                target=target, options={"num_warps": warps, "num_stages": stages,
+                                                        "enable_fp_fusion": _fp_fusion(module, name)})
         cubin = kernel.asm["cubin"]
         usage = resource_usage(cubin)
         instructions = disassemble(cubin)

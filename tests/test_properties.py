@@ -93,6 +93,10 @@ def load(prior_name: str):
 
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# BAMGEN_TEST_DEVICE=cuda (make gpu-check) runs the generated modules on a GPU: the tensors are
+# drawn on the CPU as always (same values for the same seed), moved to the device for the module
+# and back for the comparison; the float64 reference always runs on the CPU.
+DEVICE = torch.device(os.environ.get("BAMGEN_TEST_DEVICE", "cpu"))
 
 # --------------------------------------------------------------------------------------------
 # one case
@@ -150,13 +154,14 @@ def run_case(case: Case):
             assert bool((vals == vals[0]).all())
             kparams[name] = float(vals[0])
         else:
-            kparams[name] = vals.clone().requires_grad_(True)
+            kparams[name] = vals.clone().to(DEVICE).requires_grad_(True)
 
-    qk, kk, vk = (t.clone().requires_grad_(True) for t in (q, k, v))
+    qk, kk, vk = (t.clone().to(DEVICE).requires_grad_(True) for t in (q, k, v))
     kw = dict(causal=case.causal, scale=case.scale, q_offset=case.q_offset, k_offset=case.k_offset)
     out = mod.attention(qk, kk, vk, **kparams, backend=case.backend, **kw)
     assert out.dtype == dtype and out.shape == q.shape, (out.dtype, out.shape)
-    out.backward(dout)
+    assert out.device == qk.device, (out.device, qk.device)
+    out.backward(dout.to(DEVICE))
 
     rkw = dict(kw, score=None, kink=prior.kink, dout=dout)
     ref = reference_attention(q, k, v, ref_params, prior.log_prior, **rkw)
@@ -169,6 +174,7 @@ def run_case(case: Case):
             got["d" + name] = kparams[name].grad
     for name, t in got.items():
         assert t is not None, f"{name} has no gradient; case: {ctx}"
+        got[name] = t.cpu()
         assert bool(torch.isfinite(t).all()), f"{name} is not finite; case: {ctx}"
     assert qk.grad.dtype == dtype and kk.grad.dtype == dtype and vk.grad.dtype == dtype
 
@@ -370,7 +376,7 @@ def test_module_initialisation_forward_backward(prior, backend):
     mod = load(prior)
     pdef = PRIORS[prior]
     H = 4
-    m = getattr(mod, pdef.cls)(num_heads=H)
+    m = getattr(mod, pdef.cls)(num_heads=H).to(DEVICE)
     learnable = [n for n, info in mod.PRIOR["params"].items() if info["learnable"]]
     if prior == "generalized_gaussian":
         assert set(learnable) == {"alpha", "beta", "mu"}
@@ -380,22 +386,25 @@ def test_module_initialisation_forward_backward(prior, backend):
     if hasattr(m, "prior_params"):  # the documented accessor of the effective values
         eff = m.prior_params()
         for name, want in mod.default_params(H).items():
-            torch.testing.assert_close(eff[name].detach().float().expand(H), want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(eff[name].detach().float().cpu().expand(H), want, rtol=1e-6, atol=1e-6)
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, H, 33, 32, generator=g)
     k = torch.randn(2, 2, 40, 32, generator=g)
     v = torch.randn(2, 2, 40, 32, generator=g)
     dout = torch.randn(2, H, 33, 32, generator=g)
+    q, k, v, dout = (t.to(DEVICE) for t in (q, k, v, dout))
 
     # the module's effective parameter values are default_params(H): same result as the functional form
     out = m(q, k, v, causal=True, q_offset=7, backend=backend)
-    want = mod.attention(q, k, v, **mod.default_params(H), causal=True, q_offset=7, backend=backend)
+    defaults = {n: t.to(DEVICE) for n, t in mod.default_params(H).items()}
+    want = mod.attention(q, k, v, **defaults, causal=True, q_offset=7, backend=backend)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     # and the reference agrees with that too
     inits = {n: torch.tensor([pdef.inits[n](h, H) for h in range(H)]) for n in pdef.params}
-    ref = reference_attention(q, k, v, inits, pdef.log_prior, causal=True, q_offset=7, kink=pdef.kink)
-    torch.testing.assert_close(out.double(), ref.out, rtol=0, atol=1e-5)
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), inits, pdef.log_prior, causal=True, q_offset=7,
+                              kink=pdef.kink)
+    torch.testing.assert_close(out.cpu().double(), ref.out, rtol=0, atol=1e-5)
 
     qg = q.clone().requires_grad_(True)
     out = m(qg, k, v, causal=True, q_offset=7, backend=backend)
