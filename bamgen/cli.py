@@ -232,11 +232,13 @@ def show(file: Path, heads: int) -> None:
                    f"{kernel_plan.ramp.outputs[0]} * d (row and column terms, no per-score work)")
         for name, code in kernel_plan.ramp.hoisted:
             click.echo(f"    {name} = {code}")
-    if kernel_plan.table is not None:
-        pro = kernel_plan.table.prologue
-        click.echo(f"  table prologue: log2(e) * log_prior and d/d({', '.join(kernel_plan.table.grads)}) "
-                   f"per (head, distance)")
-        for name, code in pro.hoisted + pro.body:
+    if kernel_plan.distance_table is not None:
+        table = kernel_plan.distance_table
+        used = "the GPU kernels' tables and the CPU path's bias" if kernel_plan.table is not None \
+            else "the CPU path's bias"
+        grads = f" and d/d({', '.join(table.grads)})" if table.grads else ""
+        click.echo(f"  distance table ({used}): log_prior{grads} per (head, distance), float64")
+        for name, code in table.code.hoisted + table.code.body:
             click.echo(f"    {name} = {code}")
     click.echo(f"  backward kernel: {len(block.hoisted)} per-head constant(s), "
                f"{len(block.body)} per-score temporarie(s)")
