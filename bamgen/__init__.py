@@ -2,13 +2,14 @@
 
     bamgen build priors/generalized_gaussian.yaml      # writes generated/generalized_gaussian.py
     module = bamgen.load("generalized_gaussian")       # a shipped name or a file: cache and import
+    optimizer = torch.optim.AdamW(bamgen.param_groups(model, weight_decay=0.1))   # priors: no decay
 """
 __version__ = "0.1.0"
 
 from .cache import install_import_hook as _install_import_hook  # noqa: E402
 from .errors import SpecError  # noqa: E402
 
-__all__ = ["SpecError", "build", "load", "__version__"]
+__all__ = ["SpecError", "build", "load", "param_groups", "__version__"]
 
 # Modules from bamgen.load are named bamgen._cache.<artifact>; this resolves those names in any
 # process (unpickling, torch.multiprocessing), finding or rebuilding the artifact in the cache.
@@ -29,3 +30,9 @@ def load(path, *, strategy=None, cache_dir=None):
     from .loader import load_prior
     return load_prior(path, strategy=strategy, cache_dir=cache_dir)
 
+
+def param_groups(model, weight_decay=0.01, *, prior_lr=None):
+    """Optimizer parameter groups that keep prior parameters out of weight decay; see
+    :func:`bamgen.optim.param_groups`."""
+    from .optim import param_groups as groups
+    return groups(model, weight_decay, prior_lr=prior_lr)
