@@ -84,8 +84,11 @@ EMITTING_MODULES = ("formula", "spec", "symbolic", "lower", "printers", "tiles",
 
 
 def _build_hash(spec: PriorSpec, strategy: str) -> str:
+    """Everything that decides the module's bytes: bamgen, the strategy, the prior file's bytes
+    and name (the header cites it), the templates and the compiler stages."""
     digest = hashlib.sha256()
-    digest.update(f"bamgen {__version__}\nstrategy {strategy}\nsource {spec.source_hash}\n".encode())
+    digest.update(f"bamgen {__version__}\nstrategy {strategy}\nsource {spec.source_hash}\n"
+                  f"file {Path(spec.path).name!r}\n".encode())
     # the templates and the compiler stages: any change to what a build emits changes the hash
     compiler_dir = Path(__file__).parent
     stages = [compiler_dir / f"{name}.py" for name in EMITTING_MODULES]
