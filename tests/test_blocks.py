@@ -18,6 +18,12 @@ CASES = [  # (prior, backend, causal, Nq, Nk, split, q_offset, Hq, Hk)
     ("laplace", "torch", False, 20, 31, 30, 0, 2, 2),
     ("laplace", "triton", True, 16, 48, 20, 32, 2, 1),
     ("uniform", "torch", True, 9, 9, 4, 0, 1, 1),
+    # n (SSMax) counts the keys of the whole row, not of one block: the block API does not
+    # carry the row's key count yet
+    pytest.param(("bam_ssmax", "torch", True, 30, 30, 13, 0, 2, 1),
+                 marks=pytest.mark.xfail(strict=True, reason="n of a block is the block's key count")),
+    pytest.param(("bam_ssmax", "triton", False, 12, 21, 8, 0, 2, 2),
+                 marks=pytest.mark.xfail(strict=True, reason="n of a block is the block's key count")),
 ]
 
 
@@ -35,7 +41,7 @@ def merge(parts):
     return out, torch.stack([m, l], -1)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else None)
 def test_blocks_merge_to_the_whole(case):
     prior, backend, causal, Nq, Nk, split, q_offset, Hq, Hk = case
     mod = load(prior)
