@@ -71,33 +71,33 @@ def _chunk_indices(rank: int, world: int) -> tuple[int, int]:
     return rank, 2 * world - 1 - rank
 
 
-def _check_sequence(x, name: str, world: int) -> int:
-    """The chunk length of `x`'s dim 2 (the full sequence) split over `world` ranks."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 3:
-        raise ValueError(f"{name} must be a tensor [B, H, N, ...] with the sequence in dim 2, got "
-                         f"{type(x).__name__ if not isinstance(x, torch.Tensor) else tuple(x.shape)}")
-    n = x.shape[2]
+def _check_sequence(x, dim: int, world: int) -> int:
+    """The chunk length of `x`'s sequence dimension split over `world` ranks."""
+    if not isinstance(x, torch.Tensor) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"x must be a tensor with the sequence in dim {dim}, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    n = x.shape[dim]
     if n == 0 or n % (2 * world):
-        raise ValueError(f"{name} has {n} positions in dim 2; over {world} rank(s) the sequence must "
+        raise ValueError(f"x has {n} positions in dim {dim}; over {world} rank(s) the sequence must "
                          f"be a positive multiple of 2 * {world} = {2 * world} (each rank holds a head "
                          f"and a tail chunk): pad it at its end (under a causal mask no real token "
                          f"sees the padding)")
     return n // (2 * world)
 
 
-def _local_part(x, rank: int, world: int, chunk: int):
+def _local_part(x, rank: int, world: int, chunk: int, dim: int):
     head, tail = _chunk_indices(rank, world)
-    return torch.cat([x[:, :, head * chunk:(head + 1) * chunk],
-                      x[:, :, tail * chunk:(tail + 1) * chunk]], dim=2)
+    return torch.cat([x.narrow(dim, head * chunk, chunk), x.narrow(dim, tail * chunk, chunk)], dim=dim)
 
 
-def shard(x, group=None):
-    """This rank's part of dim 2 of `x` (the whole sequence, the same on every rank): chunks r
-    and 2W-1-r of 2W equal chunks, concatenated (load-balanced for a causal mask). Differentiable.
+def shard(x, group=None, dim=2):
+    """This rank's part of the sequence dimension of `x` (the whole sequence, the same on every
+    rank; dim 2 of [B, H, N, D], or another `dim`, e.g. 1 for token ids [B, N]): chunks r and
+    2W-1-r of 2W equal chunks, concatenated (load-balanced for a causal mask). Differentiable.
     N must be a multiple of 2W."""
     rank, world = _rank_and_size(group)
-    chunk = _check_sequence(x, "x", world)
-    return _local_part(x, rank, world, chunk)
+    chunk = _check_sequence(x, dim, world)
+    return _local_part(x, rank, world, chunk, dim)
 
 
 class _Unshard(torch.autograd.Function):
@@ -106,33 +106,32 @@ class _Unshard(torch.autograd.Function):
     shard is its own part of the incoming gradient (not a sum over ranks)."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, world):
-        ctx.layout = (rank, world, x.shape[2] // 2)
+    def forward(ctx, x, group, rank, world, dim):
+        chunk = x.shape[dim] // 2
+        ctx.layout = (rank, world, chunk, dim)
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        chunk = x.shape[2] // 2
         chunks = [None] * (2 * world)
         for r, part in enumerate(parts):
             head, tail = _chunk_indices(r, world)
-            chunks[head], chunks[tail] = part[:, :, :chunk], part[:, :, chunk:]
-        return torch.cat(chunks, dim=2)
+            chunks[head], chunks[tail] = part.narrow(dim, 0, chunk), part.narrow(dim, chunk, chunk)
+        return torch.cat(chunks, dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
-        rank, world, chunk = ctx.layout
-        return _local_part(grad, rank, world, chunk), None, None, None
+        return _local_part(grad, *ctx.layout), None, None, None, None
 
 
-def unshard(x, group=None):
+def unshard(x, group=None, dim=2):
     """The full sequence from every rank's shard (the inverse of `shard`), on every rank.
     Differentiable: the gradient of this rank's shard is its part of the full gradient."""
     rank, world = _rank_and_size(group)
-    if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[2] % 2:
-        raise ValueError(f"x must be a shard from `shard` (dim 2 of even length), got "
+    if not isinstance(x, torch.Tensor) or not -x.dim() <= dim < x.dim() or x.shape[dim] % 2:
+        raise ValueError(f"x must be a shard from `shard` (an even length in dim {dim}), got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if world == 1:
         return x
-    return _Unshard.apply(x, group, rank, world)
+    return _Unshard.apply(x, group, rank, world, dim % x.dim())
 
 
 # --------------------------------------------------------------------------------------------

@@ -359,8 +359,7 @@ def _ddp_case(rank):
     weights = [torch.randn(1, H, N, D, generator=torch.Generator().manual_seed(20 + s)) for s in range(2)]
     replica = rank // 2                                     # which sequence this rank trains on
     model = DDP(Layer(), process_group=dp)
-    x = shard(seqs[replica].unsqueeze(1), group=cp).squeeze(1)   # shard dim 2 of [B, 1, N, E]
-    out = model(x, group=cp, sharded=True)
+    out = model(shard(seqs[replica], group=cp, dim=1), group=cp, sharded=True)
     (out * shard(weights[replica], group=cp)).sum().backward()
     for p in model.module.qkv.parameters():                # partial per cp rank: sum over cp
         dist.all_reduce(p.grad, group=cp)
@@ -425,9 +424,11 @@ def test_shard_unshard_layout_and_errors():
     x = torch.arange(12.0).reshape(1, 1, 12, 1)
     assert torch.equal(shard(x), x)                      # one process: both chunks, in order
     assert torch.equal(unshard(shard(x)), x)
+    tokens = torch.arange(12).reshape(1, 12)
+    assert torch.equal(unshard(shard(tokens, dim=1), dim=1), tokens)
     with pytest.raises(ValueError, match="multiple of 2"):
         shard(torch.zeros(1, 1, 7, 4))
-    with pytest.raises(ValueError, match="dim 2"):
+    with pytest.raises(ValueError, match="sequence in dim 2"):
         shard(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="not initialised"):
         shard(x, group=object())
@@ -437,7 +438,11 @@ def _layout(rank, world):
     x = torch.arange(4.0 * world).reshape(1, 1, -1, 1)
     group = GROUPS["pair" if world == 2 else "all"]
     mine = shard(x, group=group)
-    return mine.flatten().tolist(), torch.equal(unshard(mine, group=group), x)
+    tokens = torch.arange(4 * world).reshape(1, -1)          # token ids [B, N]: dim 1
+    back = shard(tokens, group=group, dim=1)
+    return (mine.flatten().tolist(), torch.equal(unshard(mine, group=group), x),
+            torch.equal(back.flatten(), mine.flatten().long()),
+            torch.equal(unshard(back, group=group, dim=1), tokens))
 
 
 def test_zigzag_layout(pool):
@@ -445,7 +450,7 @@ def test_zigzag_layout(pool):
     # 8 chunks of 2: rank r holds chunks r and 7 - r
     assert [res[r][0] for r in range(WORLD)] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],
                                                  [6, 7, 8, 9]]
-    assert all(r[1] for r in res.values())
+    assert all(all(r[1:]) for r in res.values())
 
 
 def test_ssmax_n_counts_the_whole_row():
