@@ -32,10 +32,8 @@ the rules (what must match on every rank) and what is left.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -145,9 +143,8 @@ def _symbols(formula: str) -> set[str]:
 class _PriorTraits:
     """What the ring must know about a prior, read from the module's PRIOR metadata.
 
-    uses_n: the logit uses n (the number of keys the query sees). The block API counts n over
-        the keys of the block, not of the whole row, so the ring corrects it (see
-        `_whole_row_key_count`).
+    uses_n: the logit uses n (the number of keys the query sees): every block is given the
+        count over the whole row (the block API's `n`), not over its own keys.
     window: the log-prior can be -oo (a window) and depends on positions through d alone with
         the default score, so a (query chunk, key chunk) pair whose every distance is outside
         it can be skipped; the ring finds those pairs by evaluating the log-prior per distance."""
@@ -162,42 +159,6 @@ def _traits(mod) -> _PriorTraits:
     uses_n = "n" in log_prior | score
     d_only = not (log_prior & {"i", "j", "n"}) and prior.get("score", "s + log_prior") == "s + log_prior"
     return _PriorTraits(uses_n=uses_n, window=d_only and "oo" in log_prior)
-
-
-_N_PATCH_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _whole_row_key_count(mod, n_total: int):
-    """While active, the module's torch path computes n for the whole row (keys 0 .. N-1 of the
-    sequence) instead of for the block of keys it was given.
-
-    Why: `forward_block` / `backward_block` count n over the block (under a causal mask,
-    min(i - k_offset + 1, Nk) of the block; otherwise the block's Nk), which is right for one
-    call over all keys and wrong for a row whose keys are split over ranks. Until the block API
-    takes the row's count, the ring swaps the module's position helper (`_torch_positions`, the
-    one place the torch path computes n) for one that returns the whole row's count. The Triton
-    kernels compute n inside the kernel, so a prior with n runs on the torch backend only
-    (ring_attention says so). A lock serialises the swap between ring calls; a plain
-    `attention` call of the same module on another thread during a ring call would see the
-    whole-row count too."""
-    original = mod._torch_positions
-
-    def positions(i0, i1, j0, j1, q_offset, k_offset, n_keys, causal, device):
-        pos_d, pos_i, pos_j, _block_n, visible = original(i0, i1, j0, j1, q_offset, k_offset,
-                                                          n_keys, causal, device)
-        if causal:     # keys 0 .. i of the sequence
-            pos_n = (pos_i + 1).clamp(0, n_total)
-        else:
-            pos_n = torch.full_like(pos_i, float(n_total))
-        return pos_d, pos_i, pos_j, pos_n, visible
-
-    with _N_PATCH_LOCK:
-        mod._torch_positions = positions
-        try:
-            yield
-        finally:
-            mod._torch_positions = original
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,23 +204,19 @@ class _Ring:
 
 class _Window:
     """A prior that is -oo beyond some distances (a window), depending on positions through d
-    alone: its log-prior per distance and head, from the module's own printed torch expression
-    with this call's parameter values."""
+    alone: its log-prior per distance and head (the module's `log_prior_at`) with this call's
+    parameter values."""
 
     def __init__(self, mod, params, hq, device):
-        self.mod, self.hq = mod, hq
-        self.prm = [torch.as_tensor(params[name], dtype=torch.float32, device=device).reshape(-1, 1)
-                    .expand(hq, 1) for name in mod.PARAM_NAMES]
+        self.mod, self.hq, self.params = mod, hq, params
         self.device = device
 
     def visible(self, d0: int, d1: int, causal: bool):
         """bool [Hq, d1 - d0]: whether distance d0 .. d1 - 1 lets a score through (NaN counts
         as visible: nothing is hidden that the module would compute)."""
-        pos_d = torch.arange(d0, d1, dtype=torch.float32, device=self.device)[None]
-        zeros = torch.zeros_like(pos_d)
-        ok = self.mod._torch_prior_logit(zeros, pos_d, pos_d, zeros, zeros + 1, self.prm) != -math.inf
-        ok = ok.expand(self.hq, -1)
-        return ok & (pos_d >= 0) if causal else ok
+        pos_d = torch.arange(d0, d1, device=self.device)
+        ok = self.mod.log_prior_at(pos_d, **self.params, num_heads=self.hq) != -math.inf
+        return ok & (pos_d >= 0)[None] if causal else ok
 
     def chunk_distances(self, chunk: int, world: int, causal: bool) -> frozenset:
         """Chunk distances qx - kx at which some score is visible (the distances evaluated in
@@ -276,23 +233,6 @@ class _Window:
 
         return frozenset(delta for delta in range(-(2 * world - 1), 2 * world)
                          if any_between(delta * chunk - (chunk - 1), delta * chunk + (chunk - 1)))
-
-    def rows_seeing_keys(self, q_start: int, k_start: int, chunk: int, causal: bool):
-        """bool [Hq, chunk]: which rows of the query chunk at q_start see a key of the key chunk
-        at k_start. Row i spans distances q_start + i - k_start - (chunk - 1) .. q_start + i - k_start."""
-        d0 = q_start - k_start - (chunk - 1)
-        seen = self.visible(d0, d0 + 2 * chunk - 1, causal).to(torch.int32)
-        count = torch.nn.functional.pad(torch.cumsum(seen, 1), (1, 0))
-        return count[:, chunk:] - count[:, :chunk] > 0
-
-    def clear_empty_rows(self, out_b, stats_b, q_start, k_start, chunk, causal):
-        """(out, stats) with the rows that see no key of the block set to (0, (-inf, 0)), as the
-        block API promises: the torch path's fused CPU kernel reports such a row (all its keys
-        outside the window) as LSE 0, i.e. (m, l) = (0, 1), which would weigh into the merge."""
-        rows = self.rows_seeing_keys(q_start, k_start, chunk, causal)[None]
-        m = torch.where(rows, stats_b[..., 0], -math.inf)
-        l = torch.where(rows, stats_b[..., 1], 0.0)
-        return torch.where(rows[..., None], out_b, 0.0), torch.stack([m, l], dim=-1)
 
 
 def _agreed_distances(distances: frozenset, ring: _Ring, device) -> frozenset:
@@ -398,24 +338,19 @@ class _Call:
     n_total: Optional[int]     # the sequence length, for a prior that uses n (else None)
     window: Optional[_Window]  # for a prior with a window (else None)
 
-    def row_key_count(self):
-        """The context in which the blocks see the whole row's n (see _whole_row_key_count)."""
-        if self.n_total is None:
-            return contextlib.nullcontext()
-        return _whole_row_key_count(self.mod, self.n_total)
-
     def kwargs(self, ring: _Ring, q_rank, q_slot, k_rank, k_slot):
-        return dict(causal=self.causal, scale=self.scale, backend=self.backend,
-                    q_offset=ring.start(q_rank, q_slot), k_offset=ring.start(k_rank, k_slot))
+        q_start = ring.start(q_rank, q_slot)
+        kw = dict(causal=self.causal, scale=self.scale, backend=self.backend,
+                  q_offset=q_start, k_offset=ring.start(k_rank, k_slot))
+        if self.n_total is not None:   # n over the whole row: keys 0 .. N-1 of the sequence
+            rows = torch.arange(q_start, q_start + ring.chunk)
+            kw["n"] = (rows + 1).clamp(0, self.n_total) if self.causal else torch.full_like(rows, self.n_total)
+        return kw
 
     def forward(self, ring: _Ring, q, kv, params, q_rank, q_slot, k_rank, k_slot):
         """(out, stats) of one block: this rank's query chunk against one key chunk."""
         kw = self.kwargs(ring, q_rank, q_slot, k_rank, k_slot)
-        out_b, stats_b = self.mod.forward_block(q, kv[0], kv[1], **params, **kw)
-        if self.window is not None:
-            out_b, stats_b = self.window.clear_empty_rows(out_b, stats_b, kw["q_offset"], kw["k_offset"],
-                                                          ring.chunk, self.causal)
-        return out_b, stats_b
+        return self.mod.forward_block(q, kv[0], kv[1], **params, **kw)
 
 
 def _split(x):
@@ -527,8 +462,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, learned, out, stats = ctx.saved_tensors
         ring, call = ctx.ring, ctx.call
         params = _block_params(call.mod, ctx.fixed, learned)
-        with call.row_key_count():
-            dq, dk, dv, grads = _ring_backward(ring, call, dout, q, k, v, out, stats, params)
+        dq, dk, dv, grads = _ring_backward(ring, call, dout, q, k, v, out, stats, params)
         dlearned = None
         if ctx.needs_input_grad[6] and call.mod.LEARNABLE:
             dlearned = torch.stack([grads[name] for name in call.mod.LEARNABLE], dim=1).contiguous()
@@ -550,8 +484,8 @@ def _block_params(mod, fixed, learned):
 # the entry point
 # --------------------------------------------------------------------------------------------
 def _check_module(mod):
-    needed = ("forward_block", "backward_block", "finish_param_grads", "PARAM_NAMES", "LEARNABLE",
-              "PRIOR", "_torch_positions", "_torch_prior_logit")
+    needed = ("forward_block", "backward_block", "finish_param_grads", "log_prior_at", "PARAM_NAMES",
+              "LEARNABLE", "PRIOR")
     missing = [name for name in needed if not hasattr(mod, name)]
     if isinstance(mod, torch.nn.Module):
         raise ValueError("mod must be the generated module (e.g. generated.generalized_gaussian), not "
@@ -606,10 +540,6 @@ def _column(value, hq, device):
     return torch.full((hq,), float(value), dtype=torch.float32, device=device)
 
 
-def _uses_triton(q, backend):
-    return backend == "triton" or (backend == "auto" and q.is_cuda)
-
-
 def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend="auto", **params):
     """Attention of this rank's shard of queries over the whole sequence, the keys and values
     passed around the context-parallel `group`; equal to `mod.attention` on the full tensors.
@@ -636,10 +566,6 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     hq = q.shape[1]
     _check_params(mod, params, hq)
     traits = _traits(mod)
-    if traits.uses_n and _uses_triton(q, backend):
-        raise ValueError(f"the prior {mod.PRIOR['name']!r} uses n (the number of keys a query sees), "
-                         f"which the Triton kernels' block API counts per block of keys, not per row; "
-                         f"ring attention with it needs backend='torch' for now")
     rank, world = _rank_and_size(group)
     learned = (torch.stack([_column(params[name], hq, q.device) for name in mod.LEARNABLE], dim=1)
                if mod.LEARNABLE else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
@@ -652,5 +578,4 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
         ring = _Ring(group, rank, world, chunk, causal, _agreed_distances(
             window.chunk_distances(chunk, world, causal), ring, q.device))
     call = _Call(mod, causal, scale, backend, 2 * world * chunk if traits.uses_n else None, window)
-    with call.row_key_count():
-        return _RingAttention.apply(ring, call, fixed, q, k, v, learned)
+    return _RingAttention.apply(ring, call, fixed, q, k, v, learned)
