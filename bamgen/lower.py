@@ -115,7 +115,7 @@ class KernelPlan:
 def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
     """Choose the lowering of ``ir`` (by the cost model unless ``strategy`` is given) and print
     its code. The torch path's blocks are always the inline ones: it builds its own distance
-    tables (templates/torch_impl.py.jinja)."""
+    tables (templates/distance_table.py.jinja)."""
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     split = split_for_table(ir)
