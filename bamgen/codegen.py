@@ -149,6 +149,10 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         triton_fwd=plan.triton_fwd, triton_bwd=plan.triton_bwd,
         torch_fwd=plan.torch_fwd, torch_bwd=plan.torch_bwd,
         fwd_args=_scalar_args(plan, plan.triton_fwd), bwd_args=_scalar_args(plan, plan.triton_bwd),
+        # _logit2's hook: the forward hook for s + log_prior, else _prior_grads (bit-identical
+        # logits in every kernel; see triton_common.py.jinja)
+        logit_block=plan.triton_fwd if plan.score_is_identity else plan.triton_bwd,
+        logit_args=_scalar_args(plan, plan.triton_fwd if plan.score_is_identity else plan.triton_bwd),
         table=plan.table, distance_table=plan.distance_table, fwd_tab=_table_args(plan, grads=False), bwd_tab=_table_args(plan, grads=True),
         clamp_free=_clamp_free(plan),
         skip_repr=_float_repr(plan.skip), tile_kind=tile_kind(plan),
