@@ -199,9 +199,11 @@ def _fp_fusion(module: ModuleType, kernel: str) -> bool:
 
 def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf16",
                    head_dim: int = 64, causal: bool = True, candidate: int = 0,
-                   only: tuple[str, ...] | None = None) -> list[CompiledKernel]:
+                   only: tuple[str, ...] | None = None, layout: str = "plain") -> list[CompiledKernel]:
     """Compile every Triton kernel of a generated module (or the ones named in ``only``) for
-    ``arch`` with its ``candidate``-th tile config (the default: 0); raises on a compile error."""
+    ``arch`` with its ``candidate``-th tile config (the default: 0) and the ``layout``
+    specialisation ("plain", "padded" or "packed": triton_kernel_specs); raises on a compile
+    error."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -211,7 +213,8 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     target = GPUTarget("cuda", ARCHS[arch], 32)
     compiled = []
-    specs = module.triton_kernel_specs(dtype, head_dim, causal, arch=arch, candidate=candidate)
+    kwargs = {} if layout == "plain" else {"layout": layout}   # (modules built before layouts)
+    specs = module.triton_kernel_specs(dtype, head_dim, causal, arch=arch, candidate=candidate, **kwargs)
     for name, fn, signature, constexprs, warps, stages in specs:
         if only is not None and name not in only:
             continue

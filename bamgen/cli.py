@@ -119,11 +119,15 @@ def _compile_all(paths: list[Path], strategy: str | None) -> list[Artifact]:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--head-dim", type=click.IntRange(1, 256), default=64, show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--layout", type=click.Choice(["plain", "padded", "packed"]), default="plain",
+              show_default=True,
+              help="The kernels' specialisation: no masks, key_mask with per-row offsets, or "
+                   "packed documents (cu_seqlens) with key_mask.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--save", "save_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write each kernel's cubin into this directory.")
-def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_json: bool,
-            save_dir: Path | None) -> None:
+def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layout: str,
+            as_json: bool, save_dir: Path | None) -> None:
     """Compile FILE's kernels ahead of time for a GPU and report their resources.
 
     FILE is a prior (.yaml) or a generated module (.py). No GPU is needed.
@@ -136,10 +140,11 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_j
     with _reported(file):
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
     with _reported(file, f"compiling for {arch}"):
-        kernels = compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal)
+        kernels = compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
+                                 layout=layout)
     cubins = _save_cubins(save_dir, module.PRIOR["name"], kernels, arch, dtype, head_dim, causal)
     report = {"prior": module.PRIOR["name"], "arch": arch, "dtype": dtype, "head_dim": head_dim,
-              "causal": causal, "strategy": module.PRIOR.get("strategy"),
+              "causal": causal, "layout": layout, "strategy": module.PRIOR.get("strategy"),
               "kernels": [{"name": k.name, "registers": k.registers, "stack_bytes": k.stack_bytes,
                            "spill_bytes": k.local_bytes, "shared_bytes": k.shared_bytes,
                            "num_warps": k.num_warps, "block": list(k.block),
@@ -159,7 +164,7 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, as_j
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"{report['prior']}: {arch} {dtype} head_dim={head_dim} causal={causal} "
-               f"strategy={report['strategy']}")
+               f"layout={layout} strategy={report['strategy']}")
     click.echo(f"  {'kernel':16s} {'tile':>8s} {'regs':>5s} {'stack':>6s} {'spill':>6s} {'shared':>8s}"
                f" | main loop: {'all':>4s} {'mma':>4s} {'mufu':>5s} {'fp32':>5s} {'ldg':>4s} {'lds':>4s}"
                f" | model cycles/tile (bound)")

@@ -261,6 +261,29 @@ def test_left_padded_rows_equal_the_unpadded_sequence(prior, backend):
         assert bool((grads[1][b, :, :p] == 0).all()) and bool((grads[2][b, :, :p] == 0).all())
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nan_in_padding_reaches_nothing(backend):
+    """A padded batch whose padding slots hold NaN (uninitialised memory, a failed embedding):
+    key_mask hides those keys, so every output and gradient equals the batch padded with zeros
+    (a masked key is read as 0, never multiplied by a weight of 0)."""
+    mod = load("generalized_gaussian")
+    g = torch.Generator().manual_seed(11)
+    B, Hq, N, D, pads = 3, 2, 12, 16, [0, 3, 7]
+    params = params_for(mod, Hq, g)
+    q, k, v, dout = (torch.randn(B, Hq, N, D, generator=g) for _ in range(4))
+    key_mask = torch.arange(N)[None, :] >= torch.tensor(pads)[:, None]
+    offsets = -torch.tensor(pads)
+    kw = dict(causal=True, key_mask=key_mask, q_offset=offsets, k_offset=offsets)
+    pad = ~key_mask[:, None, :, None]
+    clean = run(mod, *(t.masked_fill(pad, 0.0) for t in (q, k, v)), dout, params, backend, **kw)
+    dirty = run(mod, *(t.masked_fill(pad, float("nan")) for t in (q, k, v)), dout, params, backend, **kw)
+    # (finite, and equal up to the rounding of a different summation order: the CPU path takes
+    # its careful route for non-finite inputs)
+    torch.testing.assert_close(dirty[0], clean[0], rtol=1e-6, atol=1e-6)
+    for got, want in zip(dirty[1], clean[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_n_counts_the_keys_a_query_sees():
     """SSMax's n after the causal rule, the document and key_mask, against a plain count: a
     query that sees 3 keys has logit (s + log_prior) * ssmax * log 3."""
@@ -310,3 +333,16 @@ def test_malformed_mask_arguments(kwargs, match):
     q = torch.randn(2, 2, 6, 8)
     with pytest.raises(ValueError, match=match):
         mod.attention(q, q, q, b=2.0, backend="torch", **kwargs)
+
+
+def test_packed_benchmark_smoke():
+    """benchmarks/packed.py --quick runs and prints its table (docs/performance.md has the
+    figures of the full run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "packed.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| generalized_gaussian |" in res.stdout and "packed / one-causal" in res.stdout
