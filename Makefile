@@ -28,11 +28,12 @@ check: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
 
-# On a CUDA machine, in an environment that already has torch, triton, pytest, pytest-xdist and
-# hypothesis (no venv: a GPU user keeps their own CUDA build of torch). The property tests of
-# the Triton backend with CUDA tensors against the float64 reference, then the GPU benchmark.
+# On a CUDA machine, in an environment that already has torch, triton, pytest and hypothesis
+# (pytest-xdist used if present; no venv: a GPU user keeps their own CUDA build of torch): the
+# property tests with CUDA tensors, the AOT checks for the local GPU family and benchmarks/gpu.py,
+# whose table goes to docs/results/gpu/<device>-<date>.md; under 10 minutes. Without a GPU it
+# says so in one line and exits 0. GPU_BENCH_ARGS replaces the benchmark's sizes
+# (benchmarks/gpu_check.py says which).
 GPU_BENCH_ARGS ?=
 gpu-check:
-	BAMGEN_TEST_DEVICE=cuda TRITON_INTERPRET=0 $(PYTHON) -m pytest -q -n 8 -p no:cacheprovider \
-		tests/test_properties.py -k "triton or hard_case"
-	$(PYTHON) benchmarks/gpu.py $(GPU_BENCH_ARGS)
+	@$(PYTHON) benchmarks/gpu_check.py $(if $(GPU_BENCH_ARGS),--bench-args "$(GPU_BENCH_ARGS)")

@@ -35,7 +35,9 @@ TILES = {
         },
         "sm_80": {
             64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
-            128: {"fwd": [(64, 64, 4, 2), (128, 32, 8, 1)], "bwd_dkdv": [(64, 32, 4, 2)],
+            # dK/dV: 64x32 spills 16-24 bytes since the per-row key counts and NaN containment;
+            # 32x64 is the best-modelled spill-free tile (docs/performance.md, "Tile sizes")
+            128: {"fwd": [(64, 64, 4, 2), (128, 32, 8, 1)], "bwd_dkdv": [(32, 64, 4, 2)],
                   "bwd_dq": [(64, 32, 4, 2)]},
             256: _HEAD_256,
         },

@@ -5,6 +5,7 @@ forward and backward, causal, N from 1k to 64k.
     python benchmarks/gpu.py --n 4096 16384 --head-dim 128    # a subset
     python benchmarks/gpu.py --peers sdpa flex-ggd bamgen-ggd --repeats 20 --json gpu.json
     python benchmarks/gpu.py --quick                          # CI: Triton interpreter, tiny sizes
+    python benchmarks/gpu.py --n 4096 --markdown gpu.md       # also the report as markdown
 
 Peers, all in one process on the same q, k, v, run alternately (one repeat of every peer, then
 the next round) and reported as medians, like benchmarks/cpu.py:
@@ -57,7 +58,9 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:]:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
 import statistics
 import time
@@ -469,6 +472,44 @@ def print_ratios(results: list[dict]) -> None:
             print(f"| {r['N']} | {r['D']} | {name} | " + " | ".join(cells) + " |")
 
 
+SUMMARY_COLUMNS = ("D", "N", "B", "peer", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
+                   "fwd / sdpa", "bwd / sdpa", "fwd / flex", "bwd / flex", "fwd / fa2-alibi",
+                   "bwd / fa2-alibi", "first s")
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    """Times and ratios in one markdown table, one row per (D, N, peer): what --markdown
+    writes. Ratios are the row's time over the peer's (sdpa; flex-<prior> with the row's prior;
+    fa2-alibi for Laplace rows), "-" where that peer did not run or computes another function."""
+    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
+    for r in sorted(results, key=lambda r: (r["D"], r["N"])):
+        t = lambda peer, kind: r["peers"].get(peer, {}).get(f"{kind}_s")
+        for name, p in r["peers"].items():
+            prior = name.split("-")[1] if name.startswith(("bamgen-", "flex-")) else None
+            refs = ["sdpa",
+                    f"flex-{prior}" if name.startswith("bamgen-") else None,
+                    "fa2-alibi" if prior == "laplace" else None]
+            cells = [_ratio(p[f"{kind}_s"], t(ref, kind)) if ref and ref != name else "-"
+                     for ref in refs for kind in ("fwd", "bwd")]
+            lines.append(f"| {r['D']} | {r['N']} | {r['B']} | {name} | {_ms(p['fwd_s'])} | "
+                         f"{_ms(p['bwd_s'])} | {_f(p['fwd_tflops'], '.3g')} | "
+                         f"{_f(p['bwd_tflops'], '.3g')} | " + " | ".join(cells) +
+                         f" | {_f(p['first_s'], '.1f')} |")
+    return lines
+
+
+def markdown_report(results: list[dict], args, env: dict) -> str:
+    """The --markdown file: the set-up in one paragraph, the summary table, then what did not
+    run and how the peers agreed, as lists."""
+    with contextlib.redirect_stdout(io.StringIO()) as header:
+        print_header(args, env)
+    with contextlib.redirect_stdout(io.StringIO()) as notes:
+        print_notes(results)
+    command = "python benchmarks/gpu.py " + " ".join(args.argv)
+    return (f"# benchmarks/gpu.py on {env['device']}\n\n`{command.strip()}`\n"
+            + header.getvalue() + "\n".join(summary_table(results)) + "\n" + notes.getvalue())
+
+
 def print_notes(results: list[dict]) -> None:
     notes = {}
     for r in results:
@@ -531,10 +572,14 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; medians reported")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before (compiles)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--markdown", metavar="PATH",
+                    help="also write the set-up, one table of times and ratios, and the notes "
+                         "as markdown (what make gpu-check keeps in docs/results/gpu/)")
     ap.add_argument("--quick", action="store_true",
                     help="CI smoke run on the CPU under the Triton interpreter, with checks "
                          "(fixes H=2, B=1, fp32, one repeat)")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.n = args.n or QUICK["n"]
         args.head_dim = args.head_dim or QUICK["head_dim"]
@@ -574,6 +619,8 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "results": results},
                                               indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_report(results, args, env))
     if args.quick:
         failed = failed_checks(results)
         for line in failed:

@@ -1,6 +1,5 @@
 """benchmarks/gpu.py works without a GPU: its --quick smoke run (Triton interpreter, tiny sizes)
 prints the tables and passes its own checks, and a failed check or a missing GPU is an error."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -8,23 +7,20 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_script
 
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "bench_gpu")
 
 
-def test_quick_gpu_benchmark_runs():
+def test_quick_gpu_benchmark_runs(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    report = tmp_path / "report.md"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--markdown", str(report)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     assert "interpreter smoke run: timings are not GPU figures" in out, out
@@ -37,6 +33,22 @@ def test_quick_gpu_benchmark_runs():
     for check in ("bamgen-ggd vs bamgen-ggd-torch fwd+grads", "bamgen-laplace vs flex-laplace fwd",
                   "bamgen-uniform vs sdpa fwd"):
         assert check in out, out
+    _check_markdown_report(report.read_text())
+
+
+def _check_markdown_report(text):
+    """--markdown (what make gpu-check keeps): one table, times and ratios of every peer."""
+    lines = text.splitlines()
+    assert sum(line.startswith("|---") for line in lines) == 1, text
+    header = next(line for line in lines if line.startswith("| D |"))
+    assert header == ("| D | N | B | peer | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | "
+                      "fwd / sdpa | bwd / sdpa | fwd / flex | bwd / flex | fwd / fa2-alibi | "
+                      "bwd / fa2-alibi | first s |"), header
+    rows = {line.split(" | ")[3]: line for line in lines if line.startswith("| 16 | 48 |")}
+    assert set(rows) >= {"sdpa", "flex-ggd", "bamgen-ggd", "bamgen-laplace", "bamgen-uniform"}
+    cells = rows["bamgen-ggd"].strip("| ").split(" | ")
+    assert cells[8] != "-" and cells[10] != "-" and cells[12] == "-", cells   # sdpa, flex; no fa2
+    assert "fa2-alibi: no GPU" in text and "bamgen-ggd vs flex-ggd fwd" in text, text
 
 
 def test_a_failed_check_is_reported():

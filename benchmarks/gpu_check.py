@@ -1,0 +1,235 @@
+"""`make gpu-check`: what a machine with a CUDA GPU should confirm, in one command, within 10 minutes.
+
+    python benchmarks/gpu_check.py                        # what `make gpu-check` runs
+    python benchmarks/gpu_check.py --bench-args "--n 1024 4096 --head-dim 64 128"
+
+With a CUDA GPU that torch can use, it runs three steps, one after the other, each under a time
+limit (LIMITS_S: the first two have their own, the benchmark gets what is left of TOTAL_S, 9.5
+minutes in all; a step killed at its limit counts as failed):
+
+1. ``properties``: the Triton backend's property tests and hard cases, and the module tests, with
+   CUDA tensors against the float64 reference on the CPU (``BAMGEN_TEST_DEVICE=cuda`` switches
+   tests/test_properties.py to the GPU; same cases, seeds and tolerances as under the
+   interpreter);
+2. ``aot``: tests/test_aot.py for this GPU's family only (``-k sm_90`` on Hopper and newer,
+   ``-k sm_80`` on Ampere and Ada, the keys of the tile tables): every shipped prior's kernels
+   compile with no register spills;
+3. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
+   report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
+   the raw results beside it as .json); this script then adds the outcome of the three steps
+   and prints where the file is.
+
+It exits 0 when every step passed and 1 otherwise. Without a GPU (no CUDA device visible to
+torch, and none that ``nvidia-smi`` lists) it prints one line saying so and what it would run,
+and exits 0, so that ``make gpu-check`` can be part of any routine. A GPU that nvidia-smi sees
+but torch cannot use (a CPU build of torch, say) is a broken set-up: one line, exit 1.
+
+Only the standard library is imported before the GPU is found, so any Python runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "gpu"
+# the sizes the report covers: the issue's shape (bf16, head dim 128, causal) at a short and a
+# long sequence, every peer. Most of its time is FlexAttention's compiles (per peer and size) and
+# its backward with learnable parameters (5 s a call at 16k on an H100).
+BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5"
+PROPERTY_SELECTION = "triton or hard_case or module_init"
+# the property tests took 110 s on 15 workers on an H200 (docs/performance.md)
+TOTAL_S = 570
+LIMITS_S = {"properties": 200, "aot": 90}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of the check: its name, argv, extra environment and time limit."""
+    name: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    limit_s: int
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env)
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    step: Step
+    returncode: int | None  # None: killed at its time limit
+    seconds: float
+    summary: str             # the step's last non-empty output line
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0
+
+    def line(self) -> str:
+        status = ("passed" if self.passed else f"timed out after {self.step.limit_s} s"
+                  if self.returncode is None else f"failed (exit {self.returncode})")
+        return f"{self.step.name}: {status} in {self.seconds:.0f} s — {self.summary}"
+
+
+def family(capability: tuple[int, int]) -> str:
+    """The tile-table key of a compute capability, as the generated modules choose it."""
+    return "sm_90" if capability[0] >= 9 else "sm_80"
+
+
+def report_path(device_name: str, day: datetime.date, folder: Path) -> Path:
+    """docs/results/gpu/<device>-<date>.md, e.g. nvidia-h100-80gb-hbm3-2026-11-22.md"""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "gpu"
+    return folder / f"{slug}-{day.isoformat()}.md"
+
+
+def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
+         workers: int = 0) -> tuple[Step, ...]:
+    """The three steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
+    pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider") + (
+        ("-n", str(workers)) if workers else ())
+    bench = (python, "benchmarks/gpu.py", *shlex.split(bench_args),
+             "--markdown", str(report), "--json", str(report.with_suffix(".json")))
+    return (
+        Step("properties", pytest + ("tests/test_properties.py", "-k", PROPERTY_SELECTION),
+             (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")), LIMITS_S["properties"]),
+        Step("aot", pytest + ("tests/test_aot.py", "-k", arch), (), LIMITS_S["aot"]),
+        Step("benchmark", bench, (), TOTAL_S - sum(LIMITS_S.values())),
+    )
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple[int, int]
+
+
+def find_gpu() -> tuple[Gpu | None, str]:
+    """(the first CUDA device torch can use, or None; why there is none)."""
+    try:
+        import torch
+    except ImportError as err:
+        why = f"torch is not importable by {sys.executable} ({err})"
+    else:
+        if torch.cuda.is_available():
+            return Gpu(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0)), ""
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        why = f"torch {torch.__version__} ({build}) sees no CUDA device"
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        why += f", CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}"
+    return None, why
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists (empty without the tool or a driver)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in res.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def run_step(step: Step) -> Outcome:
+    """Run one step from the repository root, its output passed through as it comes; on its time
+    limit the whole process group (pytest-xdist workers included) is killed."""
+    print(f"\n== gpu-check {step.name} (limit {step.limit_s} s): {step.shell()}", flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(step.argv, cwd=ROOT, env={**os.environ, **dict(step.env)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    last = [""]
+
+    def pump():
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if line.strip():
+                last[0] = line.strip()
+        sys.stdout.flush()
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        returncode = proc.wait(timeout=step.limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        returncode = None
+    reader.join(timeout=10)
+    return Outcome(step, returncode, time.monotonic() - t0, last[0].strip("= ")[:200])
+
+
+def finish_report(report: Path, outcomes: list[Outcome]) -> None:
+    """Append the outcome of every step to the benchmark's report."""
+    lines = ["", "## The checks of this run (`make gpu-check`)", ""]
+    for o in outcomes:
+        lines.append(f"* {o.line()}")
+        lines.append(f"  `{o.step.shell()}`")
+    with report.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _xdist_workers() -> int:
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return 0
+    return max(1, min(15, (os.cpu_count() or 2) - 1))
+
+
+def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotonic) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench-args", default=BENCH_ARGS,
+                        help=f'arguments for benchmarks/gpu.py (default: "{BENCH_ARGS}")')
+    args = parser.parse_args(argv)
+    gpu, why = find_gpu()
+    if gpu is None:
+        seen = nvidia_smi_gpus()
+        if seen:
+            print(f"gpu-check: nvidia-smi lists {seen[0]}, but {why}: run it with a Python whose "
+                  "torch is a CUDA build (make gpu-check PYTHON=...)")
+            return 1
+        print(f"gpu-check: no GPU here ({why}; nvidia-smi lists none), nothing run; with CUDA it "
+              f"runs tests/test_properties.py -k \"{PROPERTY_SELECTION}\" on CUDA tensors, "
+              f"tests/test_aot.py -k <the GPU's sm_80|sm_90> and benchmarks/gpu.py "
+              f"{args.bench_args}, and writes docs/results/gpu/<device>-<date>.md")
+        return 0
+    arch = family(gpu.capability)
+    report = report_path(gpu.name, today(), RESULTS)
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.unlink(missing_ok=True)   # a second run on the same day replaces the first
+    print(f"gpu-check on {gpu.name} ({arch}); report: {_shown(report)}", flush=True)
+    outcomes, t0 = [], clock()
+    for step in plan(arch, sys.executable, report, args.bench_args, _xdist_workers()):
+        if step.name == "benchmark":   # the last step: what the others left of TOTAL_S
+            step = replace(step, limit_s=int(TOTAL_S - (clock() - t0)))
+        outcomes.append(run(step))
+    print()
+    for o in outcomes:
+        print(f"gpu-check {o.line()}")
+    if report.exists():
+        finish_report(report, outcomes)
+        print(f"gpu-check: benchmark table written to {_shown(report)}")
+    else:
+        print("gpu-check: the benchmark wrote no report (see its output above)")
+    return 0 if all(o.passed for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
