@@ -51,7 +51,7 @@ class CompiledKernel:
     num_warps: int = 4
     sass: dict | None = None        # instruction mix of the whole kernel
     main_loop: dict | None = None   # instruction mix of the innermost loop holding the MMAs
-    block: tuple[int, ...] = ()     # the tile: (BLOCK_M, BLOCK_N) or (BLOCK,) for the prologue
+    block: tuple[int, ...] = ()     # the tile: (BLOCK_M, BLOCK_N), or (BLOCK_M,) for the preprocess
 
     @property
     def spills(self) -> bool:

@@ -13,10 +13,11 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .codegen import Artifact, compile_spec, write_atomic
+from .codegen import Artifact, compile_spec
 from .errors import SpecError
+from .files import BuildLockTimeout, holds, write_if_different
 from .lower import STRATEGIES
-from .resources import shipped_priors
+from .resources import resolve_prior, shipped_priors
 from .spec import load_spec
 from .timeout import BuildTimeout, time_limit
 
@@ -40,7 +41,7 @@ def main() -> None:
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--out", "out_dir", default="generated", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for the generated modules.")
+              help="Folder for the generated modules, e.g. a package of yours: mypkg/attention.")
 @click.option("--all", "build_all", is_flag=True, help="Build every shipped prior.")
 @click.option("--check", is_flag=True,
               help="Write nothing; exit 1 if an output is missing or differs.")
@@ -48,7 +49,7 @@ def main() -> None:
               help="Override the lowering strategy the cost model picks.")
 def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
           strategy: str | None) -> None:
-    """Build prior FILES into standalone Python modules."""
+    """Build prior FILES (paths, or shipped priors' names) into standalone Python modules."""
     paths = list(files) + (shipped_priors() if build_all else [])
     if not paths:
         _fail("no prior files given; pass FILE... or --all")
@@ -58,19 +59,11 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
     stale = []
     for path, artifact in zip(paths, artifacts):
         target = out_dir / artifact.filename
-        current = target.read_text(encoding="utf-8", errors="replace") if target.is_file() else None
         if check:
-            if current != artifact.text:
+            if not holds(target, artifact.text):
                 stale.append(str(target))
             continue
-        if current == artifact.text:
-            click.echo(f"unchanged {target}")
-        else:
-            try:
-                write_atomic(target, artifact.text)
-            except OSError as exc:
-                _fail(f"cannot write {target}: {exc.strerror or exc}")
-            click.echo(f"wrote {target}")
+        click.echo(f"{'wrote' if _write(target, artifact.text) else 'unchanged'} {target}")
         for note in artifact.notes:
             click.echo(f"  note: {note}")
     if check:
@@ -78,6 +71,16 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
             click.echo("stale (run `bamgen build` to update): " + ", ".join(stale), err=True)
             sys.exit(1)
         click.echo(f"{len(paths)} module(s) up to date in {out_dir}")
+
+
+def _write(target: Path, text: str) -> bool:
+    """Write-if-different; a failed write or a held lock is one line and exit 2."""
+    try:
+        return write_if_different(target, text)
+    except BuildLockTimeout as exc:
+        _fail(str(exc))
+    except (OSError, ValueError) as exc:
+        _fail(f"cannot write {target}: {getattr(exc, 'strerror', None) or exc}")
 
 
 @contextmanager
@@ -102,7 +105,7 @@ def _compile_all(paths: list[Path], strategy: str | None) -> list[Artifact]:
     artifacts, names = [], {}
     for path in paths:
         with _reported(path):
-            artifact = compile_spec(load_spec(path), strategy)
+            artifact = compile_spec(load_spec(resolve_prior(path)), strategy)
         if artifact.name in names:
             _fail(f"{path} and {names[artifact.name]} both define the prior '{artifact.name}'")
         names[artifact.name] = path
@@ -232,11 +235,13 @@ def show(file: Path, heads: int) -> None:
                    f"{kernel_plan.ramp.outputs[0]} * d (row and column terms, no per-score work)")
         for name, code in kernel_plan.ramp.hoisted:
             click.echo(f"    {name} = {code}")
-    if kernel_plan.table is not None:
-        pro = kernel_plan.table.prologue
-        click.echo(f"  table prologue: log2(e) * log_prior and d/d({', '.join(kernel_plan.table.grads)}) "
-                   f"per (head, distance)")
-        for name, code in pro.hoisted + pro.body:
+    if kernel_plan.distance_table is not None:
+        table = kernel_plan.distance_table
+        used = "the GPU kernels' tables and the CPU path's bias" if kernel_plan.table is not None \
+            else "the CPU path's bias"
+        grads = f" and d/d({', '.join(table.grads)})" if table.grads else ""
+        click.echo(f"  distance table ({used}): log_prior{grads} per (head, distance), float64")
+        for name, code in table.code.hoisted + table.code.body:
             click.echo(f"    {name} = {code}")
     click.echo(f"  backward kernel: {len(block.hoisted)} per-head constant(s), "
                f"{len(block.body)} per-score temporarie(s)")

@@ -2,18 +2,15 @@
 
 The artifact's header names every specialisation and a build hash (bamgen version, strategy,
 source and template contents), so two builds of the same input give the same bytes. Files are
-written only when their content changes, atomically (temporary file + rename) and under a file
-lock, so concurrent builds and half-written modules cannot happen.
+written only when their bytes change, atomically and under a file lock (bamgen/files.py), so
+concurrent builds and half-written modules cannot happen.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import pprint
 import re
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +19,9 @@ import sympy as sp
 
 from . import __version__
 from .errors import SpecError
+from .files import holds, write_if_different
 from .lower import CodeBlock, KernelPlan, plan as make_plan
-from .resources import template_dir
+from .resources import resolve_prior, template_dir
 from .spec import PriorSpec, load_spec
 from .symbolic import analyse
 from .tiles import tile_kind, tiles_for
@@ -37,6 +35,7 @@ class Artifact:
     text: str
     build_hash: str
     notes: tuple[str, ...]
+    strategy: str              # the lowering strategy used (the cost model's pick or the override)
 
 
 def compile_spec(spec: PriorSpec, strategy: str | None = None) -> Artifact:
@@ -48,56 +47,22 @@ def compile_spec(spec: PriorSpec, strategy: str | None = None) -> Artifact:
     text = templates.get_template("module.py.jinja").render(
         **_context(spec, kernel_plan, build_hash))
     return Artifact(name=spec.name, filename=f"{spec.name}.py", text=_tidy(text),
-                    build_hash=build_hash, notes=ir.notes)
+                    build_hash=build_hash, notes=ir.notes, strategy=kernel_plan.strategy)
 
 
 def build_file(path: str | os.PathLike, out_dir: str | os.PathLike = "generated", *,
                strategy: str | None = None, check: bool = False) -> tuple[Path, str]:
-    """Build ``path`` into ``out_dir``. Returns (target, status) with status one of
-    "written", "unchanged", "stale" (check mode, differs) or "fresh" (check mode, same)."""
+    """Build ``path`` (a prior file or a shipped prior's name) into ``out_dir``. Returns
+    (target, status) with status one of "written", "unchanged", "stale" (check mode, differs)
+    or "fresh" (check mode, same)."""
     try:
-        artifact = compile_spec(load_spec(path), strategy)
+        artifact = compile_spec(load_spec(resolve_prior(path)), strategy)
     except SpecError as err:
         raise err.located(str(path)) from None
     target = Path(out_dir) / artifact.filename
-    current = target.read_text(encoding="utf-8") if target.is_file() else None
     if check:
-        return target, "fresh" if current == artifact.text else "stale"
-    if current == artifact.text:
-        return target, "unchanged"
-    write_atomic(target, artifact.text)
-    return target, "written"
-
-
-def write_atomic(target: Path, text: str) -> None:
-    """Write-if-different is the caller's; this makes the write itself atomic and locked."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(_lock_path(target.parent)):
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-                fh.write(text)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-
-
-def _lock_path(folder: Path) -> Path:
-    """One lock per output folder, kept in the temp dir so user folders stay clean."""
-    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"bamgen-{key}.lock"
-
-
-@contextmanager
-def _locked(lock_path: Path):
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        return target, "fresh" if holds(target, artifact.text) else "stale"
+    return target, "written" if write_if_different(target, artifact.text) else "unchanged"
 
 
 def _templates() -> jinja2.Environment:
@@ -119,8 +84,11 @@ EMITTING_MODULES = ("formula", "spec", "symbolic", "lower", "printers", "tiles",
 
 
 def _build_hash(spec: PriorSpec, strategy: str) -> str:
+    """Everything that decides the module's bytes: bamgen, the strategy, the prior file's bytes
+    and name (the header cites it), the templates and the compiler stages."""
     digest = hashlib.sha256()
-    digest.update(f"bamgen {__version__}\nstrategy {strategy}\nsource {spec.source_hash}\n".encode())
+    digest.update(f"bamgen {__version__}\nstrategy {strategy}\nsource {spec.source_hash}\n"
+                  f"file {Path(spec.path).name!r}\n".encode())
     # the templates and the compiler stages: any change to what a build emits changes the hash
     compiler_dir = Path(__file__).parent
     stages = [compiler_dir / f"{name}.py" for name in EMITTING_MODULES]
@@ -181,7 +149,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         triton_fwd=plan.triton_fwd, triton_bwd=plan.triton_bwd,
         torch_fwd=plan.torch_fwd, torch_bwd=plan.torch_bwd,
         fwd_args=_scalar_args(plan, plan.triton_fwd), bwd_args=_scalar_args(plan, plan.triton_bwd),
-        table=plan.table, fwd_tab=_table_args(plan, grads=False), bwd_tab=_table_args(plan, grads=True),
+        table=plan.table, distance_table=plan.distance_table, fwd_tab=_table_args(plan, grads=False), bwd_tab=_table_args(plan, grads=True),
         clamp_free=_clamp_free(plan),
         skip_repr=_float_repr(plan.skip), tile_kind=tile_kind(plan),
         triton_config=_render_tiles(tiles_for(plan)),

@@ -65,11 +65,20 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class TablePlan:
-    """The table strategy's extra code: the prologue that fills the tables, and which derivative
-    tables exist (slot k + 1 of the [H, 1 + len(grads), distances] table holds ``grads[k]``)."""
+    """The table strategy's extra facts: which derivative tables exist (slot k + 1 of the
+    [H, 1 + len(grads), distances] table holds ``grads[k]``). The tables themselves are filled on
+    the host by the module's distance-table code (KernelPlan.distance_table)."""
     ir: TableIR
-    prologue: CodeBlock            # over pos_d: outputs value, then one per tabulated gradient
     grads: tuple[str, ...]         # tabulated parameters, in table-slot order
+
+
+@dataclass(frozen=True)
+class DistanceTable:
+    """The log-prior as a function of the distance d alone, printed for torch: evaluated once per
+    (head, distance) in float64 on the host, it fills the GPU kernels' tables (table strategy)
+    and the CPU path's bias (a logit s + f(d))."""
+    code: CodeBlock                # over pos_d: outputs the log-prior, then one per grad
+    grads: tuple[str, ...]         # d log_prior / d p for these learnable parameters, in order
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ class KernelPlan:
     torch_fwd: CodeBlock
     torch_bwd: CodeBlock
     table: TablePlan | None = None   # set when strategy == "table"
+    distance_table: DistanceTable | None = None   # set when the log-prior is a function of d
     # For a score s + log_prior, triton_fwd holds log_prior alone (the "bias"; empty
     # when tabulated: the table holds it) and triton_bwd the parameter derivatives alone; for any
     # other score, triton_fwd holds the logit and triton_bwd (logit, d logit / d s, derivatives).
@@ -168,6 +178,11 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
     table = None
     if strategy == "table":
         table, blocks["triton", "fwd"], blocks["triton", "bwd"] = _table_blocks(split, names, ir)
+    distance_table = None
+    if split is not None:
+        distance_table = DistanceTable(
+            code=_code_block([split.value] + [g for _, g in split.value_grads], names, "torch"),
+            grads=tuple(name for name, _ in split.value_grads))
     skip = None
     if strategy == "table" and skippable:
         skip = -ir.spec.skip_below if ir.spec.skip_below else -math.inf
@@ -176,7 +191,7 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
                       positions_used=ir.positions_used, score_is_identity=ir.score_is_identity,
                       triton_fwd=blocks["triton", "fwd"], triton_bwd=blocks["triton", "bwd"],
                       torch_fwd=blocks["torch", "fwd"], torch_bwd=blocks["torch", "bwd"],
-                      table=table, cost=cost)
+                      table=table, distance_table=distance_table, cost=cost)
 
 
 def _skippable(ir: PriorIR, split: TableIR | None) -> bool:
@@ -210,18 +225,16 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
 
 
 def _table_blocks(split: TableIR, names: dict, ir: PriorIR) -> tuple[TablePlan, CodeBlock, CodeBlock]:
-    """The prologue's code over d (the log-prior, then its derivatives, in natural units), and
-    the main loop's code over the gathered entries tab_v, tab_<param>."""
+    """The main loop's code over the gathered entries tab_v, tab_<param> (the tables are filled
+    on the host, see DistanceTable)."""
     names = dict(names)
     names[TABLE_VALUE] = "tab_v"
     grads = tuple(name for name, _ in split.value_grads)
     names.update({table_grad_symbol(n): f"tab_{n}" for n in grads})
-    prologue = _code_block([split.value] + [g for _, g in split.value_grads], names,
-                           "triton")
     fwd = _code_block([] if ir.score_is_identity else [split.logit], names, "triton")
     head = [] if ir.score_is_identity else [split.logit, split.dlogit_ds]
     bwd = _code_block(head + [g for _, g in split.grads], names, "triton")
-    return TablePlan(ir=split, prologue=prologue, grads=grads), fwd, bwd
+    return TablePlan(ir=split, grads=grads), fwd, bwd
 
 
 # --------------------------------------------------------------------------------------------

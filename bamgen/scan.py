@@ -40,7 +40,7 @@ import torch
 
 from .errors import SpecError
 from .formula import unique_nodes
-from .numeric import evaluate_tensor, init_grid
+from .numeric import FLOAT32_MAX, evaluate_tensor, init_grid
 from .printers import NotARealNumber, prepare, print_expr
 from .spec import POSITION_SYMBOLS, ParamSpec, position_symbols
 from .symbolic import guarded
@@ -372,7 +372,9 @@ class _Checker:
 
         # 2. what the kernels compute, in float32, against the float64 values
         moderate = logit_ok & (z64 > -MODERATE) & (lp64 > -MODERATE)
-        self._compare32(lp32.expand(shape), lp64, where, self.lp_field, "the log-prior", "torch")
+        if not (self.plan.ir.distance_only and self.plan.score_is_identity):
+            self._compare32(lp32.expand(shape), lp64, where, self.lp_field, "the log-prior",
+                            "the CPU path (float32)")
         for target, blocks in self._float32_blocks(inputs):
             for label, value in blocks:
                 value = value.expand(shape)
@@ -385,53 +387,58 @@ class _Checker:
                                     mask=prior_ok & torch.isfinite(lp32))
                 elif label == "ramp":
                     self._fail_if(moderate & torch.isnan(value), where, self.lp_field,
-                                  f"in float32 ({target} code) the causal ramp of the log-prior "
-                                  f"is nan", _F32_HINT)
+                                  f"in {target} the causal ramp of the log-prior is nan", _F32_HINT)
                 elif label == "dlogit_ds":
                     self._fail_if(moderate & ~torch.isfinite(value), where, self.score_field,
-                                  f"in float32 ({target} code) d logit / d s is not finite",
+                                  f"in {target} d logit / d s is not finite",
                                   _F32_HINT)
                 else:
                     self._fail_if(moderate & torch.isnan(value), where, self.param_field[label],
-                                  f"in float32 ({target} code) the derivative in {label} is nan",
+                                  f"in {target} the derivative in {label} is nan",
                                   _F32_HINT)
 
     def _float32_blocks(self, inputs):
-        """(target, [(label, value)]) for every printed block the module runs, in float32."""
+        """(where, [(label, value)]) for every printed block the module runs, as it runs it:
+        the CPU path's per-score code in float32 (unless the logit is s + f(d), which it reads
+        from the distance table); the distance table in float64 on the host; the GPU kernels'
+        code in float32, per score (inline) or over the table's float32 entries (table)."""
         plan = self.plan
         f32 = torch.float32
         labels_bwd = ["logit", "dlogit_ds"] + self.learnable
-        yield "torch", list(zip(["logit"], run_block(plan.torch_fwd, inputs, f32, "torch")))
-        yield "torch", list(zip(labels_bwd, run_block(plan.torch_bwd, inputs, f32, "torch")))
-        triton_inputs = dict(inputs)
-        if plan.table is not None:
-            prologue = run_block(plan.table.prologue, inputs, f32, "triton")
-            value, grads = prologue[0], prologue[1:]
-            finite = value > -math.inf
-            triton_inputs["tab_v"] = value
-            for name, g in zip(plan.table.grads, grads):
-                triton_inputs[f"tab_{name}"] = torch.where(finite, g, torch.zeros((), dtype=f32))
-            yield "triton", [("log_prior", value)] + list(zip(plan.table.grads, grads))
+        if not (plan.ir.distance_only and plan.score_is_identity):
+            yield "the CPU path (float32)", list(zip(["logit"], run_block(plan.torch_fwd, inputs, f32, "torch")))
+            yield "the CPU path (float32)", list(zip(labels_bwd, run_block(plan.torch_bwd, inputs, f32, "torch")))
+        gpu_inputs = dict(inputs)
+        if plan.distance_table is not None:
+            entries = run_block(plan.distance_table.code, inputs, torch.float64, "torch")
+            value, grads = entries[0], entries[1:]
+            live = value > -math.inf
+            gpu_inputs["tab_v"] = value.to(f32)
+            for name, g in zip(plan.distance_table.grads, grads):
+                g = torch.where(live, g, torch.zeros((), dtype=g.dtype))
+                gpu_inputs[f"tab_{name}"] = g.clamp(-FLOAT32_MAX, FLOAT32_MAX).to(f32)
+            yield "the distance table (float64)", ([("log_prior", value)]
+                                                   + list(zip(plan.distance_table.grads, grads)))
         if plan.ramp is not None:
             slope, intercept = run_block(plan.ramp, inputs, f32, "triton")
-            yield "triton", [("ramp", slope), ("ramp", intercept)]
-        fwd = run_block(plan.triton_fwd, triton_inputs, f32, "triton")
-        bwd = run_block(plan.triton_bwd, triton_inputs, f32, "triton")
+            yield "the GPU kernels (float32)", [("ramp", slope), ("ramp", intercept)]
+        fwd = run_block(plan.triton_fwd, gpu_inputs, f32, "triton")
+        bwd = run_block(plan.triton_bwd, gpu_inputs, f32, "triton")
         if plan.score_is_identity:
-            yield "triton", list(zip(["log_prior"] if plan.table is None else [], fwd))
-            yield "triton", list(zip(self.learnable, bwd))
+            yield "the GPU kernels (float32)", list(zip(["log_prior"] if plan.table is None else [], fwd))
+            yield "the GPU kernels (float32)", list(zip(self.learnable, bwd))
         else:
-            yield "triton", list(zip(["logit"], fwd)) + list(zip(labels_bwd, bwd))
+            yield "the GPU kernels (float32)", list(zip(["logit"], fwd)) + list(zip(labels_bwd, bwd))
 
     def _compare32(self, v32, v64, where, field, what, target, mask=None):
-        """Rule 3: float32 NaN or +inf where float64 is not, -inf where it is moderate."""
+        """Rule 3: NaN or +inf where float64 is not, -inf where it is moderate."""
         ok = ~torch.isnan(v64) if mask is None else mask & ~torch.isnan(v64)
         self._fail_if(ok & torch.isnan(v32), where, field,
-                      f"in float32 ({target} code) {what} is nan", _F32_HINT, v64)
+                      f"in {target} {what} is nan", _F32_HINT, v64)
         self._fail_if(ok & (v32 == math.inf) & (v64 < math.inf), where, field,
-                      f"in float32 ({target} code) {what} is +inf", _F32_HINT, v64)
+                      f"in {target} {what} is +inf", _F32_HINT, v64)
         self._fail_if(ok & (v32 == -math.inf) & (v64 > -MODERATE), where, field,
-                      f"in float32 ({target} code) {what} is -inf", _F32_HINT, v64)
+                      f"in {target} {what} is -inf", _F32_HINT, v64)
 
     @staticmethod
     def _fail_if(bad, where, field, message, hint, exact=None):

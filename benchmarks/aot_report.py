@@ -38,7 +38,7 @@ def main(argv=None):
         for path in paths:
             module = load_prior(path)
             for k in compile_module(module, arch=arch, dtype=args.dtype, head_dim=args.head_dim):
-                if k.name in ("bwd_preprocess", "prior_table"):
+                if k.name == "bwd_preprocess":
                     continue
                 model = loop_model(k.main_loop, arch, k.num_warps)
                 per_k = {unit: c * 1000 / (k.block[0] * k.block[1]) for unit, c in model["cycles"].items()}

@@ -79,6 +79,7 @@ class RefResult:
     dv: Optional[Tensor] = None
     dparams: dict = field(default_factory=dict)
     visible: Optional[Tensor] = None  # [Nq, Nk] bool
+    out_must_be_nonfinite: Optional[Tensor] = None  # [B, Hq, Nq, D] bool (see the body)
     empty_rows: Optional[Tensor] = None  # [Nq] bool: rows with no visible key
     # ref only (float64, with dout): the gross magnitude of each result, {"out", "dq", "dk", "dv",
     # "d<param>"} -> tensor of the result's shape; see gross_magnitudes() below.
@@ -178,12 +179,20 @@ def reference_attention(
         logit_raw = logit_raw.expand(bsz, hq, nq, nk)
     logit = logit_raw
 
-    fill = torch.where(empty, 0.0, float("-inf")).to(logit.dtype)[:, None]  # [Nq, 1]
-    logit = torch.where(visible, logit, fill)
-    p = torch.softmax(logit, dim=-1) * (~empty).to(logit.dtype)[:, None]
+    # A row none of whose visible keys has a logit above -inf (no visible key, every one outside
+    # a prior's window, or -inf data) gives 0 and zero gradients, like a row that sees no key.
+    logit = torch.where(visible, logit, float("-inf"))
+    dead = (logit == float("-inf")).all(-1, keepdim=True)          # [B, Hq, Nq, 1]
+    p = torch.softmax(torch.where(dead, 0.0, logit), dim=-1) * (~dead).to(logit.dtype)
     out = torch.matmul(p.to(vx.dtype), vx)
 
     res = RefResult(out=out.detach(), visible=visible, empty_rows=empty)
+    # Where an input is NaN or infinite: the rows that must be non-finite are those that give it
+    # weight (a key with weight exactly 0 contributes nothing, whatever its v); `out` above,
+    # like SDPA's P @ V, also spreads a non-finite v to rows that give it weight 0.
+    pv = p.detach().to(vx.dtype)[..., None] * vx.detach()[:, :, None]      # [B, Hq, Nq, Nk, D]
+    res.out_must_be_nonfinite = (~torch.isfinite(torch.where((p.detach() > 0)[..., None], pv, 0.0).sum(-2))
+                                 | torch.isnan(p.detach()).any(-1, keepdim=True))
     if dout is None:
         return res
 

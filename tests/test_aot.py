@@ -34,12 +34,8 @@ def _inspect(prior, arch, head_dim, *extra):
 @pytest.mark.parametrize("prior", PRIORS, ids=lambda p: p.stem)
 def test_kernels_compile_for_gpu(prior, arch, head_dim):
     report = _inspect(prior, arch, head_dim)
-    expected = KERNELS | ({"prior_table"} if report["strategy"] == "table" else set())
-    assert {k["name"] for k in report["kernels"]} == expected
+    assert {k["name"] for k in report["kernels"]} == KERNELS   # (tables are filled on the host)
     for kernel in report["kernels"]:
-        if kernel["name"] == "prior_table":     # the prologue: no tiles, no tensor cores
-            assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
-            continue
         assert 0 < kernel["registers"] <= 255, kernel
         assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel

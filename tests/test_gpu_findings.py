@@ -63,21 +63,17 @@ def test_attention_kernels_keep_d_top_unspecialised_and_fusion_off():
 
 @pytest.mark.parametrize("prior", TABLE_PRIORS)
 def test_backward_reuses_the_forward_table(prior, monkeypatch):
-    """One prior-table prologue per training step, whatever the strategy: the backward reads the
-    table the forward built (with its derivative slots), so both see the same log-prior bits."""
+    """One table build per training step on the Triton path: the backward reads the table the
+    forward built (with its derivative slots), so both see the same log-prior bits."""
     mod = importlib.import_module(f"generated.{prior}")
-    kernels = mod._load_triton()
     calls = []
-    table_kernel = kernels["table"]
+    build = mod._prior_tables
 
-    class Counting:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append(kwargs.get("WITH_GRADS"))
-                return table_kernel[grid](*args, **kwargs)
-            return launch
+    def counting(theta, Nq, Nk, q_offset, k_offset, causal, with_grads, shifted=True):
+        calls.append(with_grads)
+        return build(theta, Nq, Nk, q_offset, k_offset, causal, with_grads, shifted)
 
-    monkeypatch.setitem(kernels, "table", Counting())
+    monkeypatch.setattr(mod, "_prior_tables", counting)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=g, requires_grad=True) for _ in range(3))
     m = getattr(mod, mod.PRIOR["class_name"])(num_heads=2)

@@ -1,0 +1,64 @@
+"""Keep positional-prior parameters out of weight decay.
+
+Weight decay pulls every parameter towards 0. For a prior's raw parameters that is a pull
+towards an arbitrary prior (a positive alpha is stored as raw_alpha = log alpha, so 0 means
+alpha = 1), not towards a simpler model; there are a few per head, so they cannot overfit the
+way a weight matrix does. Like biases and norm weights in timm and nanoGPT, they belong in a
+group with no decay. Two conventions are followed:
+
+- torch's: optimizer parameter groups, ``AdamW(param_groups(model, 0.1), lr=...)``;
+- timm's: a module's ``no_weight_decay()`` returns the names (relative to that module) of
+  parameters to keep out of decay. It is honoured on every submodule, so it works for the
+  generated attention modules, for timm models, and for a user's own modules.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float = 0.01, *,
+                 prior_lr: float | None = None) -> list[dict]:
+    """Two parameter groups: ``weight_decay`` for everything but the prior parameters of every
+    generated attention module inside ``model`` (and names any submodule lists in
+    ``no_weight_decay()``), which get 0, and the learning rate ``prior_lr`` when it is given
+    (a few scalars per head often want a larger one). Frozen parameters and empty groups are
+    left out."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if prior_lr is not None and not prior_lr >= 0:
+        raise ValueError(f"prior_lr: expected a learning rate >= 0, got {prior_lr!r}")
+    keep = {id(p) for p in no_decay_parameters(model)}
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if id(param) in keep else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if prior_lr is not None:
+        groups[1]["lr"] = prior_lr
+    return [group for group in groups if group["params"]]
+
+
+def no_decay_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters :func:`param_groups` keeps out of weight decay."""
+    found = []
+    for module in model.modules():
+        found += _prior_parameters(module)
+        listed = getattr(module, "no_weight_decay", None)
+        if callable(listed):
+            own = dict(module.named_parameters())
+            found += [own[name] for name in listed() if name in own]
+    return list({id(p): p for p in found}.values())
+
+
+def _prior_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """``raw_<name>`` for each parameter of the prior, if ``module`` (or a class it derives
+    from) was defined in a generated module, which carries a module-level ``PRIOR`` dict."""
+    for cls in type(module).__mro__:
+        prior = getattr(sys.modules.get(cls.__module__), "PRIOR", None)
+        if isinstance(prior, dict) and isinstance(prior.get("params"), dict):
+            own = dict(module.named_parameters(recurse=False))
+            return [own[f"raw_{name}"] for name in prior["params"] if f"raw_{name}" in own]
+    return []
