@@ -252,6 +252,11 @@ class _Builder:
             raise self.fail(f"keyword arguments are not allowed in {name}(...)")
         if name == "Piecewise":
             return self._piecewise(node, depth)
+        if name in ("Min", "Max") and _flat_arity(node, name) > MAX_MINMAX_ARGS:
+            # from the text, before any nested call is built (each compares its arguments)
+            raise self.fail(f"{name} takes at most {MAX_MINMAX_ARGS} arguments (nested {name} "
+                            f"calls merged), got {_flat_arity(node, name)}",
+                            "split the list, or combine the terms with Piecewise")
         args = [self.build(a, depth) for a in node.args]
         for a in args:
             self._require_expr(a)
@@ -310,6 +315,12 @@ class _Builder:
         if _is_condition(value) or not isinstance(value, sp.Expr):
             raise self.fail("a condition was used where a number is expected",
                             "conditions belong only inside Piecewise((value, condition), ...)")
+
+
+def _flat_arity(call: ast.Call, name: str) -> int:
+    """Arguments of a Min or Max call once SymPy merges the nested calls of the same name."""
+    return sum(_flat_arity(a, name) if isinstance(a, ast.Call) and isinstance(a.func, ast.Name)
+               and a.func.id == name else 1 for a in call.args)
 
 
 def tree_size(expr: sp.Basic, memo: dict) -> int:

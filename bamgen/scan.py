@@ -3,10 +3,12 @@
 A formula can be fine at a few check points and NaN between them (``log(50 - Abs(d))`` beyond
 d = 50), have a pole at one distance (``1/(d - 10)``), be complex for some parameter values
 (``sqrt(b - 1)`` for b < 1), or leave float32's range in an intermediate value that the exact
-result does not (``-log(1 + exp(d))`` gives -inf in float32 at d = 89, where it is -89). Each of
-these builds, then gives NaN or silently wrong rows at run time. So the build runs the code the
-module will run, the printed torch expressions (CPU path) and the printed Triton expressions
-(through :class:`_TritonShim`, the ``tl`` functions on torch tensors), over
+result does not (``exp(100) * Abs(d)`` is inf * 0 at d = 0 in float32). Each of these builds,
+then gives NaN or silently wrong rows at run time. So the build runs the code the module will
+run, as the module runs it: the distance table (a log-prior in d alone) in float64, the CPU
+path's per-score torch expressions in float32 where the module uses them, and the GPU kernels'
+Triton expressions in float32 (through :class:`_TritonShim`, the ``tl`` functions on torch
+tensors), per score or over the table's float32 entries, over
 
 * positions: every distance |d| <= 4096, then distances up to 2**25 (what two positions of at
   most 2**24 can give) on a log scale, the integers next to every root of a linear or quadratic
@@ -41,7 +43,7 @@ import torch
 from .errors import SpecError
 from .formula import unique_nodes
 from .numeric import FLOAT32_MAX, evaluate_tensor, init_grid
-from .printers import NotARealNumber, prepare, print_expr
+from .printers import prepare, print_expr
 from .spec import POSITION_SYMBOLS, ParamSpec, position_symbols
 from .symbolic import guarded
 
@@ -107,7 +109,8 @@ class _TritonShim(_TorchShim):
 def run_block(block, inputs: dict, dtype, target: str) -> list[torch.Tensor]:
     """The outputs of a printed CodeBlock at ``inputs`` ({kernel name: tensor})."""
     shim = _TorchShim(dtype) if target == "torch" else _TritonShim(dtype)
-    scope = {"__builtins__": {}, "float": float, "torch": shim, "tl": shim, "_atan": torch.atan}
+    # (the standard builtins: torch imports itself from C code in the eval frame now and then)
+    scope = {"torch": shim, "tl": shim, "_atan": torch.atan}
     env = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
            for k, v in inputs.items()}
     for name, code in tuple(block.hoisted) + tuple(block.body):
@@ -197,8 +200,10 @@ def _combinations(params: list[ParamSpec]) -> list[dict[str, float]]:
             if inits.numel() > 1 else inits.float()
         choices[p.name] = sorted(set(parameter_samples(p)) | {float(x) for x in quantiles})
     combos = [base]
+    per_param = max(4, 2 * MAX_COMBINATIONS // max(len(params), 1))   # many parameters: fewer each
     for p in params:
-        combos += [{**base, p.name: v} for v in choices[p.name] if v != base[p.name]]
+        combos += [{**base, p.name: v} for v in _spread(choices[p.name], per_param)
+                   if v != base[p.name]]
     generator = torch.Generator().manual_seed(0)
     while len(combos) < MAX_COMBINATIONS and len(params) > 1:
         pick = {p.name: choices[p.name][int(torch.randint(len(choices[p.name]), (1,),
@@ -206,6 +211,14 @@ def _combinations(params: list[ParamSpec]) -> list[dict[str, float]]:
                 for p in params}
         combos.append(pick)
     return _unique(combos)[:max(MAX_COMBINATIONS, 1 + sum(len(c) for c in choices.values()))]
+
+
+def _spread(values: list[float], count: int) -> list[float]:
+    """At most ``count`` of the sorted ``values``, evenly spaced, both ends included."""
+    if len(values) <= count:
+        return values
+    step = (len(values) - 1) / (count - 1)
+    return [values[round(k * step)] for k in range(count)]
 
 
 def _init_at(p: ParamSpec, head: int, heads: int) -> float:

@@ -398,6 +398,12 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     _refused_by_cli(fifo, tmp_path, "not a regular file")
 
 
+def test_a_refusal_by_the_domain_scan_in_a_fresh_process(tmp_path):
+    """The scan runs printed code, which can need what a fresh interpreter has not imported yet
+    (torch imports itself from C code now and then); in this process it has."""
+    _refused_by_cli(HOSTILE / "positive_infinity.yaml", tmp_path, "the log-prior is +inf at d = 0")
+
+
 def test_a_huge_sparse_file_is_refused_unread(tmp_path):
     big = tmp_path / "big.yaml"
     with open(big, "wb") as fh:

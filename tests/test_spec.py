@@ -1,7 +1,13 @@
-"""Stage 1: prior files to PriorSpec, and the formula whitelist."""
+"""Stage 1: prior files to PriorSpec, the formula whitelist, the names a parameter may not have,
+values as the module computes them, and the time bounds of a build."""
+import ast
+import re
+
 import pytest
 import sympy as sp
 
+from bamgen import spec as spec_module
+from bamgen.codegen import compile_spec
 from bamgen.errors import SpecError
 from bamgen.formula import parse_formula
 from bamgen.spec import parse_spec
@@ -116,14 +122,6 @@ def test_error_carries_the_line_of_the_field():
 # --------------------------------------------------------------------------------------------
 # names that would collide with the generated code
 
-import ast
-import builtins
-import re
-
-from bamgen import spec as spec_module
-from bamgen.codegen import compile_spec
-from bamgen.errors import SpecError as _SpecError
-
 SENTINEL = re.compile(r"zq[a-d]")
 # Priors whose parameters are named zqa..zqd, so that every name the generated code derives
 # from a parameter can be told from the templates' own names. Together they render every
@@ -215,7 +213,7 @@ def test_module_attributes_cover_torch_nn_module():
     ("lambda", "keyword"), ("exp", "formula language"),
 ])
 def test_reserved_parameter_names_say_why_and_suggest_a_name(name, words):
-    with pytest.raises(_SpecError) as err:
+    with pytest.raises(SpecError) as err:
         parse_spec(f"name: x\nlog_prior: -Abs(d)\nparams:\n  {name}: {{init: 1.0}}\n")
     message = str(err.value)
     assert f"field 'params.{name}'" in message and words in message, message
@@ -226,7 +224,7 @@ def test_reserved_parameter_names_say_why_and_suggest_a_name(name, words):
 @pytest.mark.parametrize("name", ["torch", "math", "triton", "numpy", "sympy", "json", "random",
                                   "bamgen", "generated"])
 def test_a_prior_named_like_an_importable_module_is_refused(name):
-    with pytest.raises(_SpecError, match=f"would hide the module '{name}'"):
+    with pytest.raises(SpecError, match=f"would hide the module '{name}'"):
         parse_spec(f"name: {name}\nlog_prior: -Abs(d)\n")
 
 
@@ -268,7 +266,7 @@ def test_the_printer_refuses_a_symbol_it_has_no_name_for():
     ('"2**(h - 1000)"', "for head 0 of 1"),
 ])
 def test_inits_are_checked_for_every_head_count_in_float32(init, words):
-    with pytest.raises(_SpecError) as err:
+    with pytest.raises(SpecError) as err:
         parse_spec(f"name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {{init: {init}, domain: positive}}\n")
     assert "field 'params.b.init'" in str(err.value) and words in str(err.value), str(err.value)
 
@@ -285,7 +283,7 @@ def test_an_init_fine_for_every_head_count_up_to_the_bound_passes():
     ("[0.0, 1.0e-40]", "smallest normal"),
 ])
 def test_intervals_must_hold_float32_values(domain, words):
-    with pytest.raises(_SpecError) as err:
+    with pytest.raises(SpecError) as err:
         parse_spec(f"name: x\nlog_prior: -Abs(d)*b\nparams:\n  b: {{init: 0.5, domain: {domain}}}\n")
     assert "field 'params.b.domain'" in str(err.value) and words in str(err.value), str(err.value)
 
@@ -294,14 +292,14 @@ def test_constants_sympy_would_settle_exactly_are_computed_in_float64():
     """floor(exp(700)) needs 300 exact digits; SymPy raised PrecisionExhausted."""
     expr = parse_formula("d * floor(exp(700))", SYMS, field="log_prior")
     assert expr.has(sp.Float) and not expr.has(sp.floor)
-    with pytest.raises(_SpecError, match="cannot be decided in floating point"):
+    with pytest.raises(SpecError, match="cannot be decided in floating point"):
         parse_formula("Piecewise((d, tanh(500) < 1), (0, True))", SYMS, field="log_prior")
     assert parse_formula("Piecewise((d, 1 < 2), (0, True))", SYMS, field="log_prior") == D
 
 
 def test_yaml_merge_keys_are_refused_before_they_are_expanded():
     text = "name: x\nlog_prior: -Abs(d)*b\nparams:\n  a: &a {init: 1.0}\n  b: {<<: *a}\n"
-    with pytest.raises(_SpecError, match=r"merge keys \('<<'\)") as err:
+    with pytest.raises(SpecError, match=r"merge keys \('<<'\)") as err:
         parse_spec(text)
     assert "field 'params.b'" in str(err.value)
     # an alias without a merge is only a reference: fine
@@ -311,7 +309,6 @@ def test_yaml_merge_keys_are_refused_before_they_are_expanded():
 def test_the_scan_finds_what_the_check_points_miss():
     """A formula fine at a handful of points but nan between them, and one that is right in
     float64 but not in the kernels' float32, are refused by the build (bamgen/scan.py)."""
-    from bamgen.codegen import compile_spec as compile_
     cases = {
         "log(50 - Abs(d))": "the log-prior is nan",
         "-Abs(d)/4 + 1/(d - 1000000)": "the log-prior is +inf at d = 1000000",
@@ -320,8 +317,8 @@ def test_the_scan_finds_what_the_check_points_miss():
         "-Abs(d) * sqrt(b - 1)": "b = ",
     }
     for formula, words in cases.items():
-        with pytest.raises(_SpecError) as err:
-            compile_(parse_spec(f"name: x\nlog_prior: {formula}\nparams:\n"
+        with pytest.raises(SpecError) as err:
+            compile_spec(parse_spec(f"name: x\nlog_prior: {formula}\nparams:\n"
                                 f"  b: {{init: 4.0, domain: positive}}\n"))
         assert words in str(err.value) and "field 'log_prior'" in str(err.value), str(err.value)
 
@@ -338,14 +335,14 @@ def test_a_cpu_budget_names_the_innermost_field_and_never_extends_an_outer_one()
         while time.process_time() < end:
             pass
 
-    with pytest.raises(_SpecError) as err:
+    with pytest.raises(SpecError) as err:
         with cpu_budget("log_prior", "deriving the formula", seconds=0.2):
             with working_on("params.b.init", "checking the init"):
                 spin(5)
     assert "field 'params.b.init'" in str(err.value)
     assert "checking the init took more than 0.2 s of CPU time" in str(err.value)
     start = time.process_time()
-    with pytest.raises(_SpecError):
+    with pytest.raises(SpecError):
         with cpu_budget("score", "outer", seconds=0.2):
             with cpu_budget("score", "inner", seconds=30):
                 spin(5)
