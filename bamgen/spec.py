@@ -79,7 +79,8 @@ MODULE_ATTRIBUTES = frozenset((
 IMPORTED_MODULES = frozenset(("torch", "triton", "numpy", "sympy", "mpmath", "typing_extensions",
                               "torchgen", "filelock", "fsspec", "jinja2", "markupsafe", "networkx",
                               "setuptools", "pkg_resources", "bamgen", "generated"))
-# Where the logit is checked at the initial parameters (symbolic._check_finite_at_init).
+# (i, j) where each formula is first computed in float64 at the initial parameters, a cheap early
+# refusal of values no float can carry (the whole domain is scanned later: bamgen/scan.py).
 CHECK_POINTS = ((0, 0), (5, 2), (40, 1), (3, 7))
 
 
@@ -605,9 +606,9 @@ def _check_inits_for_every_head_count(spec: PriorSpec) -> None:
 
 def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSpec, ...],
                      field: str, lines: dict) -> None:
-    """Compute the log-prior and the score in float64 where the compiler checks the logit, at the
-    initial parameters: SymPy does that check exactly, and a formula such as exp(exp(exp(d)))
-    or d**d**d would make it work with numbers of billions of digits."""
+    """Compute the log-prior and the score in float64 at CHECK_POINTS with the initial parameters,
+    and refuse what overflows where no float can carry it (exp(exp(exp(d))), d**d**d): SymPy,
+    which computes exactly, would need numbers of billions of digits for such a formula."""
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
     values = {p.symbol(): evaluate(p.init_expr, {h: 0, H: 8}) for p in params if not p.is_constant}
     pos = position_symbols()
