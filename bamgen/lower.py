@@ -76,9 +76,12 @@ class TablePlan:
 class DistanceTable:
     """The log-prior as a function of the distance d alone, printed for torch: evaluated once per
     (head, distance) in float64 on the host, it fills the GPU kernels' tables (table strategy)
-    and the CPU path's bias (a logit s + f(d))."""
+    and the CPU path's (a bias for a logit s + f(d); the entries tab_v, tab_<p> that `logit` and
+    `backward` read for any other score)."""
     code: CodeBlock                # over pos_d: outputs the log-prior, then one per grad
     grads: tuple[str, ...]         # d log_prior / d p for these learnable parameters, in order
+    logit: CodeBlock               # torch: the logit over s, tab_v and positions
+    backward: CodeBlock            # torch: (logit, d logit / d s, d logit / d p per learnable p)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
     """Choose the lowering of ``ir`` (by the cost model unless ``strategy`` is given), print
     its code, and run the printed code over the domain (bamgen/scan.py), all within a CPU
     budget. The torch path's blocks are always the inline ones: it builds its own distance
-    tables (templates/torch_impl.py.jinja)."""
+    tables (templates/distance_table.py.jinja)."""
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     from . import scan   # imports torch: before the CPU budget starts
@@ -180,9 +183,15 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
         table, blocks["triton", "fwd"], blocks["triton", "bwd"] = _table_blocks(split, names, ir)
     distance_table = None
     if split is not None:
+        table_names = dict(names)
+        table_names[TABLE_VALUE] = "tab_v"
+        table_names.update({table_grad_symbol(n): f"tab_{n}" for n, _ in split.value_grads})
         distance_table = DistanceTable(
             code=_code_block([split.value] + [g for _, g in split.value_grads], names, "torch"),
-            grads=tuple(name for name, _ in split.value_grads))
+            grads=tuple(name for name, _ in split.value_grads),
+            logit=_code_block([split.logit], table_names, "torch"),
+            backward=_code_block([split.logit, split.dlogit_ds] + [g for _, g in split.grads],
+                                 table_names, "torch"))
     skip = None
     if strategy == "table" and skippable:
         skip = -ir.spec.skip_below if ir.spec.skip_below else -math.inf

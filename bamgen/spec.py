@@ -42,15 +42,16 @@ TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "sc
 MAX_SKIP_BELOW = 1000.0   # nats; beyond this float32 softmax cannot tell the difference anyway
 PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value")
 DOMAINS = ("real", "positive", "nonnegative")
-# A parameter is a keyword argument of the generated attention(), forward_block() and
-# backward_block(), so inside them its name hides whatever else has it: their other arguments
+# A parameter is an argument of the generated attention(), forward_block(), backward_block()
+# and log_prior_at(), so inside them its name hides whatever else has it: their other arguments
 # (also those DESIGN.md section 7 adds), their locals, and the modules and functions they call.
 # tests/test_spec.py derives the names the rendered module really uses there and checks that
 # this list holds them all.
 API_NAMES = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "backend", "key_mask",
              "cu_seqlens_q", "cu_seqlens_k", "num_heads", "columns", "theta", "grad", "dout", "out",
-             "out32", "stats", "dq", "dk", "dv", "dparams", "rows", "name", "t", "attention",
-             "forward_block", "backward_block", "finish_param_grads", "default_params", "PRIOR",
+             "out32", "stats", "dq", "dk", "dv", "dparams", "rows", "name", "t", "heads", "prm",
+             "value", "values", "attention", "forward_block", "backward_block", "log_prior_at",
+             "finish_param_grads", "default_params", "PRIOR",
              "PARAM_NAMES", "LEARNABLE", "LOG2E", "torch", "math", "triton", "tl", "self", "init",
              "device")
 # Names the kernels derive from a parameter p (prm_p, tab_p, grad_p, dlogit_dp, ...) that the
@@ -469,8 +470,8 @@ def _reserved_because(name: str) -> str | None:
     if hasattr(builtins, name):
         return "it is a Python builtin, which the generated attention() would no longer see"
     if name in API_NAMES:
-        return ("the generated attention(), forward_block() or backward_block() already uses "
-                "this name (an argument, a local variable or a module it calls)")
+        return ("the generated attention(), forward_block(), backward_block() or log_prior_at() "
+                "already uses this name (an argument, a local variable or a module it calls)")
     for prefix, taken in DERIVED_CLASHES:
         if name in taken:
             return (f"the kernels would name a value derived from it '{prefix}{name}', a name "

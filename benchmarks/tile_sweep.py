@@ -6,7 +6,7 @@
 For each shipped prior and (BLOCK_M, BLOCK_N, num_warps, num_stages) it compiles one kernel for
 the target and prints registers, stack (spills), shared memory and the main-loop model of
 bamgen.aot, per 1000 scores, so tiles of different sizes compare. This is how the candidate
-lists in templates/triton_kernels.py.jinja (TRITON_CONFIG) were chosen: the largest tiles with
+lists in bamgen/tiles.py (TRITON_CONFIG of the generated modules) were chosen: the largest tiles with
 no stack on every shipped prior, then the lowest modelled cost.
 """
 from __future__ import annotations

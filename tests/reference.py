@@ -210,7 +210,13 @@ def reference_attention(
 
     dout_c = dout.detach().to(out.dtype)
     if is_ref:
-        res.gross = gross_magnitudes(p.detach(), qc.detach(), kx.detach(), vx.detach(), dout_c, scale, group)
+        # |d logit / d s| per element (1 for s + log_prior; SSMax's ssmax * log n scales dS
+        # before it reaches dq and dk)
+        dlds = torch.autograd.grad(logit_raw, s, torch.ones_like(logit_raw), retain_graph=True,
+                                   allow_unused=True)[0] if score is not default_score else None
+        dlds_abs = None if dlds is None else torch.where(torch.isfinite(dlds), dlds.abs(), 0.0)
+        res.gross = gross_magnitudes(p.detach(), qc.detach(), kx.detach(), vx.detach(), dout_c, scale,
+                                     group, dlds_abs)
         if leaves:
             # sum_b dS_abs * dlogit/dtheta per element (dlogit/dtheta does not depend on b for a
             # log-prior; for a score that mixes s in, this is a lower bound, fine for a floor)
@@ -229,7 +235,7 @@ def reference_attention(
     return res
 
 
-def gross_magnitudes(p, q, kx, vx, dout, scale, group):
+def gross_magnitudes(p, q, kx, vx, dout, scale, group, dlds_abs=None):
     """The size of the terms that each result is a (possibly cancelling) sum of.
 
     The backward is dS = P * (dP - rowsum(P * dP)), dP = dO v^T; a result such as a parameter
@@ -239,7 +245,8 @@ def gross_magnitudes(p, q, kx, vx, dout, scale, group):
     expressions with every product and sum replaced by its absolute-value counterpart:
     A = |dO| |v|^T (bounds |dP|), dS_abs = P * (A + rowsum(P * A)), and
     out: P |v|, dv: P^T |dO|, dq: scale dS_abs |k|, dk: scale dS_abs^T |q|; the caller adds
-    the parameters (dS_abs against |dlogit/dtheta|).  All in float64.
+    the parameters (dS_abs against |dlogit/dtheta|).  For a score other than s + log_prior,
+    dq and dk see dS_abs times |d logit / d s| (``dlds_abs``).  All in float64.
     """
     bsz, hq, nq, dim = q.shape
     hk = hq // group
@@ -247,7 +254,8 @@ def gross_magnitudes(p, q, kx, vx, dout, scale, group):
     a = torch.matmul(dout.abs(), vx.abs().transpose(-1, -2))
     ds_abs = p * (a + (p * a).sum(-1, keepdim=True))
     g_out = torch.matmul(p, vx.abs())
-    g_dq = scale * torch.matmul(ds_abs, kx.abs())
-    g_dk = scale * torch.matmul(ds_abs.transpose(-1, -2), q.abs()).reshape(bsz, hk, group, nk, dim).sum(2)
+    chained = ds_abs if dlds_abs is None else ds_abs * dlds_abs   # dS through d logit / d s
+    g_dq = scale * torch.matmul(chained, kx.abs())
+    g_dk = scale * torch.matmul(chained.transpose(-1, -2), q.abs()).reshape(bsz, hk, group, nk, dim).sum(2)
     g_dv = torch.matmul(p.transpose(-1, -2), dout.abs()).reshape(bsz, hk, group, nk, dim).sum(2)
     return {"out": g_out, "dq": g_dq, "dk": g_dk, "dv": g_dv, "_ds_abs": ds_abs}

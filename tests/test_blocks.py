@@ -18,6 +18,10 @@ CASES = [  # (prior, backend, causal, Nq, Nk, split, q_offset, Hq, Hk)
     ("laplace", "torch", False, 20, 31, 30, 0, 2, 2),
     ("laplace", "triton", True, 16, 48, 20, 32, 2, 1),
     ("uniform", "torch", True, 9, 9, 4, 0, 1, 1),
+    # n (SSMax) counts the keys of the whole row: the blocks are given it
+    ("bam_ssmax", "torch", True, 30, 30, 13, 0, 2, 1),
+    ("bam_ssmax", "triton", False, 12, 21, 8, 0, 2, 2),
+    ("bam_ssmax", "triton", True, 16, 48, 20, 32, 2, 1),
 ]
 
 
@@ -52,6 +56,8 @@ def test_blocks_merge_to_the_whole(case):
     whole.backward(dout)
 
     blocks = [(0, split), (split, Nk)]
+    rows = torch.arange(Nq) + q_offset            # n: the keys of the whole row each query sees
+    kw["n"] = (rows + 1).clamp(0, Nk) if causal else torch.full((Nq,), Nk)
     parts = [mod.forward_block(q, k[:, :, a:b], v[:, :, a:b], **params, k_offset=a, **kw)
              for a, b in blocks]
     out, stats = merge(parts)

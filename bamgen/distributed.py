@@ -1,0 +1,581 @@
+"""Context parallelism: one long sequence split over the ranks of a torch.distributed group.
+
+    from bamgen.distributed import shard, unshard, ring_attention
+    q_l, k_l, v_l = (shard(x, group=cp) for x in (q, k, v))     # this rank's part of dim 2
+    out_l = ring_attention(mod, q_l, k_l, v_l, causal=True, group=cp, **params)   # mod: generated
+    out = unshard(out_l, group=cp)                                # the full [B, H, N, D] everywhere
+
+Layout (`shard`). With W ranks the sequence is cut into 2W equal chunks and rank r holds chunks
+r and 2W-1-r (a head and a tail chunk, "zigzag"): under a causal mask every rank then has the
+same amount of work at every step, where a plain split would leave the first rank idle.
+
+The ring (`ring_attention`). Step t = 0 .. W-1: rank r attends its queries to the keys and values
+of rank src = r - t (mod W), which src sends straight to r, so every step is one permutation of
+point-to-point messages (`batch_isend_irecv`). The transfer of step t+1 is posted before step t
+is computed, so communication runs under compute. Each (query chunk, key chunk) pair is one call
+of the module's block API (`forward_block`) with the chunks' global positions as offsets; the
+partial outputs merge exactly by the log-sum-exp rule on the (m, l) statistics. A pair that the
+causal mask, or a window of the prior (a log-prior that is -oo beyond some distance), makes
+invisible is not computed, and a chunk no pair of the receiver needs is not sent: under a causal
+mask rank r needs only the head chunk of a rank src < r, so a quarter of a plain ring's traffic
+is never sent.
+
+The backward runs the same schedule again: K/V are sent again (nothing from the forward is kept
+but this rank's own output and row statistics), `backward_block` gives each pair's share of dq
+(summed on the query's rank), of dk and dv (summed per step and returned straight to the keys'
+owner, posted as soon as the step is computed) and of the prior-parameter gradients, which are
+summed over the group with one all_reduce so that every rank holds the gradient of the whole
+sequence, as a one-process run would.
+
+Only torch.distributed is used (gloo on CPUs, NCCL on GPUs). docs/distributed.md has the usage,
+the rules (what must match on every rank) and what is left.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["shard", "unshard", "ring_attention"]
+
+_KV_TAG, _DKV_TAG = 1, 2          # message tags (gloo matches on them; NCCL ignores them)
+_WINDOW_SLICE = 1 << 16           # distances per slice when looking for the prior's window
+
+
+# --------------------------------------------------------------------------------------------
+# the group and the load-balanced layout
+# --------------------------------------------------------------------------------------------
+def _rank_and_size(group) -> tuple[int, int]:
+    """(this rank's index in the group, the group's size); a process that never initialised
+    torch.distributed is a group of one (group must then be None)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialised; call "
+                             "torch.distributed.init_process_group first")
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of `group`; call shard, unshard and "
+                         "ring_attention only on the ranks of the context-parallel group")
+    return rank, dist.get_world_size(group)
+
+
+def _chunk_indices(rank: int, world: int) -> tuple[int, int]:
+    """The two chunks (of 2 * world) that `rank` holds: a head chunk and a tail chunk."""
+    return rank, 2 * world - 1 - rank
+
+
+def _check_sequence(x, dim: int, world: int) -> int:
+    """The chunk length of `x`'s sequence dimension split over `world` ranks."""
+    if not isinstance(x, torch.Tensor) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"x must be a tensor with the sequence in dim {dim}, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    n = x.shape[dim]
+    if n == 0 or n % (2 * world):
+        raise ValueError(f"x has {n} positions in dim {dim}; over {world} rank(s) the sequence must "
+                         f"be a positive multiple of 2 * {world} = {2 * world} (each rank holds a head "
+                         f"and a tail chunk): pad it at its end (under a causal mask no real token "
+                         f"sees the padding)")
+    return n // (2 * world)
+
+
+def _local_part(x, rank: int, world: int, chunk: int, dim: int):
+    head, tail = _chunk_indices(rank, world)
+    return torch.cat([x.narrow(dim, head * chunk, chunk), x.narrow(dim, tail * chunk, chunk)], dim=dim)
+
+
+def shard(x, group=None, dim=2):
+    """This rank's part of the sequence dimension of `x` (the whole sequence, the same on every
+    rank; dim 2 of [B, H, N, D], or another `dim`, e.g. 1 for token ids [B, N]): chunks r and
+    2W-1-r of 2W equal chunks, concatenated (load-balanced for a causal mask). Differentiable.
+    N must be a multiple of 2W."""
+    rank, world = _rank_and_size(group)
+    chunk = _check_sequence(x, dim, world)
+    return _local_part(x, rank, world, chunk, dim)
+
+
+class _Unshard(torch.autograd.Function):
+    """all_gather of the shards, put back in sequence order. Every rank holds the same full
+    tensor, so a loss computed from it on every rank is one loss: the gradient of this rank's
+    shard is its own part of the incoming gradient (not a sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, world, dim):
+        chunk = x.shape[dim] // 2
+        ctx.layout = (rank, world, chunk, dim)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        chunks = [None] * (2 * world)
+        for r, part in enumerate(parts):
+            head, tail = _chunk_indices(r, world)
+            chunks[head], chunks[tail] = part.narrow(dim, 0, chunk), part.narrow(dim, chunk, chunk)
+        return torch.cat(chunks, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _local_part(grad, *ctx.layout), None, None, None, None
+
+
+def unshard(x, group=None, dim=2):
+    """The full sequence from every rank's shard (the inverse of `shard`), on every rank.
+    Differentiable: the gradient of this rank's shard is its part of the full gradient."""
+    rank, world = _rank_and_size(group)
+    if not isinstance(x, torch.Tensor) or not -x.dim() <= dim < x.dim() or x.shape[dim] % 2:
+        raise ValueError(f"x must be a shard from `shard` (an even length in dim {dim}), got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if world == 1:
+        return x
+    return _Unshard.apply(x, group, rank, world, dim % x.dim())
+
+
+# --------------------------------------------------------------------------------------------
+# what the prior needs from the ring
+# --------------------------------------------------------------------------------------------
+def _symbols(formula: str) -> set[str]:
+    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", formula))
+
+
+@dataclass(frozen=True)
+class _PriorTraits:
+    """What the ring must know about a prior, read from the module's PRIOR metadata.
+
+    uses_n: the logit uses n (the number of keys the query sees): every block is given the
+        count over the whole row (the block API's `n`), not over its own keys.
+    window: the log-prior can be -oo (a window) and depends on positions through d alone with
+        the default score, so a (query chunk, key chunk) pair whose every distance is outside
+        it can be skipped; the ring finds those pairs by evaluating the log-prior per distance."""
+    uses_n: bool
+    window: bool
+
+
+def _traits(mod) -> _PriorTraits:
+    prior = mod.PRIOR
+    log_prior = _symbols(prior.get("log_prior_simplified", prior["log_prior"]))
+    score = _symbols(prior.get("score", "s + log_prior"))
+    uses_n = "n" in log_prior | score
+    d_only = not (log_prior & {"i", "j", "n"}) and prior.get("score", "s + log_prior") == "s + log_prior"
+    return _PriorTraits(uses_n=uses_n, window=d_only and "oo" in log_prior)
+
+
+# --------------------------------------------------------------------------------------------
+# the schedule: which (query chunk, key chunk) pairs each step computes
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Ring:
+    """The context-parallel group and the pairs of chunks that can see each other.
+
+    Chunk x covers positions [x * chunk, (x + 1) * chunk); rank r holds chunks (r, 2W-1-r) as
+    its local slots 0 (head) and 1 (tail). `distances` is the set of chunk distances
+    qx - kx at which some score is visible (None: all of them)."""
+    group: object
+    rank: int
+    world: int
+    chunk: int
+    causal: bool
+    distances: Optional[frozenset]
+
+    def start(self, rank: int, slot: int) -> int:
+        return _chunk_indices(rank, self.world)[slot] * self.chunk
+
+    def pairs(self, q_rank: int, k_rank: int) -> list[tuple[int, int]]:
+        """(query slot, key slot) pairs of q_rank's queries and k_rank's keys with a visible score."""
+        out = []
+        for qs, qx in enumerate(_chunk_indices(q_rank, self.world)):
+            for ks, kx in enumerate(_chunk_indices(k_rank, self.world)):
+                if self.causal and kx > qx:
+                    continue
+                if self.distances is not None and qx - kx not in self.distances:
+                    continue
+                out.append((qs, ks))
+        return out
+
+    def needed(self, q_rank: int, k_rank: int) -> tuple[int, ...]:
+        """The key slots of k_rank that q_rank needs, in slot order."""
+        return tuple(sorted({ks for _, ks in self.pairs(q_rank, k_rank)}))
+
+    def peer(self, rank: int) -> int:
+        """The global rank (what P2POp takes) of a rank of the group."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+class _Window:
+    """A prior that is -oo beyond some distances (a window), depending on positions through d
+    alone: its log-prior per distance and head (the module's `log_prior_at`) with this call's
+    parameter values."""
+
+    def __init__(self, mod, params, hq, device):
+        self.mod, self.hq, self.params = mod, hq, params
+        self.device = device
+
+    def visible(self, d0: int, d1: int, causal: bool):
+        """bool [Hq, d1 - d0]: whether distance d0 .. d1 - 1 lets a score through (NaN counts
+        as visible: nothing is hidden that the module would compute)."""
+        pos_d = torch.arange(d0, d1, device=self.device)
+        ok = self.mod.log_prior_at(pos_d, **self.params, num_heads=self.hq) != -math.inf
+        return ok & (pos_d >= 0)[None] if causal else ok
+
+    def chunk_distances(self, chunk: int, world: int, causal: bool) -> frozenset:
+        """Chunk distances qx - kx at which some score is visible (the distances evaluated in
+        slices, so memory stays small for a long sequence)."""
+        n = 2 * world * chunk
+        lo = 0 if causal else -(n - 1)
+        seen = torch.cat([self.visible(d0, min(n, d0 + _WINDOW_SLICE), causal).any(0)
+                          for d0 in range(lo, n, _WINDOW_SLICE)])
+        count = torch.cumsum(seen.to(torch.int64), 0).tolist()
+
+        def any_between(a, b):   # any visible distance in [a, b]
+            a, b = max(a, lo), min(b, n - 1)
+            return a <= b and count[b - lo] - (count[a - lo - 1] if a > lo else 0) > 0
+
+        return frozenset(delta for delta in range(-(2 * world - 1), 2 * world)
+                         if any_between(delta * chunk - (chunk - 1), delta * chunk + (chunk - 1)))
+
+
+def _agreed_distances(distances: frozenset, ring: _Ring, device) -> frozenset:
+    """The union over the group of every rank's visible distances: the ranks must agree on what
+    is sent, or a rank would wait for a message that never comes."""
+    if ring.world == 1:
+        return distances
+    span = 2 * ring.world - 1
+    flags = torch.zeros(2 * span + 1, dtype=torch.int32, device=device)
+    for delta in distances:
+        flags[delta + span] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ring.group)
+    return frozenset(i - span for i, f in enumerate(flags.tolist()) if f)
+
+
+# --------------------------------------------------------------------------------------------
+# messages
+# --------------------------------------------------------------------------------------------
+def _pack(k, v, chunk):
+    """[slot, k|v, B, Hk, chunk, D]: this rank's two chunks of K and V, each slot contiguous, so
+    that one slot or both can be sent as they are."""
+    return torch.stack([torch.stack([k[:, :, :chunk], v[:, :, :chunk]]),
+                        torch.stack([k[:, :, chunk:], v[:, :, chunk:]])])
+
+
+class _Transfer:
+    """One step's messages in flight: what this rank receives, once waited for."""
+
+    def __init__(self, works, received, keep):
+        self.works, self.received, self._keep = works, received, keep
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self._keep = None
+        return self.received
+
+
+def _exchange(ring: _Ring, send, send_to, recv_shape, recv_from, dtype, device, tag) -> _Transfer:
+    """Post one send and one receive (either may be None) as one batch."""
+    ops, received = [], None
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send, ring.peer(send_to), ring.group, tag))
+    if recv_shape is not None:
+        received = torch.empty(recv_shape, dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, received, ring.peer(recv_from), ring.group, tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return _Transfer(works, received, send)
+
+
+def _post_kv(ring: _Ring, own, step: int) -> tuple[_Transfer, tuple[int, ...]]:
+    """Step `step`'s K/V: send this rank's chunks that rank + step needs, receive the chunks of
+    rank - step that this rank needs. Returns the transfer and the received slots."""
+    dst, src = (ring.rank + step) % ring.world, (ring.rank - step) % ring.world
+    give, take = ring.needed(dst, ring.rank), ring.needed(ring.rank, src)
+    send = None if not give else (own if give == (0, 1) else own[give[0]])
+    shape = None if not take else (len(take), *own.shape[1:])
+    return _exchange(ring, send, dst, shape, src, own.dtype, own.device, _KV_TAG), take
+
+
+# --------------------------------------------------------------------------------------------
+# the row statistics
+# --------------------------------------------------------------------------------------------
+class _Rows:
+    """Running output and (m, l) statistics of this rank's query rows over the blocks seen so
+    far, in place in tensors of the whole shard; `merge` adds one block of one chunk."""
+
+    def __init__(self, q, chunk):
+        self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        self.m = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        self.l = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+        self.chunk = chunk
+
+    def merge(self, slot, out_b, stats_b):
+        """The log-sum-exp rule in base 2 with the exact row max (docs/architecture.md)."""
+        rows = slice(slot * self.chunk, (slot + 1) * self.chunk)
+        out, m_old, l_old = self.out[:, :, rows], self.m[:, :, rows], self.l[:, :, rows]
+        m_b, l_b = stats_b[..., 0], stats_b[..., 1]
+        m = torch.maximum(m_old, m_b)
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        w_old = l_old * torch.exp2(m_old - m_safe)
+        w_b = l_b * torch.exp2(m_b - m_safe)
+        l = w_old + w_b
+        norm = torch.where(l == 0, torch.ones_like(l), l)
+        out.mul_((w_old / norm)[..., None]).add_(out_b.mul_((w_b / norm)[..., None]))
+        m_old.copy_(m)
+        l_old.copy_(l)
+
+    def stats(self):
+        return torch.stack([self.m, self.l], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# forward and backward over the ring
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Call:
+    """How each block is computed: the module, its settings and the prior's parameter values."""
+    mod: object
+    causal: bool
+    scale: Optional[float]
+    backend: str
+    n_total: Optional[int]     # the sequence length, for a prior that uses n (else None)
+    window: Optional[_Window]  # for a prior with a window (else None)
+
+    def kwargs(self, ring: _Ring, q_rank, q_slot, k_rank, k_slot):
+        q_start = ring.start(q_rank, q_slot)
+        kw = dict(causal=self.causal, scale=self.scale, backend=self.backend,
+                  q_offset=q_start, k_offset=ring.start(k_rank, k_slot))
+        if self.n_total is not None:   # n over the whole row: keys 0 .. N-1 of the sequence
+            rows = torch.arange(q_start, q_start + ring.chunk)
+            kw["n"] = (rows + 1).clamp(0, self.n_total) if self.causal else torch.full_like(rows, self.n_total)
+        return kw
+
+    def forward(self, ring: _Ring, q, kv, params, q_rank, q_slot, k_rank, k_slot):
+        """(out, stats) of one block: this rank's query chunk against one key chunk."""
+        kw = self.kwargs(ring, q_rank, q_slot, k_rank, k_slot)
+        return self.mod.forward_block(q, kv[0], kv[1], **params, **kw)
+
+
+def _split(x):
+    half = x.shape[2] // 2
+    return x[:, :, :half], x[:, :, half:]
+
+
+def _steps(ring: _Ring, k, v):
+    """Yield (step, source rank, {slot: (k chunk, v chunk)}) with the next step's K/V already in
+    flight while the caller computes on the current one."""
+    c = ring.chunk
+    own = _pack(k, v, c) if ring.world > 1 else None     # what is sent: contiguous chunks
+    pending = _post_kv(ring, own, 1) if ring.world > 1 else None
+    for step in range(ring.world):
+        if step == 0:
+            kv = {0: (k[:, :, :c], v[:, :, :c]), 1: (k[:, :, c:], v[:, :, c:])}
+        else:
+            transfer, slots = pending
+            buffer = transfer.wait()
+            kv = {s: (buffer[i, 0], buffer[i, 1]) for i, s in enumerate(slots)}
+            pending = _post_kv(ring, own, step + 1) if step + 1 < ring.world else None
+        yield step, (ring.rank - step) % ring.world, kv
+
+
+def _ring_forward(ring: _Ring, call: _Call, q, k, v, params):
+    """(out float32 [B, Hq, 2 * chunk, D], stats [B, Hq, 2 * chunk, 2]) of this rank's queries."""
+    queries = _split(q)
+    rows = _Rows(q, ring.chunk)
+    for _step, src, kv in _steps(ring, k, v):
+        for qs, ks in ring.pairs(ring.rank, src):
+            rows.merge(qs, *call.forward(ring, queries[qs], kv[ks], params, ring.rank, qs, src, ks))
+    return rows.out, rows.stats()
+
+
+def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
+    """dq, dk, dv of this rank's shards and the learnable parameters' gradients of this rank's
+    query rows ({name: [Hq]}, not yet summed over the group)."""
+    mod = call.mod
+    queries, douts, outs, row_stats = _split(q), _split(dout), _split(out), _split(stats)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_parts = _split(dq)
+    d_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)   # [dk|dv, B, Hk, 2c, D]
+    d_slots = [d_own[:, :, :, :ring.chunk], d_own[:, :, :, ring.chunk:]]       # [dk|dv, B, Hk, c, D]
+    dparams = {name: torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+               for name in mod.LEARNABLE}
+    row_sums = torch.zeros(*q.shape[:3], 1 + len(mod.LEARNABLE), dtype=torch.float32, device=q.device)
+    row_parts = _split(row_sums)
+    returning = None     # the previous step's dK/dV on its way back to their owner
+    chunk_shape = (2, *k.shape[:2], ring.chunk, k.shape[3])                   # [k|v, B, Hk, c, D]
+    for step, src, kv in _steps(ring, k, v):
+        if step == 0:
+            d_kv = d_slots
+        else:
+            d_kv = torch.zeros((len(kv), *chunk_shape), dtype=torch.float32, device=k.device)
+        place = {s: i for i, s in enumerate(kv)}     # received slot -> index in d_kv
+        for qs, ks in ring.pairs(ring.rank, src):
+            dq_b, dk_b, dv_b, dp_b, rows_b = mod.backward_block(
+                douts[qs], queries[qs], *kv[ks], outs[qs], row_stats[qs], **params,
+                **call.kwargs(ring, ring.rank, qs, src, ks))
+            dq_parts[qs].add_(dq_b)
+            d_kv[place[ks]][0].add_(dk_b)
+            d_kv[place[ks]][1].add_(dv_b)
+            row_parts[qs].add_(rows_b)
+            for name in mod.LEARNABLE:
+                dparams[name] += dp_b[name]
+        if step > 0:
+            sent_back = _return_dkv(ring, d_kv, step)
+            if returning is not None:
+                _add_returned(returning, d_slots)
+            returning = sent_back
+    if returning is not None:
+        _add_returned(returning, d_slots)
+    grads = mod.finish_param_grads(dparams, row_sums) if mod.LEARNABLE else {}
+    return dq.to(q.dtype), d_own[0].to(k.dtype), d_own[1].to(v.dtype), grads
+
+
+def _return_dkv(ring: _Ring, d_kv, step: int):
+    """Send step `step`'s dK/dV (of rank - step's chunks) back to their owner and receive the
+    dK/dV that rank + step computed for this rank's chunks."""
+    dst, src = (ring.rank + step) % ring.world, (ring.rank - step) % ring.world
+    mine = ring.needed(dst, ring.rank)       # what dst received from this rank, so computed on
+    shape = None if not mine else (len(mine), *d_kv.shape[1:])
+    sent = d_kv if ring.needed(ring.rank, src) else None
+    return _exchange(ring, sent, src, shape, dst, torch.float32, d_kv.device, _DKV_TAG), mine
+
+
+def _add_returned(returning, d_slots):
+    transfer, slots = returning
+    received = transfer.wait()
+    for i, s in enumerate(slots):
+        d_slots[s].add_(received[i])
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autograd over the ring: q, k, v shards and `learned` [Hq, len(LEARNABLE)] (the learnable
+    parameters' values as columns; their gradient flows back to whatever tensors the caller
+    passed, through the stack that made them)."""
+
+    @staticmethod
+    def forward(ctx, ring, call, fixed, q, k, v, learned):
+        params = _block_params(call.mod, fixed, learned)
+        out, stats = _ring_forward(ring, call, q, k, v, params)
+        ctx.save_for_backward(q, k, v, learned, out, stats)
+        ctx.ring, ctx.call, ctx.fixed = ring, call, fixed
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, learned, out, stats = ctx.saved_tensors
+        ring, call = ctx.ring, ctx.call
+        params = _block_params(call.mod, ctx.fixed, learned)
+        dq, dk, dv, grads = _ring_backward(ring, call, dout, q, k, v, out, stats, params)
+        dlearned = None
+        if ctx.needs_input_grad[6] and call.mod.LEARNABLE:
+            dlearned = torch.stack([grads[name] for name in call.mod.LEARNABLE], dim=1).contiguous()
+            if ring.world > 1:
+                dist.all_reduce(dlearned, group=ring.group)
+        return None, None, None, dq, dk, dv, dlearned
+
+
+def _block_params(mod, fixed, learned):
+    """{name: value} for the block API: the learnable columns of `learned` (detached) and the
+    fixed (non-learnable) values as given."""
+    params = dict(fixed)
+    for g, name in enumerate(mod.LEARNABLE):
+        params[name] = learned[:, g].detach()
+    return params
+
+
+# --------------------------------------------------------------------------------------------
+# the entry point
+# --------------------------------------------------------------------------------------------
+def _check_module(mod):
+    needed = ("forward_block", "backward_block", "finish_param_grads", "log_prior_at", "PARAM_NAMES",
+              "LEARNABLE", "PRIOR")
+    missing = [name for name in needed if not hasattr(mod, name)]
+    if isinstance(mod, torch.nn.Module):
+        raise ValueError("mod must be the generated module (e.g. generated.generalized_gaussian), not "
+                         "its nn.Module; pass the layer's parameters as **layer.prior_params()")
+    if missing:
+        raise ValueError(f"mod must be a module generated by bamgen with the block API; "
+                         f"{getattr(mod, '__name__', type(mod).__name__)} lacks {', '.join(missing)} "
+                         f"(rebuild it with this bamgen: bamgen build PRIOR.yaml)")
+
+
+def _check_shards(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be this rank's shard [B, H, 2 * chunk, D] (from shard), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2] or q.shape[2] % 2 or q.shape[2] == 0:
+        raise ValueError(f"q and k must be shards of one sequence (the same, even length in dim 2), got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share B and D")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the number "
+                         f"of key/value heads ({k.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k and v must share a dtype and a device")
+
+
+def _check_params(mod, params, hq):
+    names = tuple(mod.PARAM_NAMES)
+    unknown = [name for name in params if name not in names]
+    missing = [name for name in names if name not in params]
+    if unknown or missing:
+        what = (f"unknown parameter(s) {', '.join(map(repr, unknown))}" if unknown else
+                f"missing parameter(s) {', '.join(map(repr, missing))}")
+        raise ValueError(f"ring_attention: {what}; the prior {mod.PRIOR['name']!r} takes "
+                         f"{', '.join(names) or 'no parameters'} (a float or a tensor [{hq}] each)")
+    for name, value in params.items():
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+            isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() in (1, hq)
+            and value.dim() <= 1)
+        if not ok:
+            raise ValueError(f"{name} must be a float or a floating-point tensor of shape [{hq}] (one "
+                             f"value per query head) or [1], got "
+                             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else repr(value)}")
+
+
+def _column(value, hq, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(-1).expand(hq)
+    return torch.full((hq,), float(value), dtype=torch.float32, device=device)
+
+
+def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend="auto", **params):
+    """Attention of this rank's shard of queries over the whole sequence, the keys and values
+    passed around the context-parallel `group`; equal to `mod.attention` on the full tensors.
+
+    mod: a generated module (e.g. `generated.generalized_gaussian` or `bamgen.load(...)`).
+    q [B, Hq, 2c, D], k and v [B, Hk, 2c, D]: this rank's shards from `shard` (same layout,
+        same shapes on every rank); positions are those of the whole sequence, 0 .. N-1.
+    causal, scale, backend: as in `mod.attention`.
+    **params: the prior's parameters, a float or a tensor [Hq] (or [1]) each, the same values
+        on every rank; tensors that require grad get the gradient of the whole sequence (summed
+        over the group), e.g. the values of `layer.prior_params()`.
+    Returns this rank's shard of the output [B, Hq, 2c, D] in q's dtype. Differentiable in q, k,
+    v and the parameters; every rank of the group must call it (and its backward) alike.
+    """
+    _check_module(mod)
+    _check_shards(q, k, v)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    hq = q.shape[1]
+    _check_params(mod, params, hq)
+    traits = _traits(mod)
+    rank, world = _rank_and_size(group)
+    learned = (torch.stack([_column(params[name], hq, q.device) for name in mod.LEARNABLE], dim=1)
+               if mod.LEARNABLE else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
+    fixed = {name: value for name, value in params.items() if name not in mod.LEARNABLE}
+    chunk = q.shape[2] // 2
+    ring = _Ring(group, rank, world, chunk, causal, None)
+    window = None
+    if traits.window:
+        window = _Window(mod, _block_params(mod, fixed, learned), hq, q.device)
+        ring = _Ring(group, rank, world, chunk, causal, _agreed_distances(
+            window.chunk_distances(chunk, world, causal), ring, q.device))
+    call = _Call(mod, causal, scale, backend, 2 * world * chunk if traits.uses_n else None, window)
+    return _RingAttention.apply(ring, call, fixed, q, k, v, learned)
