@@ -50,14 +50,14 @@ import torch
 Tensor = torch.Tensor
 ParamValue = Union[float, int, Tensor]
 
-# log_prior(d, p) -> tensor broadcastable to [Hq, Nq, Nk]
-#   d: [1, Nq, Nk] distances i_abs - j_abs (floating point, exact integers)
-#   p: {name: tensor [Hq, Nq, Nk]} (a per-element copy of the per-head value)
+# log_prior(d, p) -> tensor broadcastable to [B, Hq, Nq, Nk]
+#   d: [B, 1, Nq, Nk] distances i_abs - j_abs (floating point, exact integers)
+#   p: {name: tensor [B, Hq, Nq, Nk]} (a per-element copy of the per-head value)
 LogPrior = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
-# score(s, lp, n, p) -> logits; s [B, Hq, Nq, Nk], lp [Hq, Nq, Nk] (or broadcastable), n [1, Nq, 1]
+# score(s, lp, n, p) -> logits; s [B, Hq, Nq, Nk], lp [B, Hq, Nq, Nk] (or broadcastable), n [B, 1, Nq, 1]
 Score = Callable[[Tensor, Tensor, Tensor, Mapping[str, Tensor]], Tensor]
-# kink(d, p) -> bool tensor broadcastable to [Hq, Nq, Nk]: where the argument of an Abs is 0.
-#   p: {name: float64 tensor [Hq, 1, 1]}
+# kink(d, p) -> bool tensor broadcastable to [B, Hq, Nq, Nk]: where the argument of an Abs is 0.
+#   d: [B, 1, Nq, Nk]; p: {name: float64 tensor [1, Hq, 1, 1]}
 Kink = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
 
 
@@ -78,26 +78,52 @@ class RefResult:
     dk: Optional[Tensor] = None
     dv: Optional[Tensor] = None
     dparams: dict = field(default_factory=dict)
-    visible: Optional[Tensor] = None  # [Nq, Nk] bool
+    visible: Optional[Tensor] = None  # [B, Nq, Nk] bool
     out_must_be_nonfinite: Optional[Tensor] = None  # [B, Hq, Nq, D] bool (see the body)
-    empty_rows: Optional[Tensor] = None  # [Nq] bool: rows with no visible key
+    empty_rows: Optional[Tensor] = None  # [B, Nq] bool: rows with no visible key
     # ref only (float64, with dout): the gross magnitude of each result, {"out", "dq", "dk", "dv",
     # "d<param>"} -> tensor of the result's shape; see gross_magnitudes() below.
     gross: dict = field(default_factory=dict)
 
 
 def positions(nq: int, nk: int, q_offset: int, k_offset: int, causal: bool, dtype=torch.float64):
-    """Return ``d`` ``[Nq, Nk]`` (i_abs - j_abs, in ``dtype``), ``visible`` ``[Nq, Nk]`` (bool) and
-    ``n`` ``[Nq]`` (int64, number of visible keys per row)."""
-    i_abs = torch.arange(nq, dtype=torch.int64) + int(q_offset)
-    j_abs = torch.arange(nk, dtype=torch.int64) + int(k_offset)
-    d_int = i_abs[:, None] - j_abs[None, :]
-    if causal:
-        visible = d_int >= 0
-    else:
-        visible = torch.ones(nq, nk, dtype=torch.bool)
-    n = visible.sum(-1)
-    return d_int.to(dtype), visible, n
+    """One batch row, int offsets: ``d`` [Nq, Nk], ``visible`` [Nq, Nk] and ``n`` [Nq] (see
+    ``batch_positions``)."""
+    d, _, _, visible, n = batch_positions(1, nq, nk, q_offset, k_offset, causal, dtype=dtype)
+    return d[0], visible[0], n[0]
+
+
+def batch_positions(bsz: int, nq: int, nk: int, q_offset=0, k_offset=0, causal: bool = True,
+              key_mask: Optional[Tensor] = None, cu_seqlens_q=None, cu_seqlens_k=None,
+              dtype=torch.float64):
+    """Positions and visibility of every (batch row, query, key), computed plainly in int64.
+
+    Offsets are ints or per-batch-row sequences [B]. With ``cu_seqlens_q``/``cu_seqlens_k``
+    (packed documents, B == 1) positions restart at 0 in each document and a query sees only its
+    own document's keys. ``key_mask`` [B, Nk] (False: padding) hides keys.
+    Returns ``d`` [B, Nq, Nk] (i_abs - j_abs, in ``dtype``), ``i_abs`` [B, Nq], ``j_abs`` [B, Nk]
+    (``dtype``), ``visible`` [B, Nq, Nk] (bool) and ``n`` [B, Nq] (int64, visible keys per row)."""
+    qo = torch.as_tensor(q_offset, dtype=torch.int64).reshape(-1).expand(bsz)[:, None]
+    ko = torch.as_tensor(k_offset, dtype=torch.int64).reshape(-1).expand(bsz)[:, None]
+    i_abs = torch.arange(nq, dtype=torch.int64)[None] + qo
+    j_abs = torch.arange(nk, dtype=torch.int64)[None] + ko
+    same_doc = torch.ones(bsz, nq, nk, dtype=torch.bool)
+    if cu_seqlens_q is not None:
+        cq = [int(x) for x in cu_seqlens_q]
+        ck = [int(x) for x in cu_seqlens_k]
+        doc_q = torch.zeros(nq, dtype=torch.int64)
+        doc_k = torch.zeros(nk, dtype=torch.int64)
+        for doc in range(len(cq) - 1):
+            doc_q[cq[doc]:cq[doc + 1]] = doc
+            doc_k[ck[doc]:ck[doc + 1]] = doc
+            i_abs[:, cq[doc]:cq[doc + 1]] -= cq[doc]
+            j_abs[:, ck[doc]:ck[doc + 1]] -= ck[doc]
+        same_doc = (doc_q[:, None] == doc_k[None, :])[None].expand(bsz, nq, nk)
+    d_int = i_abs[:, :, None] - j_abs[:, None, :]
+    visible = same_doc & (d_int >= 0) if causal else same_doc.clone()
+    if key_mask is not None:
+        visible = visible & torch.as_tensor(key_mask, dtype=torch.bool)[:, None, :]
+    return d_int.to(dtype), i_abs.to(dtype), j_abs.to(dtype), visible, visible.sum(-1)
 
 
 def _per_head(value: ParamValue, hq: int) -> Tensor:
@@ -120,8 +146,11 @@ def reference_attention(
     *,
     causal: bool,
     scale: Optional[float] = None,
-    q_offset: int = 0,
-    k_offset: int = 0,
+    q_offset=0,
+    k_offset=0,
+    key_mask: Optional[Tensor] = None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
     score: Optional[Score] = None,
     kink: Optional[Kink] = None,
     dout: Optional[Tensor] = None,
@@ -130,7 +159,8 @@ def reference_attention(
     """Naive attention with a positional prior; with ``dout`` also all gradients.
 
     ``compute_dtype=torch.float64`` gives ``ref``; the test dtype gives ``pt`` (see module doc).
-    ``log_prior=None`` means the zero prior.
+    ``log_prior=None`` means the zero prior. Offsets, ``key_mask`` and ``cu_seqlens_*``: see
+    ``batch_positions``; ``n`` counts the keys a query really sees (after all of them).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, H, N, D]")
@@ -149,12 +179,17 @@ def reference_attention(
     kc = k.detach().to(compute_dtype).requires_grad_(dout is not None)
     vc = v.detach().to(compute_dtype).requires_grad_(dout is not None)
 
-    d, visible, n_int = positions(nq, nk, q_offset, k_offset, causal, dtype=prior_dtype)
-    empty = n_int == 0
+    d, i_pos, j_pos, visible, n_int = batch_positions(bsz, nq, nk, q_offset, k_offset, causal, key_mask,
+                                                       cu_seqlens_q, cu_seqlens_k, dtype=prior_dtype)
+    empty = n_int == 0                                            # [B, Nq]
+    visible4 = visible[:, None]                                   # [B, 1, Nq, Nk]
 
     heads64 = {name: _per_head(val, hq) for name, val in params.items()}
+    # one leaf per (batch row, head, query, key): a gradient per logit element, cleaned by the
+    # kink convention element by element before it is summed
     leaves = {
-        name: t.to(prior_dtype).reshape(hq, 1, 1).expand(hq, nq, nk).clone().requires_grad_(dout is not None)
+        name: t.to(prior_dtype).reshape(1, hq, 1, 1).expand(bsz, hq, nq, nk).clone()
+        .requires_grad_(dout is not None)
         for name, t in heads64.items()
     }
 
@@ -164,16 +199,14 @@ def reference_attention(
 
     s = torch.matmul(qc, kx.transpose(-1, -2)) * scale  # [B, Hq, Nq, Nk], compute dtype
     if log_prior is None:
-        lp = torch.zeros(1, nq, nk, dtype=prior_dtype)
+        lp = torch.zeros(1, 1, nq, nk, dtype=prior_dtype)
     else:
-        # A prior may use the absolute positions too: p["i"] [1, Nq, 1] and p["j"] [1, 1, Nk]
+        # A prior may use the absolute positions too: p["i"] [B, 1, Nq, 1] and p["j"] [B, 1, 1, Nk]
         # (i and j are reserved names, never parameters).
-        i_abs = (torch.arange(nq, dtype=prior_dtype) + q_offset).reshape(1, nq, 1)
-        j_abs = (torch.arange(nk, dtype=prior_dtype) + k_offset).reshape(1, 1, nk)
-        lp = log_prior(d[None], {**leaves, "i": i_abs, "j": j_abs})
+        lp = log_prior(d[:, None], {**leaves, "i": i_pos[:, None, :, None], "j": j_pos[:, None, None, :]})
     # n as seen by the score; rows with n == 0 are fully masked and their value is irrelevant, so
     # they get n = 1 to keep e.g. log(n) finite (and its gradient, 0 * log 0, out of the picture).
-    n = n_int.clamp(min=1).to(prior_dtype).reshape(1, nq, 1)
+    n = n_int.clamp(min=1).to(prior_dtype)[:, None, :, None]
     logit_raw = score(s, lp, n, leaves)  # pt: promoted to float32 by the float32 prior
     if logit_raw.dim() < 4:
         logit_raw = logit_raw.expand(bsz, hq, nq, nk)
@@ -181,7 +214,7 @@ def reference_attention(
 
     # A row none of whose visible keys has a logit above -inf (no visible key, every one outside
     # a prior's window, or -inf data) gives 0 and zero gradients, like a row that sees no key.
-    logit = torch.where(visible, logit, float("-inf"))
+    logit = torch.where(visible4, logit, float("-inf"))
     dead = (logit == float("-inf")).all(-1, keepdim=True)          # [B, Hq, Nq, 1]
     p = torch.softmax(torch.where(dead, 0.0, logit), dim=-1) * (~dead).to(logit.dtype)
     out = torch.matmul(p.to(vx.dtype), vx)
@@ -196,12 +229,11 @@ def reference_attention(
     if dout is None:
         return res
 
-    kink_mask = torch.zeros(hq, nq, nk, dtype=torch.bool)
+    kink_mask = torch.zeros(bsz, hq, nq, nk, dtype=torch.bool)
     if kink is not None:
-        p64 = {name: t.reshape(hq, 1, 1) for name, t in heads64.items()}
-        d64, _, _ = positions(nq, nk, q_offset, k_offset, causal, dtype=torch.float64)
-        kink_mask = kink_mask | torch.as_tensor(kink(d64[None], p64), dtype=torch.bool).expand(hq, nq, nk)
-    excused = kink_mask | (~visible)[None]
+        p64 = {name: t.reshape(1, hq, 1, 1) for name, t in heads64.items()}
+        kink_mask = kink_mask | torch.as_tensor(kink(d.double()[:, None], p64), dtype=torch.bool)
+    excused = kink_mask | ~visible4
 
     def clean(g, leaf):  # the kink convention: NaN -> 0 only at kinks and masked elements
         if g is None:
@@ -224,14 +256,14 @@ def reference_attention(
             gg = torch.autograd.grad(logit_raw, list(leaves.values()), grad_outputs=ds_abs,
                                      retain_graph=True, allow_unused=True)
             for (name, leaf), g in zip(leaves.items(), gg):
-                res.gross["d" + name] = torch.where(visible, clean(g, leaf).abs(), 0.0).sum(dim=(1, 2))
+                res.gross["d" + name] = torch.where(visible4, clean(g, leaf).abs(), 0.0).sum(dim=(0, 2, 3))
         res.gross.pop("_ds_abs", None)
 
     inputs = [qc, kc, vc] + list(leaves.values())
     grads = torch.autograd.grad(out, inputs, grad_outputs=dout_c, allow_unused=True)
     res.dq, res.dk, res.dv = (g if g is not None else torch.zeros_like(x) for g, x in zip(grads[:3], inputs[:3]))
     for (name, leaf), g in zip(leaves.items(), grads[3:]):
-        res.dparams[name] = clean(g, leaf).sum(dim=(1, 2))
+        res.dparams[name] = clean(g, leaf).sum(dim=(0, 2, 3))
     return res
 
 

@@ -69,9 +69,9 @@ def test_backward_reuses_the_forward_table(prior, monkeypatch):
     calls = []
     build = mod._prior_tables
 
-    def counting(theta, Nq, Nk, q_offset, k_offset, causal, with_grads, shifted=True):
+    def counting(theta, bottom, top, causal, with_grads, shifted=True):
         calls.append(with_grads)
-        return build(theta, Nq, Nk, q_offset, k_offset, causal, with_grads, shifted)
+        return build(theta, bottom, top, causal, with_grads, shifted)
 
     monkeypatch.setattr(mod, "_prior_tables", counting)
     g = torch.Generator().manual_seed(0)

@@ -283,7 +283,7 @@ def test_empty_rows_are_zero_and_do_not_contribute(hq, hk):
               "mu": torch.full((hq,), -5.0, dtype=F64)}  # d == mu only at masked/empty positions
     res = reference_attention(q, k, v, params, ggd_lp, kink=ggd_kink, causal=True, q_offset=q_offset,
                               k_offset=k_offset, dout=dout)
-    assert res.empty_rows.tolist() == [True] * 5 + [False] * 4
+    assert res.empty_rows.tolist() == [[True] * 5 + [False] * 4] * bsz
     assert (res.out[:, :, :5] == 0).all()
     assert (res.dq[:, :, :5] == 0).all()
     for t in (res.out, res.dq, res.dk, res.dv, *res.dparams.values()):

@@ -121,6 +121,18 @@ PARAM_VALUES = st.one_of(
     st.floats(-8.0, 8.0),
     st.sampled_from([1e-30, 1e-39, 1e30, 0.0, -1.0, -0.0, float("nan"), float("inf"), 50.0, -50.0]),
 )
+# A parameter that multiplies the whole logit (SSMax's ssmax, times log n) multiplies the float32
+# rounding of q.k with it: at ssmax = 300 and 17 keys, both this implementation and naive float32
+# torch lose ~1e-4 of dq to it, by luck of the roundings one or the other more, which no
+# yardstick of float32 error separates. Such a scale is drawn where that amplification stays
+# under ~2**6 (docs/reliability.md, precision); its extremes (1e30: the softmax saturates, 0, NaN,
+# negative) are drawn as for every parameter.
+SCALE_VALUES = st.one_of(
+    st.sampled_from([1.0, 0.5, 0.05, 16.0, 1e30, 1e-30]),
+    st.floats(0.01, 16.0),
+    st.sampled_from([0.0, -1.0, float("nan"), float("inf")]),
+)
+LOGIT_SCALES = {"ssmax"}
 
 
 @st.composite
@@ -150,7 +162,7 @@ def cases(draw, backend):
     mod = importlib.import_module(f"generated.{prior}")
     for name in mod.PARAM_NAMES:
         if draw(st.booleans()):
-            params[name] = [draw(PARAM_VALUES)] * Hq
+            params[name] = [draw(SCALE_VALUES if name in LOGIT_SCALES else PARAM_VALUES)] * Hq
         else:
             params[name] = [draw(st.floats(0.3, 4.0)) for _ in range(Hq)]
     poison = None
@@ -251,11 +263,8 @@ def run_case(case: Case):
             hidden = ref.out_must_be_nonfinite & torch.isfinite(mine.double())
             assert not bool(hidden.any()), (f"out: {int(hidden.sum())} entries finite where a non-finite "
                                             f"input reaches them; case: {ctx}")
-        # where float32 naive math itself overflows (pt non-finite, ref finite) it is no
-        # yardstick: such entries are held to the floor alone
-        p = torch.where(torch.isfinite(p.double()), p.double(), r)
         finite_results.append((name, torch.where(keep, mine.double(), 0.0), torch.where(keep, r, 0.0),
-                               torch.where(keep, p, 0.0), gross))
+                               torch.where(keep, p.double(), 0.0), gross))
     assert_all_close(finite_results, dtype, context=ctx)
     return "checked"
 

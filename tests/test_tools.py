@@ -45,7 +45,7 @@ def test_shifted_mode_and_asymmetry(tmp_path):
 def test_show_prints_derivatives_plan_and_analysis():
     res = run_cli("show", str(PRIORS / "generalized_gaussian.yaml"), "--heads", "2")
     assert res.returncode == 0, res.stderr
-    for words in ("d logit / d beta", "Piecewise", "strategy table", "cost model", "tl.exp2",
+    for words in ("d logit / d beta", "Piecewise", "strategy table", "cost model", "torch.pow",
                   "tail: exponential-type", "normalisable over the integers: yes"):
         assert words in res.stdout
 
