@@ -48,9 +48,10 @@ DOMAINS = ("real", "positive", "nonnegative")
 # tests/test_spec.py derives the names the rendered module really uses there and checks that
 # this list holds them all.
 API_NAMES = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "backend", "key_mask",
-             "cu_seqlens_q", "cu_seqlens_k", "num_heads", "columns", "theta", "grad", "dout", "out",
-             "out32", "stats", "dq", "dk", "dv", "dparams", "rows", "name", "t", "heads", "prm",
-             "value", "values", "attention", "forward_block", "backward_block", "log_prior_at",
+             "cu_seqlens_q", "cu_seqlens_k", "layout", "num_heads", "columns", "theta", "grad",
+             "dout", "out", "out32", "stats", "dq", "dk", "dv", "dparams", "rows", "name", "t",
+             "heads", "prm", "value", "values", "attention", "forward_block", "backward_block",
+             "log_prior_at",
              "finish_param_grads", "default_params", "PRIOR",
              "PARAM_NAMES", "LEARNABLE", "LOG2E", "torch", "math", "triton", "tl", "self", "init",
              "device")
