@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from .formula import evaluate
 from .spec import position_symbols
 from .symbolic import PriorIR
 
@@ -41,8 +42,8 @@ def init_values(ir: PriorIR, num_heads: int) -> list[dict[sp.Symbol, float]]:
     """Per head, {parameter symbol: init value} for the runtime parameters."""
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
     heads = []
-    for head in range(num_heads):
-        heads.append({p.symbol(): float(p.init_expr.xreplace({h: head, H: num_heads}).evalf())
+    for head in range(num_heads):   # in float64, as the module computes them (never exactly)
+        heads.append({p.symbol(): evaluate(p.init_expr, {h: head, H: num_heads})
                       for p in ir.spec.params if not p.is_constant})
     return heads
 

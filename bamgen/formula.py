@@ -26,6 +26,15 @@ MAX_LITERAL = 1e12
 MAX_CONST_EXPONENT = 64
 MAX_SYMBOLIC_EXPONENT = 1000
 MAX_DEGREE = 1000   # nested constant powers multiply: ((d**10 + 1)**10 + 1)**10 has degree 1000
+MAX_MINMAX_ARGS = 8    # Min/Max arguments (after SymPy flattens nested ones): each derivative of
+                       # Max(a1..an) holds n*(n-1) Heaviside factors
+MAX_PIECES = 16        # Piecewise pairs: each is one more nested where() in the printed code
+MAX_TREE = 20_000      # nodes of any expression's tree, as SymPy's own walks (xreplace, has,
+                       # the constructors' checks) visit it; the shipped priors' largest has 40
+# Functions of constants that SymPy would settle exactly (floor(exp(700)) needs 300 digits, the
+# sign of a difference of two equal constants may never be decided): computed in float64
+# instead, as the kernel computes them.
+FOLDED = ("floor", "ceiling", "sign", "Abs", "Min", "Max")
 
 FUNCTIONS: Mapping[str, object] = {
     "exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "Abs": sp.Abs, "sign": sp.sign,
@@ -81,8 +90,17 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
     except (RecursionError, MemoryError):
         raise fail("the formula is nested too deeply to parse", "simplify the expression") from None
     builder = _Builder(symbols, fail)
-    expr = builder.build(tree.body, depth=0)
+    try:
+        expr = builder.build(tree.body, depth=0)
+    except (ArithmeticError, TypeError, ValueError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        # SymPy gave up on exact arithmetic (PrecisionExhausted, an undecidable comparison)
+        raise fail(f"the formula cannot be computed ({type(exc).__name__}: {str(exc)[:80]})",
+                   "keep constants moderate; compare and round expressions of the positions, "
+                   "not of large constants") from None
     builder._require_expr(expr)
+    _check_minmax(expr, fail)
     degree = _degree(expr, {})
     if degree > MAX_DEGREE:
         raise fail(f"the powers in the formula multiply to degree {degree:g}; the limit is {MAX_DEGREE}",
@@ -203,8 +221,24 @@ class _Builder:
                 raise self.fail(f"the comparison {type(op).__name__} is not allowed")
             self._require_expr(a)
             self._require_expr(b)
-            parts.append(rel(a, b))
+            if a.is_number and b.is_number:   # as the kernel would: in floating point
+                parts.append(sp.true if self._compare_numbers(rel, a, b) else sp.false)
+            else:
+                parts.append(rel(a, b))
         return parts[0] if len(parts) == 1 else sp.And(*parts)
+
+    def _compare_numbers(self, rel, a, b) -> bool:
+        """Two constants compared: exactly when both are plain numbers, else in float64, and
+        refused where float64 cannot tell them apart (SymPy might search for ever)."""
+        if a.is_Number and b.is_Number:
+            return bool(rel(a, b))
+        x, y = evaluate(a, {}), evaluate(b, {})
+        if x == y or math.isnan(x) or math.isnan(y):
+            raise self.fail(f"the comparison of the constants {_short(a)} and {_short(b)} cannot "
+                            f"be decided in floating point (both are {x!r})",
+                            "compare expressions of the positions, or write the numbers out")
+        return {sp.Lt: x < y, sp.Le: x <= y, sp.Gt: x > y, sp.Ge: x >= y,
+                sp.Eq: x == y, sp.Ne: x != y}[rel]
 
     def _Call(self, node: ast.Call, depth: int):
         if not isinstance(node.func, ast.Name):
@@ -218,6 +252,11 @@ class _Builder:
             raise self.fail(f"keyword arguments are not allowed in {name}(...)")
         if name == "Piecewise":
             return self._piecewise(node, depth)
+        if name in ("Min", "Max") and _flat_arity(node, name) > MAX_MINMAX_ARGS:
+            # from the text, before any nested call is built (each compares its arguments)
+            raise self.fail(f"{name} takes at most {MAX_MINMAX_ARGS} arguments (nested {name} "
+                            f"calls merged), got {_flat_arity(node, name)}",
+                            "split the list, or combine the terms with Piecewise")
         args = [self.build(a, depth) for a in node.args]
         for a in args:
             self._require_expr(a)
@@ -226,7 +265,29 @@ class _Builder:
             raise self.fail(f"{name} takes {arity} argument, got {len(args)}")
         if arity is None and len(args) < 2:
             raise self.fail(f"{name} takes at least 2 arguments, got {len(args)}")
+        flat = sum(len(a.args) if a.func is FUNCTIONS[name] else 1 for a in args)
+        if arity is None and flat > MAX_MINMAX_ARGS:
+            # before SymPy sees them: Max compares its arguments pairwise, symbolically
+            raise self.fail(f"{name} takes at most {MAX_MINMAX_ARGS} arguments (nested {name} "
+                            f"calls merged), got {flat}",
+                            "split the list, or combine the terms with Piecewise")
+        if name in FOLDED and all(a.is_number for a in args):
+            return self._fold(FUNCTIONS[name](*args, evaluate=False))
         return FUNCTIONS[name](*args)
+
+    def _fold(self, call: sp.Expr) -> sp.Expr:
+        """A call of a FOLDED function on constants, computed in float64."""
+        try:
+            value = evaluate(call, {})
+        except OverflowError as exc:
+            raise self.fail(f"the constant {_short(call)} cannot be computed: {exc}") from None
+        if math.isnan(value):
+            raise self.fail(f"the constant {_short(call)} is not a number")
+        if math.isinf(value):
+            return sp.oo if value > 0 else sp.S.NegativeInfinity
+        if value.is_integer() and abs(value) <= 2 ** 53:
+            return sp.Integer(int(value))
+        return sp.Float(repr(value))
 
     def _piecewise(self, node: ast.Call, depth: int):
         pieces = []
@@ -242,6 +303,9 @@ class _Builder:
             pieces.append((value, cond))
         if not pieces:
             raise self.fail("Piecewise needs at least one (value, condition) pair")
+        if len(pieces) > MAX_PIECES:
+            raise self.fail(f"Piecewise takes at most {MAX_PIECES} pairs, got {len(pieces)}",
+                            "nest a Piecewise inside a value, or simplify the cases")
         if pieces[-1][1] is not sp.true:
             raise self.fail("the last Piecewise pair must have the condition True",
                             "end with (value, True) so every position has a value")
@@ -251,6 +315,47 @@ class _Builder:
         if _is_condition(value) or not isinstance(value, sp.Expr):
             raise self.fail("a condition was used where a number is expected",
                             "conditions belong only inside Piecewise((value, condition), ...)")
+
+
+def _flat_arity(call: ast.Call, name: str) -> int:
+    """Arguments of a Min or Max call once SymPy merges the nested calls of the same name."""
+    return sum(_flat_arity(a, name) if isinstance(a, ast.Call) and isinstance(a.func, ast.Name)
+               and a.func.id == name else 1 for a in call.args)
+
+
+def tree_size(expr: sp.Basic, memo: dict) -> int:
+    """Nodes of the tree ``expr`` stands for (a shared sub-expression counts at every use),
+    saturating at MAX_TREE + 1; ``memo`` caches per node, so the cost is the DAG's."""
+    n = memo.get(expr)
+    if n is None:
+        n = 1
+        for a in expr.args:
+            n += tree_size(a, memo)
+            if n > MAX_TREE:
+                break
+        memo[expr] = n = min(n, MAX_TREE + 1)
+    return n
+
+
+def _check_minmax(expr: sp.Basic, fail) -> None:
+    """SymPy flattens Max(Max(a, b), Max(c, d)) into Max(a, b, c, d): bound the result too."""
+    for node in unique_nodes(expr):
+        if isinstance(node, (sp.Min, sp.Max)) and len(node.args) > MAX_MINMAX_ARGS:
+            raise fail(f"{type(node).__name__} has {len(node.args)} arguments once nested calls "
+                       f"are merged; the limit is {MAX_MINMAX_ARGS}",
+                       "split the list, or combine the terms with Piecewise")
+
+
+def unique_nodes(expr: sp.Basic):
+    """Every distinct sub-expression once (a shared sub-tree is not walked twice)."""
+    seen, stack = set(), [expr]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(node.args)
 
 
 def _is_condition(value) -> bool:

@@ -12,19 +12,25 @@ derivative in ``s`` and one derivative per learnable parameter) this produces a
 
 Names in the printed code never collide with the templates' own: parameters are ``prm_<name>``,
 positions ``pos_<d|i|j|n>``, the content score ``s``, temporaries ``x<k>`` and hoisted values
-``c<k>``.
+``c<k>`` (``b<k>``, ``r<k>``). A temporary's SymPy symbol never equals a parameter's: the numbers
+k skip every name the expressions already use, so a parameter named ``c0`` makes the hoisted
+values ``c1, c2, ...`` rather than two different values sharing one symbol.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import sympy as sp
 
 from .errors import SpecError
-from .printers import prepare, print_expr
+from .formula import unique_nodes
+from .printers import ExpressionTooLarge, NotARealNumber, prepare, print_expr
 from .spec import Domain, position_symbols
-from .symbolic import S, TABLE_VALUE, PriorIR, TableIR, split_for_table, table_grad_symbol
+from .symbolic import (S, TABLE_VALUE, InternalSymbol, PriorIR, TableIR, formula_field,
+                       split_for_table, table_grad_symbol)
+from .timeout import cpu_budget, working_on
 
 STRATEGIES = ("inline", "table")
 
@@ -113,11 +119,31 @@ class KernelPlan:
 
 
 def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
-    """Choose the lowering of ``ir`` (by the cost model unless ``strategy`` is given) and print
-    its code. The torch path's blocks are always the inline ones: it builds its own distance
+    """Choose the lowering of ``ir`` (by the cost model unless ``strategy`` is given), print
+    its code, and run the printed code over the domain (bamgen/scan.py), all within a CPU
+    budget. The torch path's blocks are always the inline ones: it builds its own distance
     tables (templates/distance_table.py.jinja)."""
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    from . import scan   # imports torch: before the CPU budget starts
+    field = formula_field(ir.spec)
+    with cpu_budget(field, "lowering the formula"):
+        try:
+            kernel_plan = _plan(ir, strategy)
+        except NotARealNumber as exc:
+            raise SpecError(f"{exc} (the log or a fractional power of a negative number?)",
+                            field=field, hint="the formula must be real for every position "
+                                              "and parameter value") from None
+        except ExpressionTooLarge as exc:
+            raise SpecError(f"written for the kernels (sinh, cosh and tanh in exponentials), the "
+                            f"formula grows to {exc}", field=field,
+                            hint="nest fewer hyperbolic functions") from None
+        with working_on(field, "checking the formula over its domain"):
+            scan.check_plan(kernel_plan, _kernel_names(ir))
+    return kernel_plan
+
+
+def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
     split = split_for_table(ir)
     names = _kernel_names(ir)
     ramp = _causal_ramp(ir, names)
@@ -197,7 +223,7 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
     if not ir.score_is_identity or set(ir.positions_used) - {"d"}:
         return None
     d = position_symbols()["d"]
-    d_causal = sp.Symbol("d_causal", nonnegative=True)   # |d| = d, sign(d) in {0, 1}
+    d_causal = sp.Dummy("d_causal", nonnegative=True)   # |d| = d, sign(d) in {0, 1}
     bias = (ir.logit.xreplace({S: sp.S.Zero}) / sp.log(2)).xreplace({d: d_causal})
     if bias.has(sp.Piecewise, sp.sign) or not bias.is_polynomial(d_causal):
         return None
@@ -250,31 +276,60 @@ def _per_score_cost(expr: sp.Expr, varying: set) -> int:
     """FP32-instruction equivalents of the per-score part of ``expr`` (parameter-only parts are
     hoisted out of the loop and cost nothing here)."""
     _, (body,) = _hoist([prepare(expr, target="triton")], varying)
-    return _op_cost(body, varying)
+    return _op_cost(body, varying, {}, _Invariance(varying))
 
 
-def _op_cost(e: sp.Expr, varying: set) -> int:
-    if e.is_Atom or not (e.free_symbols & varying):
+def _op_cost(e: sp.Expr, varying: set, memo: dict, invariant) -> int:
+    """Each distinct sub-expression is walked once (memo), but counted at every use, as before:
+    the figure is the printed tree's, before common sub-expressions are shared."""
+    if e in memo:
+        return memo[e]
+    if e.is_Atom or invariant(e):
         return 0
-    inner = sum(_op_cost(a, varying) for a in e.args)
+    inner = sum(_op_cost(a, varying, memo, invariant) for a in e.args)
     if isinstance(e, (sp.Add, sp.Mul)):
-        return inner + len(e.args) - 1
-    if isinstance(e, sp.Pow):
+        cost = inner + len(e.args) - 1
+    elif isinstance(e, sp.Pow):
         exponent = e.exp
         if exponent.is_Integer and abs(int(exponent)) <= 8:
-            return inner + abs(int(exponent)) - 1 + (MUFU_COST if exponent < 0 else 0)
-        if exponent == sp.Rational(1, 2) or exponent == sp.Rational(-1, 2):
-            return inner + MUFU_COST
-        return inner + 2 * MUFU_COST + 1          # exp2(e * log2(x))
-    if isinstance(e, (sp.exp, sp.log)):
-        return inner + MUFU_COST + 1              # exp2 / log2 and the scaling by log2(e)
-    if isinstance(e, (sp.sin, sp.cos)):
-        return inner + MUFU_COST + 2
-    if isinstance(e, sp.atan):
-        return inner + MUFU_COST + 12             # polynomial with a reciprocal
-    if isinstance(e, sp.Piecewise):
-        return inner + len(e.args)
-    return inner + 1
+            cost = inner + abs(int(exponent)) - 1 + (MUFU_COST if exponent < 0 else 0)
+        elif exponent == sp.Rational(1, 2) or exponent == sp.Rational(-1, 2):
+            cost = inner + MUFU_COST
+        else:
+            cost = inner + 2 * MUFU_COST + 1          # exp2(e * log2(x))
+    elif isinstance(e, (sp.exp, sp.log)):
+        cost = inner + MUFU_COST + 1              # exp2 / log2 and the scaling by log2(e)
+    elif isinstance(e, (sp.sin, sp.cos)):
+        cost = inner + MUFU_COST + 2
+    elif isinstance(e, sp.atan):
+        cost = inner + MUFU_COST + 12             # polynomial with a reciprocal
+    elif isinstance(e, sp.Piecewise):
+        cost = inner + len(e.args)
+    else:
+        cost = inner + 1
+    memo[e] = cost
+    return cost
+
+
+class _Invariance:
+    """Whether a sub-expression is free of the per-score symbols, each node decided once from
+    its arguments (``free_symbols`` would walk the whole tree under it on every call)."""
+
+    def __init__(self, varying: set):
+        self.varying = varying
+        self.memo: dict = {}
+
+    def __call__(self, e: sp.Basic) -> bool:
+        done = self.memo.get(e)
+        if done is None:
+            if e.is_Symbol:
+                done = e not in self.varying
+            elif not e.args:
+                done = True
+            else:
+                done = all(self(a) for a in e.args)
+            self.memo[e] = done
+        return done
 
 
 def _kernel_names(ir: PriorIR) -> dict[sp.Symbol, str]:
@@ -286,14 +341,26 @@ def _kernel_names(ir: PriorIR) -> dict[sp.Symbol, str]:
     return names
 
 
-def _is_invariant(expr: sp.Expr, varying: set) -> bool:
-    return not (expr.free_symbols & varying)
+def _fresh_symbols(prefix: str, taken: set[str]):
+    """Real symbols prefix0, prefix1, ... skipping every name in ``taken``."""
+    for k in itertools.count():
+        if f"{prefix}{k}" not in taken:
+            yield sp.Symbol(f"{prefix}{k}", real=True)
 
 
-def _hoist(exprs: list[sp.Expr], varying: set, prefix: str = "c") -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[sp.Expr]]:
-    """Pull parameter-only sub-expressions out of per-score expressions."""
+def _symbol_names(exprs: list[sp.Expr]) -> set[str]:
+    return {e.name for expr in exprs for e in unique_nodes(expr) if isinstance(e, sp.Symbol)}
+
+
+def _hoist(exprs: list[sp.Expr], varying: set, prefix: str = "c",
+           taken: set[str] = frozenset()) -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[sp.Expr]]:
+    """Pull parameter-only sub-expressions out of per-score expressions. The new symbols skip
+    the names in ``taken`` and those of the expressions' own symbols."""
     table: dict[sp.Expr, sp.Symbol] = {}
     order: list[tuple[sp.Symbol, sp.Expr]] = []
+    fresh = _fresh_symbols(prefix, set(taken) | _symbol_names(exprs))
+    invariant = _Invariance(varying)
+    memo: dict = {}
 
     def name_of(e: sp.Expr) -> sp.Expr:
         if e.is_Atom or isinstance(e, sp.logic.boolalg.BooleanAtom):
@@ -301,39 +368,48 @@ def _hoist(exprs: list[sp.Expr], varying: set, prefix: str = "c") -> tuple[list[
         if e.is_number:
             return e
         if e not in table:
-            table[e] = sp.Symbol(f"{prefix}{len(table)}", real=True)
+            table[e] = next(fresh)
             order.append((table[e], e))
         return table[e]
 
     def walk(e):
+        if e in memo:
+            return memo[e]
         if e.is_Atom or isinstance(e, sp.logic.boolalg.BooleanAtom):
-            return e
-        if isinstance(e, sp.Expr) and _is_invariant(e, varying):
-            return name_of(e)
-        if isinstance(e, (sp.Add, sp.Mul)):
-            fixed = [a for a in e.args if _is_invariant(a, varying)]
-            moving = [walk(a) for a in e.args if not _is_invariant(a, varying)]
+            out = e
+        elif isinstance(e, sp.Expr) and invariant(e):
+            out = name_of(e)
+        elif isinstance(e, (sp.Add, sp.Mul)):
+            fixed = [a for a in e.args if invariant(a)]
+            moving = [walk(a) for a in e.args if not invariant(a)]
             if fixed:
-                return e.func(name_of(e.func(*fixed)), *moving, evaluate=False)
-            return e.func(*moving)
-        if isinstance(e, sp.Piecewise):
-            return sp.Piecewise(*[(walk(p.expr), walk(p.cond)) for p in e.args])
-        return e.func(*[walk(a) for a in e.args])
+                out = e.func(name_of(e.func(*fixed)), *moving, evaluate=False)
+            else:
+                out = e.func(*moving)
+        elif isinstance(e, sp.Piecewise):
+            out = sp.Piecewise(*[(walk(p.expr), walk(p.cond)) for p in e.args])
+        else:
+            out = e.func(*[walk(a) for a in e.args])
+        memo[e] = out
+        return out
 
     return order, [walk(e) for e in exprs]
 
 
 def _code_block(exprs: list[sp.Expr], names: dict, target: str, prefix: str = "c") -> CodeBlock:
     """Hoisted constants are named <prefix>0, <prefix>1, ... (two blocks a kernel uses together
-    need different prefixes)."""
+    need different prefixes), per-score temporaries x0, x1, ...; both skip the names of the
+    symbols already in use (parameters, positions, table entries)."""
     varying = {S, TABLE_VALUE, *position_symbols().values(),
-               *(sym for sym in names if sym.name.startswith("tab_"))}
+               *(sym for sym in names if isinstance(sym, InternalSymbol))}
     prepared = [prepare(e, target=target) for e in exprs]
-    hoisted, body_exprs = _hoist(prepared, varying, prefix)
+    taken = {sym.name for sym in names}
+    hoisted, body_exprs = _hoist(prepared, varying, prefix, taken)
     names = dict(names)
     names.update({sym: sym.name for sym, _ in hoisted})
     hoisted_code = tuple((sym.name, print_expr(e, names, target=target)) for sym, e in hoisted)
-    temps, reduced = sp.cse(body_exprs, symbols=sp.numbered_symbols("x", real=True),
+    taken |= {sym.name for sym, _ in hoisted} | _symbol_names(body_exprs)
+    temps, reduced = sp.cse(body_exprs, symbols=_fresh_symbols("x", taken),
                             optimizations=None, order="canonical")
     names.update({sym: sym.name for sym, _ in temps})
     body = tuple((sym.name, print_expr(e, names, target=target)) for sym, e in temps)

@@ -17,22 +17,72 @@ import sympy as sp
 from sympy.printing.precedence import PRECEDENCE
 from sympy.printing.str import StrPrinter
 
+from .formula import MAX_TREE, tree_size
+
 MAX_UNROLLED_POWER = 8
 
 
 def prepare(expr: sp.Expr, *, target: str) -> sp.Expr:
-    """Rewrite an expression for printing: fold numeric constants, expand what has no intrinsic."""
+    """Rewrite an expression for printing: fold numeric constants, expand what has no intrinsic.
+
+    Both passes visit each distinct sub-expression once: an expression is a DAG (the derivative
+    of tanh(tanh(tanh(u))) refers to each inner tanh many times), and a walk of the tree it
+    stands for can be exponentially longer."""
     if target == "triton":
-        expr = expr.replace(lambda e: isinstance(e, (sp.sinh, sp.cosh, sp.tanh)),
-                            lambda e: e.rewrite(sp.exp))
-    return _fold_numbers(expr)
+        expr = _bottom_up(expr, _hyperbolic_to_exp)
+    return _bottom_up(expr, _fold_number)
 
 
-def _fold_numbers(expr):
-    def numeric(e):
-        return (isinstance(e, sp.Expr) and e.is_number and not e.is_Atom
-                and not isinstance(e, sp.Rational))
-    return expr.replace(numeric, lambda e: sp.Float(e.evalf(17), 17))
+def _hyperbolic_to_exp(e: sp.Expr) -> sp.Expr:
+    """sinh, cosh and tanh in exponentials (Triton has no intrinsic for them). tanh(u) becomes
+    1 - 2/(exp(2u) + 1), which is -1 or 1 where exp overflows; the textbook
+    (exp(u) - exp(-u))/(exp(u) + exp(-u)) would be inf/inf = nan for |u| > 88."""
+    if isinstance(e, sp.tanh):
+        return 1 - 2 / (sp.exp(2 * e.args[0]) + 1)
+    if isinstance(e, (sp.sinh, sp.cosh)):
+        return e.rewrite(sp.exp)
+    return e
+
+
+def _fold_number(e: sp.Expr) -> sp.Expr:
+    if isinstance(e, sp.Expr) and e.is_number and not e.is_Atom and not isinstance(e, sp.Rational):
+        return sp.Float(e.evalf(17), 17)
+    return e
+
+
+def _bottom_up(expr: sp.Basic, rule) -> sp.Basic:
+    """``rule`` applied to every node after its arguments, as ``Basic.replace`` does, with each
+    distinct node rewritten once. A rewrite may copy its argument (sinh(u) is
+    exp(u)/2 - exp(-u)/2): no node is built whose tree would exceed MAX_TREE, since SymPy's
+    constructors walk the trees they are given."""
+    memo: dict = {}
+    sizes: dict = {}
+
+    def walk(e):
+        done = memo.get(e)
+        if done is not None:
+            return done
+        if e.args:
+            args = tuple(walk(a) for a in e.args)
+            if 1 + sum(tree_size(a, sizes) for a in args) > MAX_TREE:
+                raise ExpressionTooLarge(f"more than {MAX_TREE} terms")
+            out = rule(e.func(*args) if args != e.args else e)
+        else:
+            out = rule(e)
+        if tree_size(out, sizes) > MAX_TREE:
+            raise ExpressionTooLarge(f"more than {MAX_TREE} terms")
+        memo[e] = out
+        return out
+
+    return walk(expr)
+
+
+class ExpressionTooLarge(ValueError):
+    """A rewrite for printing would build a tree larger than MAX_TREE nodes."""
+
+
+class NotARealNumber(ValueError):
+    """A constant that no kernel can compute (I, zoo, nan): the formula leaves the reals."""
 
 
 class _KernelPrinter(StrPrinter):
@@ -44,16 +94,25 @@ class _KernelPrinter(StrPrinter):
 
     def __init__(self, names: Mapping[sp.Symbol, str]):
         super().__init__({"full_prec": False})
-        self.names = {sym.name: name for sym, name in names.items()}
+        # keyed by the symbol itself, assumptions included: a parameter named c0 and a
+        # temporary named c0 are different symbols and must never print as each other
+        self.names = dict(names)
 
     # leaves ---------------------------------------------------------------------------
     def _print_Symbol(self, expr):
         try:
-            return self.names[expr.name]
+            return self.names[expr]
         except KeyError:
             raise KeyError(f"no kernel variable for symbol {expr.name}") from None
 
     _print_Dummy = _print_Symbol
+
+    def _not_real(self, expr):
+        raise NotARealNumber(f"the constant {expr} is not a real number")
+
+    _print_ImaginaryUnit = _not_real
+    _print_ComplexInfinity = _not_real
+    _print_NaN = _not_real
 
     def _print_Float(self, expr):
         value = float(expr)
@@ -209,4 +268,5 @@ def print_expr(expr: sp.Expr, names: Mapping[sp.Symbol, str], *, target: str) ->
     return PRINTERS[target](names).doprint(expr)
 
 
-__all__ = ["prepare", "print_expr", "TritonPrinter", "TorchPrinter"]
+__all__ = ["prepare", "print_expr", "ExpressionTooLarge", "NotARealNumber", "TritonPrinter",
+           "TorchPrinter"]

@@ -7,11 +7,16 @@ when it could break out of a docstring or an identifier.
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import keyword
 import math
+import os
 import re
 import reprlib
+import stat
+import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +24,11 @@ import sympy as sp
 import yaml
 
 from .errors import SpecError
+from .timeout import cpu_budget, working_on
 from .formula import MAX_LITERAL, RESERVED, evaluate, parse_formula
 
 MAX_FILE_BYTES = 64 * 1024
+FLOAT32_TINY = 1.1754943508222875e-38   # float32's smallest normal value
 MAX_PARAMS = 16
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")          # used with fullmatch: no trailing newline
 PARAM_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
@@ -35,17 +42,54 @@ TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "sc
 MAX_SKIP_BELOW = 1000.0   # nats; beyond this float32 softmax cannot tell the difference anyway
 PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value")
 DOMAINS = ("real", "positive", "nonnegative")
-# A parameter is a keyword argument of the generated attention(...): no Python keywords, and no
-# names of its other arguments or of the modules and locals it uses.
-API_NAMES = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "backend", "num_heads",
-             "columns", "theta", "torch", "math", "triton", "tl", "self", "init", "device")
-# Where the logit is checked at the initial parameters (symbolic._check_finite_at_init).
+# A parameter is an argument of the generated attention(), forward_block(), backward_block()
+# and log_prior_at(), so inside them its name hides whatever else has it: their other arguments
+# (also those DESIGN.md section 7 adds), their locals, and the modules and functions they call.
+# tests/test_spec.py derives the names the rendered module really uses there and checks that
+# this list holds them all.
+API_NAMES = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "backend", "key_mask",
+             "cu_seqlens_q", "cu_seqlens_k", "layout", "num_heads", "columns", "theta", "grad",
+             "dout", "out", "out32", "stats", "dq", "dk", "dv", "dparams", "rows", "name", "t",
+             "heads", "prm", "value", "values", "attention", "forward_block", "backward_block",
+             "log_prior_at",
+             "finish_param_grads", "default_params", "PRIOR",
+             "PARAM_NAMES", "LEARNABLE", "LOG2E", "torch", "math", "triton", "tl", "self", "init",
+             "device")
+# Names the kernels derive from a parameter p (prm_p, tab_p, grad_p, dlogit_dp, ...) that the
+# templates already use for something else, as (prefix, p): a learnable `rows` would give a
+# table entry tab_rows, the name of the table's row pointers.
+DERIVED_CLASHES = (("tab_", ("at", "cols", "ptrs", "rows", "slot", "stride_h", "v")),
+                   ("dlogit_d", ("s",)))
+# The nn.Module stores a learnable parameter p as raw_p and a buffer as p: neither may be an
+# attribute torch.nn.Module (or the generated class) already has (tests/test_spec.py checks
+# this list against the installed torch).
+MODULE_ATTRIBUTES = frozenset((
+    "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init", "children",
+    "compile", "cpu", "cuda", "double", "dump_patches", "eval", "extra_repr", "float", "forward",
+    "get_buffer", "get_extra_state", "get_parameter", "get_submodule", "half", "ipu",
+    "load_state_dict", "modules", "mtia", "named_buffers", "named_children", "named_modules",
+    "named_parameters", "parameters", "register_backward_hook", "register_buffer",
+    "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+    "register_full_backward_pre_hook", "register_load_state_dict_post_hook",
+    "register_load_state_dict_pre_hook", "register_module", "register_parameter",
+    "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_",
+    "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train",
+    "training", "type", "xpu", "zero_grad", "num_heads", "prior_params"))
+# A module <name>.py in a folder on sys.path hides an importable module of that name, for the
+# generated module itself (`import torch`) and for the user's program: the standard library,
+# and what the generated module imports, directly or through torch and triton.
+IMPORTED_MODULES = frozenset(("torch", "triton", "numpy", "sympy", "mpmath", "typing_extensions",
+                              "torchgen", "filelock", "fsspec", "jinja2", "markupsafe", "networkx",
+                              "setuptools", "pkg_resources", "bamgen", "generated"))
+# (i, j) where each formula is first computed in float64 at the initial parameters, a cheap early
+# refusal of values no float can carry (the whole domain is scanned later: bamgen/scan.py).
 CHECK_POINTS = ((0, 0), (5, 2), (40, 1), (3, 7))
 
 
 @dataclass(frozen=True)
 class Domain:
-    """Where a parameter lives: ``real``, ``positive``, ``nonnegative`` or an open interval."""
+    """Where a parameter lives: ``real``, ``positive``, ``nonnegative`` or an open interval.
+    Membership is decided for the value the module stores, a float32."""
     kind: str
     lo: float | None = None
     hi: float | None = None
@@ -61,6 +105,18 @@ class Domain:
             return self.lo < x < self.hi
         return True
 
+    def inside(self, values):
+        """contains() elementwise on a tensor of stored float32 values (a bool tensor)."""
+        values = values.double()
+        ok = values.isfinite()
+        if self.kind == "positive":
+            return ok & (values > 0)
+        if self.kind == "nonnegative":
+            return ok & (values >= 0)
+        if self.kind == "interval":
+            return ok & (values > self.lo) & (values < self.hi)
+        return ok
+
     def __str__(self) -> str:
         return f"({self.lo:g}, {self.hi:g})" if self.kind == "interval" else self.kind
 
@@ -75,6 +131,7 @@ class ParamSpec:
     learnable: bool
     per_head: bool
     value: float | None        # set: a compile-time constant folded into the kernels
+    line: int | None = None    # of its key in the prior file, for messages
 
     @property
     def is_constant(self) -> bool:
@@ -141,18 +198,39 @@ def _unsafe_text(text: str, *, newlines: bool) -> str | None:
 def load_spec(path: str | Path) -> PriorSpec:
     """Read and validate a prior file from disk."""
     path = Path(path)
+    return parse_spec(_read_bounded(path), path=str(path))
+
+
+def _read_bounded(path: Path) -> bytes:
+    """At most MAX_FILE_BYTES + 1 bytes of a regular file: a link to /dev/zero, a FIFO with no
+    writer or a 10 GB file is refused without reading it whole (or waiting on it)."""
     try:
-        raw = path.read_bytes()
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on a regular file)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise SpecError(f"cannot read the file: {exc.strerror}", file=str(path),
                         hint="check the path") from None
-    return parse_spec(raw, path=str(path))
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SpecError("not a regular file (a device, FIFO, socket or folder)", file=str(path),
+                            hint="give the path of a prior file (.yaml)")
+        try:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise SpecError(f"cannot read the file: {exc.strerror}", file=str(path)) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise SpecError(f"the file is larger than {MAX_FILE_BYTES} bytes; the limit is "
+                        f"{MAX_FILE_BYTES}", file=str(path), hint="a prior file is a few lines")
+    return raw
 
 
 def parse_spec(raw: bytes | str, *, path: str = "<prior>") -> PriorSpec:
     """Validate prior-file text; every problem is a SpecError naming the field."""
     try:
-        return _parse(raw, path)
+        with cpu_budget(None, "reading the prior file"):
+            spec = _parse(raw, path)
+        _check_inits_for_every_head_count(spec)
+        return spec
     except SpecError as err:
         raise err.located(path) from None
 
@@ -180,6 +258,12 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise SpecError(f"invalid name {_show(name)}", field="name", line=lines.get("name"),
                         hint="use lower-case letters, digits and '_', starting with a letter")
+    if name in IMPORTED_MODULES or name in sys.stdlib_module_names or keyword.iskeyword(name):
+        why = ("is a Python keyword" if keyword.iskeyword(name) else
+               f"would hide the module '{name}': {name}.py in a folder on sys.path is imported "
+               f"in its place (by the generated module itself or by your program)")
+        raise SpecError(f"the name '{name}' {why}", field="name", line=lines.get("name"),
+                        hint=f"choose another name, e.g. {name}_prior")
     description = _string(data, "description", lines, default="")
     source = _string(data, "source", lines, default="")
 
@@ -226,9 +310,14 @@ def _skip_below(data: dict, lines: dict) -> float | None:
 
 def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
     """safe_load the text and remember the line of each top-level and parameter key."""
+    loader = yaml.SafeLoader(text)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is not None:
+            _refuse_merge_keys(node)    # before anything is constructed from the nodes
+        data = loader.construct_document(node) if node is not None else None
+    except SpecError:
+        raise
     except (ValueError, OverflowError) as exc:   # a 5000-digit integer, a date such as 2001-02-30
         raise SpecError(f"not valid YAML: a value cannot be read ({str(exc)[:80]})",
                         hint="quote the value") from None
@@ -240,6 +329,8 @@ def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
     except RecursionError:
         raise SpecError("not valid YAML: it is nested too deeply",
                         hint="a prior file needs two levels of nesting at most") from None
+    finally:
+        loader.dispose()
     duplicate = _duplicate_key(node)
     if duplicate:
         field, line = duplicate
@@ -258,6 +349,28 @@ def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
                 for pkey, _ in value.value:
                     lines[f"params.{pkey.value}"] = pkey.start_mark.line + 1
     return data, lines
+
+
+def _refuse_merge_keys(root) -> None:
+    """YAML merge keys (``<<: *anchor``) copy the merged mapping's entries into the merging one
+    when the document is constructed, so a chain of them multiplies: ten lines can ask for
+    10**10 entries. A prior file has no use for them. Each node is visited once."""
+    stack, seen = [(root, "")], set()
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.tag == "tag:yaml.org,2002:merge":
+                    raise SpecError("YAML merge keys ('<<') are not supported in a prior file",
+                                    field=path.rstrip(".") or None, line=key.start_mark.line + 1,
+                                    hint="write the settings out in full")
+                name = f"{path}{key.value}." if isinstance(key, yaml.ScalarNode) else path
+                stack.append((value, name))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, path) for item in node.value)
 
 
 def _duplicate_key(root) -> tuple[str, int] | None:
@@ -306,7 +419,8 @@ def _string(data: dict, field: str, lines: dict, default: str) -> str:
 
 
 def _formula(text, symbols, field, lines) -> sp.Expr:
-    return parse_formula(text, symbols, field=field, line=lines.get(field))
+    with working_on(field, "reading the formula"):
+        return parse_formula(text, symbols, field=field, line=lines.get(field))
 
 
 def _constant(value: float) -> sp.Expr:
@@ -321,8 +435,6 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
                         hint="e.g. params: {b: {init: 8.0, domain: positive}}")
     if len(raw) > MAX_PARAMS:
         raise SpecError(f"{len(raw)} parameters; the limit is {MAX_PARAMS}", field="params")
-    reserved = (RESERVED | set(POSITION_SYMBOLS) | set(SCORE_SYMBOLS) | set(INIT_SYMBOLS)
-                | set(keyword.kwlist) | set(API_NAMES))
     params = []
     for name, settings in raw.items():
         field = f"params.{name}"
@@ -330,18 +442,48 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
         if not isinstance(name, str) or not PARAM_RE.fullmatch(name):
             raise SpecError(f"invalid parameter name {_show(name)}", field=field, line=line,
                             hint="use letters, digits and '_', starting with a letter")
-        if name in reserved or name.startswith("_"):
-            raise SpecError(f"the parameter name '{name}' is reserved", field=field, line=line,
-                            hint="rename it; symbols, functions, Python keywords and the "
-                                 "arguments of attention() are reserved")
+        why = _reserved_because(name)
+        if why:
+            better = next(n for n in (f"{name}_", f"p_{name}") if not _reserved_because(n))
+            raise SpecError(f"the parameter name '{name}' is reserved: {why}", field=field,
+                            line=line, hint=f"rename it, e.g. {better}")
         if isinstance(settings, (int, float)) and not isinstance(settings, bool):
             settings = {"init": settings}
         if not isinstance(settings, dict):
             raise SpecError("parameter settings must be a mapping", field=field, line=line,
                             hint="e.g. {init: 1.0, domain: positive}")
         _check_fields(settings, PARAM_FIELDS, {}, where=f"parameter '{name}'", prefix=field + ".")
-        params.append(_parse_param(name, settings, field, line))
+        with working_on(field, "reading the parameter"):
+            params.append(_parse_param(name, settings, field, line))
     return tuple(params)
+
+
+def _reserved_because(name: str) -> str | None:
+    """Why ``name`` cannot be a parameter of the generated module, or None. See docs/priors.md
+    ("Parameters"): each rule stands for a way the name would break or silently change the
+    generated code."""
+    if name in RESERVED or name in POSITION_SYMBOLS or name in SCORE_SYMBOLS or name in INIT_SYMBOLS:
+        return "it is a symbol, function or constant of the formula language"
+    if keyword.iskeyword(name):
+        return "it is a Python keyword"
+    if name.startswith("_"):
+        return "names starting with '_' are the generated module's own"
+    if hasattr(builtins, name):
+        return "it is a Python builtin, which the generated attention() would no longer see"
+    if name in API_NAMES:
+        return ("the generated attention(), forward_block(), backward_block() or log_prior_at() "
+                "already uses this name (an argument, a local variable or a module it calls)")
+    for prefix, taken in DERIVED_CLASHES:
+        if name in taken:
+            return (f"the kernels would name a value derived from it '{prefix}{name}', a name "
+                    f"they already use")
+    if name in MODULE_ATTRIBUTES:
+        return (f"torch.nn.Module already has an attribute '{name}' (the generated module stores "
+                f"a buffer under its parameter's name)")
+    if name.startswith("raw_"):
+        return ("names starting with 'raw_' are where the generated nn.Module stores its "
+                "learnable parameters (raw_x for x)")
+    return None
 
 
 def _parse_param(name: str, settings: dict, field: str, line: int | None) -> ParamSpec:
@@ -359,6 +501,10 @@ def _parse_param(name: str, settings: dict, field: str, line: int | None) -> Par
             raise SpecError(f"the constant value {_show(value)} is not a number in the domain "
                             f"{domain} (or larger than {MAX_LITERAL:g})", field=f"{field}.value",
                             line=line)
+        if value != 0 and abs(value) < FLOAT32_TINY:
+            raise SpecError(f"the constant value {value!r} is below float32's smallest normal "
+                            f"value 1.2e-38: the kernels would see 0", field=f"{field}.value",
+                            line=line, hint="rescale the formula so that constants stay above 1e-30")
         if "init" in settings:
             raise SpecError("give either 'value' (a constant) or 'init' (a starting value)",
                             field=f"{field}.value", line=line)
@@ -373,7 +519,7 @@ def _parse_param(name: str, settings: dict, field: str, line: int | None) -> Par
     _check_init(init_expr, domain, f"{field}.init", line)
     return ParamSpec(name=name, init=str(init_text), init_expr=init_expr, domain=domain,
                      learnable=learnable and value is None, per_head=per_head,
-                     value=float(value) if value is not None else None)
+                     value=float(value) if value is not None else None, line=line)
 
 
 def _parse_domain(raw, field: str, line: int | None) -> Domain:
@@ -383,9 +529,36 @@ def _parse_domain(raw, field: str, line: int | None) -> Domain:
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in raw):
         lo, hi = float(raw[0]), float(raw[1])
         if lo < hi:
+            problem = _float32_interval_problem(lo, hi)
+            if problem:
+                raise SpecError(f"the domain {_show(raw)} {problem}", field=field, line=line,
+                                hint="the module keeps the value in float32: use bounds within "
+                                     "about 1e38 that differ in the first 6 digits")
             return Domain("interval", lo, hi)
     raise SpecError(f"invalid domain {_show(raw)}", field=field, line=line,
                     hint="use real, positive, nonnegative, or an interval [lo, hi] with lo < hi")
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32 (±inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _float32_interval_problem(lo: float, hi: float) -> str | None:
+    """Why (lo, hi) cannot hold a float32 value strictly inside it, or None. The nn.Module maps
+    a raw parameter r to lo + (hi - lo) * sigmoid(r) in float32."""
+    lo32, hi32 = _float32(lo), _float32(hi)
+    if math.isinf(lo32) or math.isinf(hi32) or math.isinf(_float32(hi - lo)):
+        return "is beyond float32's range (3.4e38)"
+    if (lo != 0 and abs(lo) < FLOAT32_TINY) or (hi != 0 and abs(hi) < FLOAT32_TINY):
+        return "has a bound below float32's smallest normal value 1.2e-38"
+    mid = _float32(lo32 + (hi32 - lo32) / 2)
+    if not lo < mid < hi:
+        return "holds no float32 value strictly between its bounds"
+    return None
 
 
 def _check_init(expr: sp.Expr, domain: Domain, field: str, line: int | None) -> None:
@@ -404,11 +577,40 @@ def _check_init(expr: sp.Expr, domain: Domain, field: str, line: int | None) -> 
                                 hint="init may use h (head index, 0-based) and H (number of heads)")
 
 
+def _check_inits_for_every_head_count(spec: PriorSpec) -> None:
+    """Every init for every head of every head count a user can ask for (up to
+    numeric.MAX_HEADS), as the module's default_params computes and stores it (float64
+    arithmetic, kept as float32), within a CPU budget."""
+    params = [p for p in spec.params if not p.is_constant]
+    if not params:
+        return
+    from . import numeric    # imports torch: before the budget starts
+    work = 0
+    for p in params:
+        work += numeric.grid_operations(p.init_expr)
+        if work > numeric.MAX_INIT_OPERATIONS:
+            raise SpecError(f"the inits up to this one have {work} operations in h and H; the "
+                            f"limit is {numeric.MAX_INIT_OPERATIONS} in all (each is computed for "
+                            f"every head of every head count up to {numeric.MAX_HEADS})",
+                            field=f"params.{p.name}.init", line=p.line,
+                            hint="simplify the inits, or give numbers")
+    with cpu_budget("params", "checking the inits"):
+        for p in params:
+            field = f"params.{p.name}.init"
+            with working_on(field, "checking the init"):
+                problem = numeric.init_problem(p.init_expr, p.domain.inside, str(p.domain))
+            if problem:
+                raise SpecError(f"the init {problem}", field=field, line=p.line,
+                                hint=f"inits are checked for every head count up to "
+                                     f"{numeric.MAX_HEADS}; init may use h (head index, "
+                                     f"0-based) and H (number of heads)")
+
+
 def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSpec, ...],
                      field: str, lines: dict) -> None:
-    """Compute the log-prior and the score in float64 where the compiler checks the logit, at the
-    initial parameters: SymPy does that check exactly, and a formula such as exp(exp(exp(d)))
-    or d**d**d would make it work with numbers of billions of digits."""
+    """Compute the log-prior and the score in float64 at CHECK_POINTS with the initial parameters,
+    and refuse what overflows where no float can carry it (exp(exp(exp(d))), d**d**d): SymPy,
+    which computes exactly, would need numbers of billions of digits for such a formula."""
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
     values = {p.symbol(): evaluate(p.init_expr, {h: 0, H: 8}) for p in params if not p.is_constant}
     pos = position_symbols()

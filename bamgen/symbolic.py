@@ -10,23 +10,42 @@ to every learnable parameter, and makes every one of them safe to evaluate in fl
   convention that the derivative of ``|u|`` at 0 is 0 (torch's subgradient), so a factor
   ``sign(u)`` is 0 there whatever it multiplies;
 * where that limit is infinite, the kink is clamped to ``|u| = KINK_EPSILON`` and a note says so.
+
+Every expression is bounded in size (:data:`MAX_TREE` nodes, counted as the tree SymPy's own
+walks visit) after each step that can grow it, and the whole stage in CPU time
+(:func:`bamgen.timeout.cpu_budget`), so that no prior file can make it run or grow for long.
+Whether the results are finite over the domain is checked on the printed code
+(:mod:`bamgen.scan`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import sympy as sp
 
 from .errors import SpecError
+from .formula import MAX_TREE, tree_size
 from .spec import POSITION_SYMBOLS, PriorSpec, position_symbols
+from .timeout import cpu_budget, working_on
 
 KINK_EPSILON = 1e-5   # the BAM authors' own epsilon, used only where a limit is infinite
-MAX_KINKS = 16        # distinct Abs(u) kinks per expression; each costs a symbolic limit
+MAX_KINKS = 8         # distinct Abs(u) kinks per expression; each costs a symbolic limit
+MAX_LIMIT_TREE = 500   # nodes of an expression whose limit at a kink is taken (limits are slow,
+                       # and a kink without a finite limit doubles the expression)
+
+class InternalSymbol(sp.Symbol):
+    """A symbol of the compiler's own (a gathered table entry). Being of another type, it never
+    equals a parameter's Symbol of the same name (a parameter may be called tab_v), while it
+    sorts, and so prints in the same order, as a Symbol would."""
+
+    @classmethod
+    def class_key(cls):
+        return sp.Symbol.class_key()
+
 
 S = sp.Symbol("s", real=True)
 LOG_PRIOR = sp.Symbol("log_prior", real=True)
-TABLE_VALUE = sp.Symbol("tab_v", real=True)   # a gathered table entry: log_prior(d)
+TABLE_VALUE = InternalSymbol("tab_v", real=True)   # a gathered table entry: log_prior(d)
 
 
 @dataclass(frozen=True)
@@ -53,7 +72,7 @@ class PriorIR:
 
 def table_grad_symbol(param: str) -> sp.Symbol:
     """The gathered table entry d log_prior(d) / d param."""
-    return sp.Symbol(f"tab_{param}", real=True)
+    return InternalSymbol(f"tab_{param}", real=True)
 
 
 @dataclass(frozen=True)
@@ -106,31 +125,79 @@ def split_for_table(ir: PriorIR) -> TableIR | None:
 
 
 def analyse(spec: PriorSpec) -> PriorIR:
-    """Build the PriorIR of a validated spec."""
+    """Build the PriorIR of a validated spec (within a CPU budget: see bamgen/timeout.py)."""
+    field = formula_field(spec)
+    with cpu_budget(field, "deriving the formula"):
+        return _analyse(spec)
+
+
+def formula_field(spec: PriorSpec) -> str:
+    """The field that holds the log-prior: 'log_prior' or 'density'."""
+    return "density" if spec.from_density else "log_prior"
+
+
+def _analyse(spec: PriorSpec) -> PriorIR:
     notes: list[str] = []
+    field = formula_field(spec)
     log_prior = _simplify_log_prior(spec)
+    check_size(log_prior, field, "the log-prior")
     if spec.score is None:
         logit = S + log_prior
     else:
         logit = _canonical_positions(spec.score).xreplace({LOG_PRIOR: log_prior})
+        check_size(logit, "score", "the score")
     runtime = tuple(p.name for p in spec.params if not p.is_constant)
     symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
-    _check_finite_at_init(spec, logit, symbols)
+    kinks = _kink_arguments(logit)   # before differentiating: each kink costs a limit later
+    if len(kinks) > MAX_KINKS:
+        raise SpecError(f"the logit has {len(kinks)} distinct kinks Abs(...); the limit is "
+                        f"{MAX_KINKS}", field=field, hint="combine the Abs terms or use fewer of them")
 
-    dlds = _clean_derivative(sp.diff(logit, S), "s")
+    with working_on("score" if spec.score is not None else field, "differentiating the score"):
+        dlds = _clean_derivative(sp.diff(logit, S), "s")
+        check_size(dlds, "score", "d logit / d s")
     grads = []
     for p in spec.params:
         if p.learnable:
-            grads.append((p.name, _clean_derivative(sp.diff(logit, symbols[p.name]), p.name)))
-    logit = _guard(logit, "the logit", notes)
-    dlds = _guard(dlds, "d logit / d s", notes)
-    grads = tuple((name, _guard(g, f"d logit / d {name}", notes)) for name, g in grads)
+            with working_on(field, f"differentiating the formula in {p.name}"):
+                grad = _clean_derivative(sp.diff(logit, symbols[p.name]), p.name)
+                check_size(grad, field, f"d logit / d {p.name}")
+            grads.append((p.name, grad))
+    with working_on(field, "guarding the kinks of the formula"):
+        logit = _guard(logit, "the logit", notes, field)
+        dlds = _guard(dlds, "d logit / d s", notes, field)
+        grads = tuple((name, _guard(g, f"d logit / d {name}", notes, field)) for name, g in grads)
+    for what, expr in [("the logit", logit), ("d logit / d s", dlds)] + [
+            (f"d logit / d {name}", g) for name, g in grads]:
+        _check_real_constants(expr, field, what)
 
     exprs = [logit, dlds] + [g for _, g in grads]
     pos = position_symbols()
     used = tuple(n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs))
     return PriorIR(spec=spec, log_prior=log_prior, logit=logit, dlogit_ds=dlds, grads=grads,
                    runtime_params=runtime, positions_used=used, notes=tuple(notes))
+
+
+def check_size(expr: sp.Basic, field: str, what: str) -> None:
+    """Refuse an expression whose tree has more than MAX_TREE nodes (SymPy's walks visit the
+    tree, so a shared sub-expression counts at every use; counted here once per node)."""
+    if tree_size(expr, {}) > MAX_TREE:
+        raise SpecError(f"{what} grows to more than {MAX_TREE} terms", field=field,
+                        hint="simplify the formula: fewer nested functions, products of "
+                             "parameters or Min/Max arguments")
+
+
+def _check_real_constants(expr: sp.Basic, field: str, what: str) -> None:
+    """No constant that is not a real number (I, zoo, nan) may reach the kernels."""
+    if expr.has(sp.I, sp.zoo, sp.nan):
+        raise SpecError(f"{what} is not a real number (the log or a fractional power of a "
+                        f"negative constant, or a division by zero)", field=field,
+                        hint="the formula must be real for every position and parameter value")
+
+
+def guarded(expr: sp.Expr, what: str) -> sp.Expr:
+    """``expr`` with its removable singularities at kinks replaced by their limits."""
+    return _guard(expr, what, [])
 
 
 def _canonical_positions(expr: sp.Expr) -> sp.Expr:
@@ -186,7 +253,7 @@ def _ill_defined(expr: sp.Expr) -> bool:
         a.args[0] == 0 for a in expr.atoms(sp.log))
 
 
-def _guard(expr: sp.Expr, what: str, notes: list[str]) -> sp.Expr:
+def _guard(expr: sp.Expr, what: str, notes: list[str], field: str = "log_prior") -> sp.Expr:
     """Replace removable singularities at kinks by their limits (see the module docstring)."""
     kinks = _kink_arguments(expr)
     if len(kinks) > MAX_KINKS:
@@ -197,35 +264,24 @@ def _guard(expr: sp.Expr, what: str, notes: list[str]) -> sp.Expr:
         # kept symbolic, so sign(u)/|u| reads as 0/0 rather than being cancelled to 0.
         if not _ill_defined(expr.xreplace({sp.Abs(u): sp.S.Zero, sp.Abs(-u): sp.S.Zero})):
             continue
+        if tree_size(expr, {}) > MAX_LIMIT_TREE:
+            raise SpecError(f"{what} has grown to more than {MAX_LIMIT_TREE} terms before its "
+                            f"limit at {u} = 0 could be taken (each kink without a finite limit "
+                            f"doubles it)", field=field,
+                            hint="use fewer Abs kinks, or an epsilon: (Abs(x) + 1e-5)**b")
         r = sp.Dummy("r", positive=True)
         try:
             limit = sp.limit(_at_kink(expr, u, r), r, 0, "+")
-        except (NotImplementedError, ValueError, TypeError):
+        except (NotImplementedError, ValueError, TypeError, ArithmeticError, RecursionError):
             limit = sp.nan
-        if limit.is_finite and not limit.free_symbols & {r}:
+        # SymPy calls 0**beta finite for a real beta; it is not for beta < 0, nor defined
+        # in floating point for beta = 0 (exp2(0 * log2(0)) on the GPU): clamp those too
+        if limit.is_finite and not limit.free_symbols & {r} and not _ill_defined(limit):
             notes.append(f"{what}: at {u} = 0 the value is its limit {limit}")
         else:
             limit = _at_kink(expr, u, sp.Float(KINK_EPSILON))
             notes.append(f"{what}: the limit at {u} = 0 is not finite; "
                          f"clamped to |{u}| = {KINK_EPSILON:g} there")
         expr = sp.Piecewise((limit, sp.Eq(u, 0)), (expr, True))
+        check_size(expr, field, what)   # a clamped kink doubles the expression
     return expr
-
-
-def _check_finite_at_init(spec: PriorSpec, logit: sp.Expr, symbols: dict) -> None:
-    """The logit at the initial parameters must be a number (or -oo) at a few positions."""
-    h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
-    values = {symbols[p.name]: p.init_expr.xreplace({h: 0, H: 8}) for p in spec.params
-              if not p.is_constant}
-    pos = position_symbols()
-    for i, j in ((0, 0), (5, 2), (40, 1), (3, 7)):
-        point = {pos["d"]: i - j, pos["i"]: i, pos["j"]: j, pos["n"]: i + 1, S: sp.Rational(1, 2)}
-        try:
-            value = complex(logit.xreplace({**values, **point}).evalf())
-        except (TypeError, ValueError, OverflowError):
-            value = complex("nan")
-        if value.imag != 0 or math.isnan(value.real) or value.real == math.inf:
-            field = "score" if spec.score is not None else "log_prior"
-            raise SpecError(f"the logit is not finite at the initial parameters "
-                            f"(i={i}, j={j} gives {value.real if value.imag == 0 else value})",
-                            field=field, hint="check the formula and the params' init values")

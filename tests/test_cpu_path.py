@@ -44,18 +44,18 @@ EXTRA = {
     "ssmax_cpu": """
         name: ssmax_cpu
         log_prior: -Abs(d) / b
-        score: (s + log_prior) * t * log(n)
+        score: (s + log_prior) * tau * log(n)
         params:
           b: {init: 4.0, domain: positive}
-          t: {init: 0.5, domain: positive}
+          tau: {init: 0.5, domain: positive}
         """,
     "scaled_cpu": """
         name: scaled_cpu
         log_prior: -Abs(d) / b
-        score: (s + log_prior) * t
+        score: (s + log_prior) * tau
         params:
           b: {init: 4.0, domain: positive}
-          t: {init: 0.5, domain: positive}
+          tau: {init: 0.5, domain: positive}
         """,
 }
 
@@ -237,10 +237,10 @@ def test_score_that_is_not_s_plus_log_prior(extra, name, shape, small_blocks):
     small_blocks(module)
     B, Hq, Hk, Nq, Nk, causal, qo, ko = SHAPES[shape]
     if name == "ssmax_cpu":
-        score = lambda s, lp, n, p: (s + lp) * p["t"] * torch.log(n.to(s.dtype))
+        score = lambda s, lp, n, p: (s + lp) * p["tau"] * torch.log(n.to(s.dtype))
     else:
-        score = lambda s, lp, n, p: (s + lp) * p["t"]
-    params = {"b": [2.0 + h for h in range(Hq)], "t": [0.4 + 0.2 * h for h in range(Hq)]}
+        score = lambda s, lp, n, p: (s + lp) * p["tau"]
+    params = {"b": [2.0 + h for h in range(Hq)], "tau": [0.4 + 0.2 * h for h in range(Hq)]}
     check(module, LAPLACE_PRIOR, params, B=B, Hq=Hq, Hk=Hk, Nq=Nq, Nk=Nk, causal=causal,
           q_offset=qo, k_offset=ko, score=score)
 

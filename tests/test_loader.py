@@ -27,7 +27,7 @@ name: my_laplace
 description: Laplace prior — ALiBi with a learnable slope (b ≥ 0)
 log_prior: -Abs(d) / b
 params:
-  b: {init: "2**(h + 1)", domain: positive}
+  b: {init: "2**(8*(h + 1)/H)", domain: positive}
 """
 
 

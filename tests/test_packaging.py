@@ -23,7 +23,7 @@ name: my_cauchy
 description: Cauchy prior — heavy tails
 log_prior: -log(1 + ((d - mu) / g) ** 2)
 params:
-  g: {init: "2**(h + 1)", domain: positive}
+  g: {init: "2**(8*(h + 1)/H)", domain: positive}
   mu: {init: 0.0}
 """
 

@@ -58,26 +58,29 @@ UNSEEN = {
         """
         name: ssmax_unseen
         log_prior: -Abs(d) / b
-        score: (s + log_prior) * t * log(n)
+        score: (s + log_prior) * tau * log(n)
         params:
           b: {init: 4.0, domain: positive}
-          t: {init: 0.5, domain: positive}
+          tau: {init: 0.5, domain: positive}
         """,
         lambda d, p: -torch.abs(d) / p["b"],
-        lambda s, lp, n, p: (s + lp) * p["t"] * torch.log(n.to(s.dtype)),
-        {"b": [2.0, 6.0], "t": [0.3, 0.9]},
+        lambda s, lp, n, p: (s + lp) * p["tau"] * torch.log(n.to(s.dtype)),
+        {"b": [2.0, 6.0], "tau": [0.3, 0.9]},
     ),
     # Depends on the absolute query position, not only on d: a recency bias whose strength
-    # grows with depth into the sequence, plus an exponential tail.
+    # grows with depth into the sequence, plus an exponential tail. Positions are negative
+    # with a negative offset (left padding), hence the Abs: log(1 + i) and exp(-j/16) are
+    # refused, being nan and beyond float32 there.
     "depth_aware_unseen": (
         """
         name: depth_aware_unseen
-        log_prior: -Abs(d) * log(1 + i) / w - c * exp(-j / 16)
+        log_prior: -Abs(d) * log(1 + Abs(i)) / w - c * exp(-Abs(j) / 16)
         params:
           w: {init: 8.0, domain: positive}
           c: {init: 0.5}
         """,
-        lambda d, p: -torch.abs(d) * torch.log1p(p["i"]) / p["w"] - p["c"] * torch.exp(-p["j"] / 16),
+        lambda d, p: (-torch.abs(d) * torch.log1p(torch.abs(p["i"])) / p["w"]
+                      - p["c"] * torch.exp(-torch.abs(p["j"]) / 16)),
         None,
         {"w": [4.0, 12.0], "c": [0.5, -0.3]},
     ),
