@@ -63,15 +63,30 @@ def test_smoke_run_writes_report_runs_and_plots(tmp_path):
     assert rebuilt == md
 
 
-@pytest.mark.parametrize("variant", ["rope", "alibi", "ggd_nope", "bam_ssmax"])
-def test_generated_attention_matches_materialised_bias(passkey_modules, variant):
-    model, task = passkey_modules
+def _tiny_model_off_start(model, task, variant):
+    """A small model of the variant with its prior parameters moved off their start."""
     torch.manual_seed(0)
     net = model.TinyDecoder(variant, len(task.VOCAB), train_length=32, d_model=32, n_heads=4)
-    with torch.no_grad():                      # move the priors off their start
+    with torch.no_grad():
         for name, p in net.named_parameters():
             if ".prior." in name:
                 p.add_(0.2 * torch.randn_like(p))
+    return net
+
+
+def _assert_same_logits_and_grads(a, b):
+    """(logits, {parameter: grad}) pairs agree to float32 rounding of two attention paths."""
+    (logits_a, grads_a), (logits_b, grads_b) = a, b
+    assert torch.allclose(logits_a, logits_b, atol=1e-5, rtol=1e-4)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.allclose(grads_a[name], grads_b[name], atol=1e-5, rtol=1e-3), name
+
+
+@pytest.mark.parametrize("variant", ["rope", "alibi", "ggd_nope", "bam_ssmax"])
+def test_generated_attention_matches_materialised_bias(passkey_modules, variant):
+    model, task = passkey_modules
+    net = _tiny_model_off_start(model, task, variant)
     seq, _, _ = task.make_batch(3, 40, torch.Generator().manual_seed(0))
     results = {}
     for backend in model.BACKENDS:
@@ -81,11 +96,7 @@ def test_generated_attention_matches_materialised_bias(passkey_modules, variant)
         logits.square().mean().backward()
         results[backend] = (logits.detach(), {n: p.grad.clone() for n, p in net.named_parameters()
                                               if p.grad is not None})
-    (gen, gen_grads), (mat, mat_grads) = results["generated"], results["materialised"]
-    assert torch.allclose(gen, mat, atol=1e-5, rtol=1e-4)
-    assert gen_grads.keys() == mat_grads.keys()
-    for name in gen_grads:
-        assert torch.allclose(gen_grads[name], mat_grads[name], atol=1e-5, rtol=1e-3), name
+    _assert_same_logits_and_grads(results["generated"], results["materialised"])
 
 
 def test_task_layout(passkey_modules):
@@ -137,12 +148,7 @@ def test_packed_batch_rows_are_exact_and_every_document_a_valid_sample(passkey_m
 @pytest.mark.parametrize("variant", ["rope", "ggd_nope", "bam_ssmax"])
 def test_packed_forward_and_gradients_match_each_document_alone(passkey_modules, variant):
     model, task = passkey_modules
-    torch.manual_seed(0)
-    net = model.TinyDecoder(variant, len(task.VOCAB), train_length=32, d_model=32, n_heads=4)
-    with torch.no_grad():                      # move the priors off their start
-        for name, p in net.named_parameters():
-            if ".prior." in name:
-                p.add_(0.2 * torch.randn_like(p))
+    net = _tiny_model_off_start(model, task, variant)
     batch = task.make_packed_batch(3, 40, 12, torch.Generator().manual_seed(0))
     cu = batch.cu_seqlens.tolist()
     assert len(cu) > 4                         # several documents, of different lengths
@@ -157,11 +163,7 @@ def test_packed_forward_and_gradients_match_each_document_alone(passkey_modules,
         return logits.detach(), {n: p.grad.clone() for n, p in net.named_parameters()
                                  if p.grad is not None}
 
-    (packed, packed_grads), (alone, alone_grads) = run(True), run(False)
-    assert torch.allclose(packed, alone, atol=1e-5, rtol=1e-4)
-    assert packed_grads.keys() == alone_grads.keys()
-    for name in packed_grads:
-        assert torch.allclose(packed_grads[name], alone_grads[name], atol=1e-5, rtol=1e-3), name
+    _assert_same_logits_and_grads(run(packed=True), run(packed=False))
 
 
 def test_packed_training_steps_lower_a_finite_loss(passkey_train):
