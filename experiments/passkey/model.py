@@ -86,11 +86,22 @@ def materialised_attention(module_name, params, q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype))
 
 
-def rotary(x, base=10000.0):
-    """Rotary position embedding (rotate-half form) of x [B, H, N, D]."""
+def document_positions(cu_seqlens, device=None):
+    """The position of every token of a packed sequence within its own document [N] (int64):
+    0 at each document's start, as the generated modules count positions with cu_seqlens."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    return torch.arange(int(cu[-1]), device=device) - torch.repeat_interleave(cu[:-1], lengths)
+
+
+def rotary(x, base=10000.0, positions=None):
+    """Rotary position embedding (rotate-half form) of x [B, H, N, D]; positions [N] (default
+    0 .. N-1), e.g. document_positions() of a packed sequence."""
     n, dim = x.shape[2], x.shape[3]
+    if positions is None:
+        positions = torch.arange(n, device=x.device)
     inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.arange(n, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None]
+    angles = positions.to(x.device, torch.float32)[:, None] * inv_freq[None]
     cos = torch.cat([angles.cos()] * 2, -1).to(x.dtype)
     sin = torch.cat([angles.sin()] * 2, -1).to(x.dtype)
     x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
@@ -113,13 +124,20 @@ class Attention(nn.Module):
         for name in spec.get("frozen", ()):
             getattr(self.prior, "raw_" + name).requires_grad_(False)
 
-    def forward(self, x):
+    def forward(self, x, cu_seqlens=None):
+        """x [B, N, C]; with cu_seqlens, x is one packed row (B = 1) of documents that attend
+        only within themselves, each with positions from 0 (RoPE's included)."""
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, c // self.n_heads).permute(2, 0, 3, 1, 4)
+        if cu_seqlens is not None and self.backend != "generated":
+            raise ValueError("packed documents (cu_seqlens) need backend='generated': the "
+                             "materialised-bias baseline builds one [H, N, N] bias per row and "
+                             "does not take packing")
         if self.rope:
-            q, k = rotary(q), rotary(k)
+            positions = None if cu_seqlens is None else document_positions(cu_seqlens, x.device)
+            q, k = rotary(q, positions=positions), rotary(k, positions=positions)
         if self.backend == "generated":
-            y = self.prior(q, k, v, causal=True)
+            y = self.prior(q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
         else:
             y = materialised_attention(self.module_name, self.prior.prior_params(), q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, n, c))
@@ -135,8 +153,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model))
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, cu_seqlens=None):
+        x = x + self.attn(self.ln1(x), cu_seqlens)
         return x + self.mlp(self.ln2(x))
 
 
@@ -159,11 +177,13 @@ class TinyDecoder(nn.Module):
         for block in self.blocks:
             block.attn.backend = backend
 
-    def forward(self, seq, positions=None):
-        """Logits [B, N, V]; with positions (a 1-D index), only at those positions."""
+    def forward(self, seq, positions=None, cu_seqlens=None):
+        """Logits [B, N, V]; with positions (a 1-D index), only at those positions. With
+        cu_seqlens (int32 [docs + 1], cumulative document lengths), seq [1, N] is packed
+        documents, each seen as if alone (docs/masks.md)."""
         x = self.embed(seq)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cu_seqlens)
         if positions is not None:
             x = x[:, positions]
         return self.head(self.ln(x))

@@ -331,12 +331,20 @@ def checks_section(out):
         cfg = next(iter(next(iter(runs.values())).values()))["config"]
         name = os.path.basename(check)
         parts.append(f"**[{name}](checks/{name}/results.md)**: {cfg['steps']} steps, backend "
-                     f"{cfg['backend']}, otherwise as above.\n\n"
+                     f"{cfg['backend']}{', trained' + packing(cfg) if cfg.get('packed') else ''}, otherwise as above.\n\n"
                      + per_seed_table(runs, cfg["multiples"]))
     if not parts:
         return ""
     return ("\n## Further checks\n\nThe same settings rerun with one thing changed (see the "
             "README's *Calibration*).\n\n" + "\n\n".join(parts) + "\n")
+
+
+def packing(cfg):
+    """How the training rows were filled, when not one sample per row (run.py --packed)."""
+    if not cfg.get("packed"):
+        return ""
+    return (f" on packed documents ({cfg['packed_min_length']} to {cfg['train_length']} "
+            f"tokens each, every row filled exactly)")
 
 
 def render_markdown(runs, cfg, study, timing, has_priors,
@@ -348,7 +356,7 @@ def render_markdown(runs, cfg, study, timing, has_priors,
     sections = [
         "# Passkey retrieval: results",
         f"Tiny decoders ({cfg['n_layers']} layers, d_model {cfg['d_model']}, {cfg['n_heads']} heads) "
-        f"trained at length {cfg['train_length']} for {cfg['steps']} steps (batch {cfg['batch']}, "
+        f"trained at length {cfg['train_length']}{packing(cfg)} for {cfg['steps']} steps (batch {cfg['batch']}, "
         f"AdamW lr {cfg['lr']:g}), attention through the bamgen-generated modules "
         f"(backend: {cfg['backend']}); evaluated at {', '.join(f'{m}x' for m in multiples)} the "
         f"training length, {cfg['eval_samples']} samples at each of {len(depths)} depths "

@@ -24,6 +24,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from model import VARIANTS  # noqa: E402
+from task import MIN_LENGTH  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 DEFAULT_OUT = os.path.join(ROOT, "docs", "results")
@@ -52,8 +53,14 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda to run the generated modules' Triton kernels "
                          "(use --workers 1 on one GPU)")
-    ap.add_argument("--timing-steps", type=int, default=10,
-                    help="training steps per timing round of the backend comparison (0: skip)")
+    ap.add_argument("--packed", action="store_true",
+                    help="train on packed documents: each of the --batch rows of --train-length "
+                         "tokens holds passkey samples of random lengths (a quarter of to the "
+                         "full training length), each attending only within itself; needs "
+                         "--backend generated; skips the backend comparison")
+    ap.add_argument("--timing-steps", type=int, default=None,
+                    help="training steps per timing round of the backend comparison (0: skip; "
+                         "default 10, or 0 with --packed)")
     ap.add_argument("--timing-rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT})")
     ap.add_argument("--smoke", action="store_true",
@@ -62,22 +69,50 @@ def parse_args(argv=None):
                     help="rebuild the report from the saved runs, train nothing")
     ap.add_argument("--force", action="store_true", help="retrain runs that already exist")
     args = ap.parse_args(argv)
+    _check_packed(ap, args)
+    if args.timing_steps is None:
+        args.timing_steps = 0 if args.packed else 10
     if args.smoke:
         args.steps, args.seeds, args.lengths, args.depths, args.batch = 1, 1, [1, 2], 2, 8
-        args.eval_samples, args.workers, args.timing_steps, args.timing_rounds = 2, 1, 1, 1
+        args.eval_samples, args.workers, args.timing_rounds = 2, 1, 1
+        args.timing_steps = min(args.timing_steps, 1)
         args.out = args.out or tempfile.mkdtemp(prefix="passkey-smoke-")
     args.out = args.out or DEFAULT_OUT
     return args
 
 
+def _check_packed(ap, args):
+    """--packed runs only through the generated modules (they take cu_seqlens); exits with
+    status 2 and a message naming the conflicting option otherwise."""
+    if not args.packed:
+        return
+    if args.backend != "generated":
+        ap.error("--packed needs --backend generated: the materialised-bias baseline builds "
+                 "one [H, N, N] bias per sequence and cannot take packed documents")
+    if args.timing_steps:
+        ap.error("--packed cannot run the backend comparison (it times the materialised "
+                 "baseline, which cannot take packed documents): drop --timing-steps or pass 0")
+    if args.train_length < MIN_LENGTH:
+        ap.error(f"--train-length must be at least {MIN_LENGTH} tokens (a passkey sample)")
+
+
+def packed_min_length(train_length):
+    """The shortest packed training document: a quarter of the training length, or the
+    shortest valid passkey sample if that is longer."""
+    return max(MIN_LENGTH, train_length // 4)
+
+
 def make_config(args):
     """Every setting that changes a run's result (a saved run is reused only if they match)."""
     depths = [round(i / (args.depths - 1), 4) for i in range(args.depths)] if args.depths > 1 else [0.5]
-    return dict(steps=args.steps, batch=args.batch, lr=args.lr, prior_lr_mult=args.prior_lr_mult, warmup_frac=0.05,
-                weight_decay=0.01, clip=1.0, train_length=args.train_length, d_model=64,
-                n_layers=2, n_heads=4, multiples=sorted(args.lengths), depths=depths,
-                eval_samples=args.eval_samples, eval_seed=1234, backend=args.backend,
-                log_every=max(1, min(50, args.steps // 10)))
+    cfg = dict(steps=args.steps, batch=args.batch, lr=args.lr, prior_lr_mult=args.prior_lr_mult, warmup_frac=0.05,
+               weight_decay=0.01, clip=1.0, train_length=args.train_length, d_model=64,
+               n_layers=2, n_heads=4, multiples=sorted(args.lengths), depths=depths,
+               eval_samples=args.eval_samples, eval_seed=1234, backend=args.backend,
+               log_every=max(1, min(50, args.steps // 10)))
+    if args.packed:      # only then: runs saved before the option existed keep matching
+        cfg.update(packed=True, packed_min_length=packed_min_length(args.train_length))
+    return cfg
 
 
 def log(msg):

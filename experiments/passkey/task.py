@@ -9,6 +9,8 @@ from nearby tokens; the passkey block (KEY and the digits) sits at a chosen dept
 filler: depth 0 is right after START (the farthest from the question), depth 1 right
 before QUERY. The model is asked to copy the digits after QUERY.
 """
+from dataclasses import dataclass
+
 import torch
 
 SPECIAL = ["<start>", "<key>", "<query>"]
@@ -80,3 +82,59 @@ def answer_positions(length):
 def decode(seq):
     """The sequence as words, for eyeballing a sample."""
     return " ".join(VOCAB[i] for i in seq.tolist())
+
+
+def packed_lengths(row_length, min_length, gen):
+    """Document lengths, each in [min_length, row_length], that add up to exactly row_length.
+
+    Each length is drawn uniformly from what the row still has room for; when the rest after
+    a draw could not hold a valid document, the document takes the whole rest instead (so the
+    last document of a row is somewhat longer on average than the others)."""
+    if not MIN_LENGTH <= min_length <= row_length:
+        raise ValueError(f"the shortest packed document must be between {MIN_LENGTH} and the "
+                         f"row length {row_length} tokens, got {min_length}")
+    lengths, rest = [], row_length
+    while rest > 0:
+        length = int(torch.randint(min_length, min(row_length, rest) + 1, (1,), generator=gen))
+        if rest - length < min_length:
+            length = rest
+        lengths.append(length)
+        rest -= length
+    return lengths
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Passkey documents packed into one sequence (B = 1), with what the loss needs.
+
+    seq [1, N] int64; cu_seqlens [docs + 1] int32, the documents' cumulative lengths;
+    key_pos [docs], each document's KEY position within it; loss_weights [N - 1], which
+    next-token targets count in the language-model loss (loss_weights() per document, and 0
+    for the target across a document boundary: the next document's START is not predictable
+    from this one); answer_index [docs, 4], the input positions (in the packed sequence)
+    whose next token is an answer digit."""
+    seq: torch.Tensor
+    cu_seqlens: torch.Tensor
+    key_pos: torch.Tensor
+    loss_weights: torch.Tensor
+    answer_index: torch.Tensor
+
+
+def make_packed_batch(rows, row_length, min_length, gen):
+    """Passkey documents of random lengths (packed_lengths) packed into `rows` rows of exactly
+    `row_length` tokens, all rows flattened into one packed sequence: the generated modules
+    take packed documents with B = 1. Every document is a make_batch sample of its own length
+    (passkey at a random depth, answer at its end)."""
+    docs, keys, weights, answers, start = [], [], [], [], 0
+    for _ in range(rows):
+        for length in packed_lengths(row_length, min_length, gen):
+            seq, _digits, key = make_batch(1, length, gen)
+            docs.append(seq[0])
+            keys.append(key)
+            weights += [loss_weights(seq, key)[0], torch.zeros(1)]
+            answers.append(start + answer_positions(length))
+            start += length
+    lengths = torch.tensor([len(d) for d in docs])
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    return PackedBatch(seq=torch.cat(docs)[None], cu_seqlens=cu_seqlens, key_pos=torch.cat(keys),
+                       loss_weights=torch.cat(weights)[:-1], answer_index=torch.stack(answers))

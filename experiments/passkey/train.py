@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from model import VARIANTS, TinyDecoder
-from task import PASSKEY_DIGITS, VOCAB, answer_positions, loss_weights, make_batch
+from task import (PASSKEY_DIGITS, VOCAB, answer_positions, loss_weights, make_batch,
+                  make_packed_batch)
 
 EVAL_TOKENS_PER_CHUNK = 32768     # samples per evaluation forward: this many tokens at most
 
@@ -94,6 +95,33 @@ def batch_loss(model, seq, key_pos):
     return answer_loss + lm_loss, float(correct)
 
 
+def packed_batch_loss(model, batch):
+    """batch_loss of a task.PackedBatch: the same two terms, over every document of the packed
+    sequence, in one packed forward. Returns (loss, fraction of documents with all answer
+    digits right)."""
+    device = _device(model)
+    seq = batch.seq.to(device)
+    logits = model(seq, cu_seqlens=batch.cu_seqlens.to(device))[0, :-1]
+    targets = seq[0, 1:]
+    token_loss = F.cross_entropy(logits, targets, reduction="none")
+    weights = batch.loss_weights.to(device)
+    lm_loss = (token_loss * weights).sum() / weights.sum()
+    ans = batch.answer_index.to(device)                               # [docs, 4]
+    answer_loss = token_loss[ans].mean()
+    correct = (logits[ans].argmax(-1) == targets[ans]).all(-1).float().mean()
+    return answer_loss + lm_loss, float(correct)
+
+
+def training_step_loss(model, cfg, gen):
+    """The loss of one fresh training batch: cfg["batch"] sequences of the training length, or
+    with cfg["packed"] as many rows of that length packed with documents of random lengths."""
+    if cfg.get("packed"):
+        batch = make_packed_batch(cfg["batch"], cfg["train_length"], cfg["packed_min_length"], gen)
+        return packed_batch_loss(model, batch)
+    seq, _digits, key_pos = make_batch(cfg["batch"], cfg["train_length"], gen)
+    return batch_loss(model, seq, key_pos)
+
+
 def train(model, cfg, seed, log=print, tag=""):
     """Train for cfg["steps"] steps on fresh random batches. Returns the logged curve and the
     time spent."""
@@ -106,8 +134,7 @@ def train(model, cfg, seed, log=print, tag=""):
     for step in range(cfg["steps"]):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg) * group["lr_mult"]
-        seq, _digits, key_pos = make_batch(cfg["batch"], cfg["train_length"], gen)
-        loss, acc = batch_loss(model, seq, key_pos)
+        loss, acc = training_step_loss(model, cfg, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
