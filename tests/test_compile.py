@@ -1,0 +1,229 @@
+"""torch.compile, torch.export and torch.func over the generated modules (DESIGN.md §7).
+
+Under tracing, attention() and the module call the custom ops torch.ops.bamgen.<name>_<hash>_fwd
+and _bwd; these tests hold a compiled or exported model to its eager run: the same output and the
+same gradients for q, k, v and the prior parameters, one graph for every sequence length, no graph
+break. Compiling is slow (tens of seconds for the first inductor compile): one inductor test, the
+others through the "aot_eager" backend, which traces the same graphs (dynamo and AOT autograd,
+the fake implementations, register_autograd) without generating code.
+"""
+import importlib.util
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from bamgen.generated import gaussian, generalized_gaussian as ggd
+
+LENGTHS = (17, 40, 65)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class TinyDecoder(torch.nn.Module):
+    """A user's attention layer: projections, GQA heads, the generated module, an output map."""
+
+    def __init__(self, d_model=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d_model // heads
+        self.q = torch.nn.Linear(d_model, d_model)
+        self.kv = torch.nn.Linear(d_model, 2 * kv_heads * self.head_dim)
+        self.o = torch.nn.Linear(d_model, d_model)
+        self.attn = ggd.GeneralizedGaussianAttention(heads)
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        q = self.q(x).view(B, N, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(B, N, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = self.attn(q, k, v, causal=True)
+        return self.o(out.transpose(1, 2).reshape(B, N, -1))
+
+
+def run_step(model, fn, x):
+    """Output and every gradient of one step (x's and all the model's parameters')."""
+    model.zero_grad()
+    x = x.detach().requires_grad_()
+    out = fn(x)
+    out.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return out.detach(), x.grad.clone(), grads
+
+
+def assert_same_step(got, want):
+    """The attention op runs the same code compiled or not; inductor's code for the layers
+    around it (a bias gradient's sum, the fused exp of the raw parameters) may add in another
+    order, so the step is held to float32's default closeness, not to the bit."""
+    out, dx, grads = got
+    torch.testing.assert_close(out, want[0])
+    torch.testing.assert_close(dx, want[1])
+    assert grads.keys() == want[2].keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], want[2][name], msg=name)
+
+
+def graph_breaks():
+    return sum(counters["graph_break"].values())
+
+
+def test_decoder_compiles_once_for_every_length():
+    """Inductor, fullgraph, dynamic: three lengths, one graph, gradients (raw prior parameters
+    included) equal to eager."""
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for n in LENGTHS:
+        x = torch.randn(2, n, 32)
+        assert_same_step(run_step(model, compiled, x), run_step(model, model, x))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert graph_breaks() == 0
+    assert any(p.grad.abs().sum() > 0 for name, p in model.named_parameters() if "raw_" in name)
+
+
+def test_automatic_dynamic_recompiles_once():
+    """Without dynamic=True, torch compiles the first length static and the second dynamic;
+    a third length must reuse the dynamic graph."""
+    torch.manual_seed(1)
+    model = TinyDecoder()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for n in LENGTHS:
+        run_step(model, compiled, torch.randn(2, n, 32))
+    assert counters["stats"]["unique_graphs"] == 2
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_function_compiles(causal):
+    """The functional form with a tensor parameter (gradient), floats and int offsets, GQA."""
+    torch.manual_seed(2)
+    sigma = torch.tensor([3.0, 5.0, 8.0, 13.0], requires_grad=True)
+
+    def f(q, k, v):
+        return gaussian.attention(q, k, v, sigma=sigma, mu=1.0, causal=causal, q_offset=4, k_offset=0)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in LENGTHS:
+        q = torch.randn(1, 4, n, 8, requires_grad=True)
+        k, v = (torch.randn(1, 2, n + 4, 8, requires_grad=True) for _ in range(2))
+        results = []
+        for fn in (compiled, f):
+            out = fn(q, k, v)
+            results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, sigma))))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert graph_breaks() == 0
+
+
+def test_masks_compile():
+    """key_mask, per-row tensor offsets and packed documents go into the op as tensors: checked
+    and used at run time, no graph break."""
+    torch.manual_seed(3)
+    params = dict(alpha=4.0, beta=1.5, mu=0.0)
+    q, k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(3))
+    key_mask = torch.rand(2, 12) > 0.3
+    cases = [dict(key_mask=key_mask, q_offset=torch.tensor([-2, 0]), k_offset=torch.tensor([-2, 0]))]
+    packed = [t[:1].detach().requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+    def f(q, k, v, **masks):
+        return ggd.attention(q, k, v, **params, **masks)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for tensors, masks in ((q, k, v), cases[0]), (packed, dict(cu_seqlens_q=cu, cu_seqlens_k=cu)):
+        want = f(*tensors, **masks)
+        got = compiled(*tensors, **masks)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for g, w in zip(torch.autograd.grad(got.sum(), tensors), torch.autograd.grad(want.sum(), tensors)):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert graph_breaks() == 0
+
+
+def test_errors_under_compile_are_eager_errors():
+    """Checks that read values run inside the op: the same ValueError as in eager."""
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+
+    def bad_domain(q, k, v):
+        return ggd.attention(q, k, v, alpha=torch.tensor([2.0, -1.0]), beta=2.0, mu=0.0)
+
+    def bad_docs(q, k, v):
+        cu = torch.tensor([0, 4, 3, 6], dtype=torch.int32)
+        return ggd.attention(q, k, v, alpha=2.0, beta=2.0, mu=0.0, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+    for fn in (bad_domain, bad_docs):
+        with pytest.raises(ValueError) as eager:
+            fn(q, k, v)
+        with pytest.raises(ValueError) as traced:
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+        assert str(traced.value) == str(eager.value)
+
+
+def test_export_round_trip():
+    """torch.export with a dynamic length; the exported program runs a new length like eager."""
+    torch.manual_seed(4)
+    model = TinyDecoder().eval()
+    n = torch.export.Dim("n", min=2, max=1024)
+    program = torch.export.export(model, (torch.randn(2, 16, 32),), dynamic_shapes=({1: n},))
+    assert any(OP in str(node.target) for node in program.graph.nodes for OP in [ggd.OP_NAME])
+    x = torch.randn(2, 37, 32)
+    torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
+
+
+def test_func_grad_and_vmap():
+    """torch.func.grad of a function of q equals autograd; vmap over an extra batch dim equals a
+    loop, and so do per-sample gradients (vmap of grad)."""
+    torch.manual_seed(5)
+    k, v = (torch.randn(1, 2, 9, 8) for _ in range(2))
+
+    def loss(q):
+        return gaussian.attention(q, k, v, sigma=4.0, mu=0.0).square().sum()
+
+    qs = torch.randn(3, 1, 2, 9, 8)
+    want = torch.stack([torch.autograd.grad(loss(q.requires_grad_()), q)[0] for q in qs.clone()])
+    torch.testing.assert_close(torch.func.grad(loss)(qs[0]), want[0], rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="batching rule"):   # torch's per-element fallback
+        per_sample = torch.func.vmap(torch.func.grad(loss))(qs)
+    torch.testing.assert_close(per_sample, want, rtol=0, atol=0)
+
+
+def test_op_names_and_reimport(monkeypatch):
+    """The ops are named after the prior and its build hash; importing the same build again
+    under another module name re-registers them, and both imports still compile."""
+    assert gaussian.OP_NAME == "gaussian_" + gaussian.PRIOR["build_hash"][:8]
+    assert hasattr(torch.ops.bamgen, gaussian.OP_NAME + "_fwd")
+    assert gaussian.OP_NAME != ggd.OP_NAME
+    spec = importlib.util.spec_from_file_location("gaussian_again", gaussian.__file__)
+    again = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gaussian_again", again)
+    spec.loader.exec_module(again)
+    q, k, v = (torch.randn(1, 2, 7, 8) for _ in range(3))
+    for module in (gaussian, again):
+        fn = torch.compile(lambda q, k, v: module.attention(q, k, v, sigma=3.0, mu=0.0),
+                           fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(fn(q, k, v), gaussian.attention(q, k, v, sigma=3.0, mu=0.0),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("module, params", [
+    (gaussian, dict(sigma=[2.0, 3.0], mu=[0.5, -1.0])),
+    (ggd, dict(alpha=[2.0, 3.0], beta=[1.5, 2.5], mu=[0.5, -0.5])),
+])
+def test_gradcheck_float64(module, params):
+    """float64 on the torch path: torch.autograd.gradcheck for q, k, v and every learnable
+    parameter (mu off the integer distances, away from the kink)."""
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    names = list(params)
+    values = [torch.tensor(params[n], dtype=torch.float64, requires_grad=n in module.LEARNABLE)
+              for n in names]
+
+    def f(q, k, v, *values):
+        return module.attention(q, k, v, **dict(zip(names, values)), causal=False)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, *values))
