@@ -3,6 +3,8 @@ same documents as separate calls and against one causal call over the whole pack
 
     python benchmarks/packed.py                  # 8 documents of 512 tokens, H=8, D=64, fp32
     python benchmarks/packed.py --docs 16 --length 256
+    python benchmarks/packed.py --docs 115 --min-length 16 --length 64 --heads 4 --dim 16
+                                                 # many short documents of random lengths
     python benchmarks/packed.py --quick          # tiny smoke run (tests/test_masks.py)
 
 Peers (forward + backward, learnable prior parameters; one process, run alternately, medians):
@@ -36,8 +38,16 @@ def _module(name):
     return importlib.import_module(f"generated.{name}")
 
 
+def _lengths(args):
+    """Document lengths: all args.length, or uniform in [min_length, length] (seeded)."""
+    if args.min_length is None:
+        return [args.length] * args.docs
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(args.min_length, args.length + 1, (args.docs,), generator=gen).tolist()
+
+
 def _inputs(args, gen):
-    total = args.docs * args.length
+    total = sum(_lengths(args))
     q, k, v, dout = (torch.randn(1, args.heads, total, args.dim, generator=gen) for _ in range(4))
     return q, k, v, dout
 
@@ -51,15 +61,16 @@ def _step(mod, params, q, k, v, dout, **kw):
 
 def _peer_fn(peer, mod, params, tensors, args):
     q, k, v, dout = tensors
-    cu = torch.arange(0, args.docs + 1, dtype=torch.int32) * args.length
+    lengths = _lengths(args)
+    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    cu = torch.tensor(bounds, dtype=torch.int32)
     if peer == "packed":
         return lambda: _step(mod, params, q, k, v, dout, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     if peer == "one-causal":
         return lambda: _step(mod, params, q, k, v, dout, causal=True)
 
     def separate():
-        for d in range(args.docs):
-            a, b = d * args.length, (d + 1) * args.length
+        for a, b in zip(bounds[:-1], bounds[1:]):
             _step(mod, params, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dout[:, :, a:b], causal=True)
     return separate
 
@@ -89,9 +100,11 @@ def run(args):
 
 
 def print_table(rows, args):
-    total = args.docs * args.length
+    total = sum(_lengths(args))
+    shape = (f"{args.length} tokens" if args.min_length is None
+             else f"{args.min_length}-{args.length} tokens (random)")
     print(f"packed documents, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads: "
-          f"{args.docs} documents x {args.length} tokens (packed length {total}), H={args.heads}, "
+          f"{args.docs} documents x {shape} (packed length {total}), H={args.heads}, "
           f"D={args.dim}, fp32, causal, forward + backward, median of {args.reps}")
     print()
     print("| prior | packed ms | separate ms | one-causal ms | packed / separate | packed / one-causal |")
@@ -104,7 +117,8 @@ def print_table(rows, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=int, default=8)
-    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--length", type=int, default=512, help="document length (the longest with --min-length)")
+    ap.add_argument("--min-length", type=int, default=None, help="random lengths from this to --length")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
