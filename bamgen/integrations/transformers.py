@@ -111,7 +111,8 @@ def load_record(record: dict) -> ModuleType:
     import bamgen
     strategy = record.get("strategy")
     if "prior" in record:
-        return bamgen.load(record["prior"], strategy=strategy)
+        return _shipped_module(record["prior"], strategy) or bamgen.load(record["prior"],
+                                                                          strategy=strategy)
     if "prior_source" in record:
         with tempfile.TemporaryDirectory() as folder:
             name = Path(record.get("prior_source_name") or "prior.yaml").name
@@ -122,6 +123,19 @@ def load_record(record: dict) -> ModuleType:
         return importlib.import_module(record["prior_module"])
     raise ValueError(f"config.{CONFIG_KEY}: names no prior (expected 'prior', 'prior_source' or "
                      f"'prior_module'), got keys {sorted(record)}")
+
+
+def _shipped_module(name: str, strategy: str | None) -> ModuleType | None:
+    """The installed build of shipped prior ``name`` (bamgen.generated), if it was built with
+    ``strategy``: no build needed."""
+    from ..resources import GENERATED_PACKAGE, shipped_prior
+    if shipped_prior(name) is None:
+        return None
+    try:
+        module = importlib.import_module(f"{GENERATED_PACKAGE}.{name}")
+    except ImportError:
+        return None
+    return module if strategy in (None, module.PRIOR["strategy"]) else None
 
 
 def register() -> None:
