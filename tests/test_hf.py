@@ -209,3 +209,20 @@ def test_unsupported_model_and_bad_arguments_are_named():
         apply_prior(llama, 3)
     with pytest.raises(ValueError, match="init: unknown parameter 'sigma'"):
         apply_prior(llama, ggd, sigma=1.0)
+
+
+def test_documents_packed_by_position_ids_each_see_only_themselves(absolute):
+    """HF's packed training format (DataCollatorWithFlattening): one row, no attention_mask,
+    position_ids restarting at every document; each document gives what it gives alone."""
+    model = tiny_llama(seed=7, prior=absolute)
+    docs = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+    ids = torch.tensor([sum(docs, [])])
+    positions = torch.tensor([[i for doc in docs for i in range(len(doc))]])
+    packed = model(ids, position_ids=positions).logits
+    start = 0
+    for doc in docs:
+        alone = model(torch.tensor([doc])).logits
+        torch.testing.assert_close(packed[:, start:start + len(doc)], alone, **CLOSE)
+        start += len(doc)
+    with pytest.raises(ValueError, match="position_ids: documents packed into a batch of 2"):
+        model(ids.repeat(2, 1), position_ids=positions.repeat(2, 1))

@@ -169,9 +169,30 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             f"sliding_window={sliding_window}: the sequence ({layout.query_end} tokens) is longer "
             f"than the model's sliding window, which bamgen's attention does not apply; set "
             f"config.sliding_window = None, or use a prior that is -oo beyond the window")
+    packed = _packed_documents(layout, query, key, kwargs.get("position_ids"))
     out = prior(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling,
-                q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask)
+                q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
+                cu_seqlens_q=packed, cu_seqlens_k=packed)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_documents(layout: PaddingLayout, query, key, position_ids):
+    """cu_seqlens for documents packed into one row, as HF marks them (no attention_mask, no
+    cache, ``position_ids`` restarting at each document, e.g. DataCollatorWithFlattening);
+    None for an ordinary batch. Each document then sees only itself, its positions from 0."""
+    plain = layout.key_mask is None and isinstance(layout.q_offset, int) and layout.q_offset == 0
+    if position_ids is None or not plain or query.shape[2] != key.shape[2]:
+        return None
+    breaks = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    if not bool(breaks.any()):
+        return None
+    if position_ids.shape[0] != 1:
+        raise ValueError(f"position_ids: documents packed into a batch of "
+                         f"{position_ids.shape[0]} rows; bamgen's attention takes packed "
+                         f"documents in one row (batch size 1), as FlashAttention's varlen does")
+    starts = breaks[0].nonzero().flatten() + 1
+    total = torch.tensor([0, position_ids.shape[1]], device=starts.device)
+    return torch.cat([total[:1], starts, total[1:]]).to(torch.int32)
 
 
 class IdentityRotary(torch.nn.Module):
