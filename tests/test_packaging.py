@@ -158,6 +158,8 @@ def test_an_installed_wheel_imports_builds_and_loads_outside_the_repository(tmp_
         shipped = pathlib.Path(sys.modules["bamgen.generated.laplace"].__file__)
         assert pathlib.Path(module.__file__).read_bytes() == shipped.read_bytes()
         torch.save(module.LaplaceAttention(num_heads=2), "attn.pt")
+        import bamgen.integrations.transformers as hf        # the bamgen[hf] extra's module
+        assert pathlib.Path(hf.__file__).is_relative_to(site), hf.__file__
         from bamgen.cli import main
         main(["build", "generalized_gaussian", "-o", "mypkg/attention"])
     """.replace("SITE", str(site)), cwd=work, pythonpath=site, BAMGEN_CACHE_DIR=str(work / "cache"))

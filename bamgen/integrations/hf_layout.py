@@ -1,0 +1,82 @@
+"""Hugging Face's padding and cache geometry, turned into bamgen's masks and per-row positions.
+
+HF describes a batch with a 2-D ``attention_mask`` of tokens (1 = real, 0 = padding, over every
+token seen so far) and the cache's sizes: the queries start at slot ``q_start`` of the cache and
+the keys handed to attention are slots ``kv_start .. kv_start + kv_length`` (a static cache
+hands all of its ``max_cache_len`` slots, written or not). bamgen wants positions instead
+(docs/masks.md): a row's positions start at 0 at its first real token, so a left-padded row
+with ``pad`` padding tokens has ``q_offset = q_start - pad`` and ``k_offset = kv_start - pad``,
+and its padding keys are hidden by ``key_mask``. Slots past the last written one are hidden by
+the causal rule (their positions lie after every query), so unwritten static-cache slots are
+never seen, and ``n`` counts only the real keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PaddingLayout:
+    """What one attention call needs besides q, k, v: built once per forward by
+    :func:`padding_layout` (HF's mask function) and handed to every layer as its
+    ``attention_mask``.
+
+    ``key_mask`` is None or bool [B, kv_length]; the offsets are ints (no padding) or int64
+    tensors [B]; ``query_end`` is the cache slot after the last query (for the sliding-window
+    check).
+    """
+    key_mask: torch.Tensor | None
+    q_offset: int | torch.Tensor
+    k_offset: int | torch.Tensor
+    query_end: int
+
+    # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
+    # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
+    # so that HF does not take it for a 2-D token mask).
+    ndim = 4
+
+    def contiguous(self):
+        return self
+
+
+def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                   attention_mask: torch.Tensor | PaddingLayout | None = None,
+                   **_unused) -> PaddingLayout:
+    """The mask function bamgen registers with HF's ``AttentionMaskInterface``: HF calls it
+    with the sizes of the cache (``q_offset`` may be a 0-d tensor for a static cache) and the
+    2-D token mask, if any."""
+    if isinstance(attention_mask, PaddingLayout):
+        return attention_mask   # built by generate() for this very step
+    q_start = int(q_offset)
+    kv_start = int(kv_offset)
+    query_end = q_start + q_length
+    if attention_mask is None:
+        return PaddingLayout(None, q_start, kv_start, query_end)
+    tokens = _token_mask(attention_mask, batch_size, kv_start + kv_length)
+    key_mask = tokens[:, kv_start:kv_start + kv_length]
+    pad = _left_padding(tokens)
+    if not bool(pad.any()):
+        if bool(key_mask[:, :min(kv_length, max(query_end - kv_start, 0))].all()):
+            key_mask = None   # no padding among the keys any query can see: the plain kernels
+        return PaddingLayout(key_mask, q_start, kv_start, query_end)
+    return PaddingLayout(key_mask, q_start - pad, kv_start - pad, query_end)
+
+
+def _token_mask(attention_mask: torch.Tensor, batch_size: int, slots: int) -> torch.Tensor:
+    """HF's 2-D mask as bool [B, slots]: cut or padded with False (a static cache has more slots
+    than tokens seen)."""
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(f"attention_mask: bamgen takes Hugging Face's 2-D padding mask "
+                         f"[batch, tokens] (1 = real token, 0 = padding), got shape "
+                         f"{tuple(attention_mask.shape)}; pass the tokenizer's attention_mask")
+    mask = attention_mask.to(torch.bool)
+    if mask.shape[1] < slots:
+        mask = torch.nn.functional.pad(mask, (0, slots - mask.shape[1]), value=False)
+    return mask[:, :slots]
+
+
+def _left_padding(tokens: torch.Tensor) -> torch.Tensor:
+    """Padding tokens before each row's first real token (int64 [B])."""
+    return (~tokens).to(torch.int64).cumprod(dim=1).sum(dim=1)

@@ -1,0 +1,290 @@
+"""A bamgen prior inside a Hugging Face transformers model (Llama, Mistral, Qwen2).
+
+    from bamgen.integrations.transformers import apply_prior, from_pretrained
+    model = apply_prior(model, "generalized_gaussian", rope="remove")
+    model.save_pretrained(path); model = from_pretrained(path)
+
+What :func:`apply_prior` changes in the model, and why each piece is needed:
+
+- Every attention layer gets its own prior module (the generated ``nn.Module`` with the
+  model's number of query heads) as the submodule ``bamgen_prior``: its parameters are in
+  ``model.parameters()``, the state dict and ``bamgen.param_groups``.
+- The model's attention implementation becomes ``"bamgen"``, registered with HF's
+  ``AttentionInterface`` (the attention call: the layer's q, with k and v as the cache holds
+  them, GQA heads kept) *and* ``AttentionMaskInterface``. Without a mask function of its own, HF
+  hands a custom attention ``attention_mask=None`` and padding is silently ignored; bamgen's
+  (bamgen/integrations/hf_layout.py) turns the token mask and the cache's sizes into
+  ``key_mask`` and per-row offsets, right for dynamic and static caches.
+- ``rope="remove"`` replaces the rotary embedding with the identity (the prior is then the
+  only positional encoding); ``"keep"`` leaves it.
+- ``config.bamgen`` records the prior (a shipped name, or the prior file's text) and ``rope``;
+  :func:`from_pretrained` reads it, rebuilds the model with the prior in place before the
+  weights load (so the learned prior parameters load like any weight) and keeps ``"bamgen"``.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .hf_layout import PaddingLayout, padding_layout
+
+ATTN_IMPLEMENTATION = "bamgen"
+PRIOR_ATTR = "bamgen_prior"
+CONFIG_KEY = "bamgen"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_CHOICES = ("remove", "keep")
+
+
+def apply_prior(model, prior, rope: str = "remove", **init):
+    """Give every attention layer of ``model`` its own ``prior`` (a shipped prior's name, a
+    prior file, or a generated module) and route attention through it; ``init`` sets the
+    prior parameters' initial values (as the generated module's ``init=``). Returns ``model``,
+    changed in place."""
+    _check_model(model)
+    if rope not in ROPE_CHOICES:
+        raise ValueError(f"rope: expected one of {', '.join(map(repr, ROPE_CHOICES))}, got "
+                         f"{rope!r} ('remove': the prior is the only positional encoding)")
+    module = resolve_prior(prior)
+    _install(model, module, rope, init or None)
+    model.config.bamgen = {**prior_record(module), "rope": rope}
+    return model
+
+
+def from_pretrained(path, **kwargs):
+    """Load a model saved (``save_pretrained``) after :func:`apply_prior`: the prior recorded
+    in its config comes back with its learned values, and attention stays bamgen's. ``kwargs``
+    go to the model class's ``from_pretrained`` (``torch_dtype``, ``device_map``, ...)."""
+    from transformers import AutoConfig
+    register()
+    config = AutoConfig.from_pretrained(path, **_config_kwargs(kwargs))
+    record = getattr(config, CONFIG_KEY, None)
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: its config has no '{CONFIG_KEY}' entry; it was not saved "
+                         f"from a model with a prior (use apply_prior, then save_pretrained)")
+    _check_model_type(config.model_type)
+    cls = _with_prior(_model_class(config), record)
+    kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
+    return cls.from_pretrained(path, **kwargs)
+
+
+def resolve_prior(prior) -> ModuleType:
+    """A generated module from a shipped name, a prior file, or a module itself."""
+    if isinstance(prior, ModuleType):
+        if not isinstance(getattr(prior, "PRIOR", None), dict):
+            raise ValueError(f"prior: module {prior.__name__} is not a bamgen generated module "
+                             f"(it has no PRIOR); pass a prior name, a prior file or bamgen.load(...)")
+        return prior
+    if isinstance(prior, (str, os.PathLike)):
+        import bamgen
+        return bamgen.load(prior)
+    raise ValueError(f"prior: expected a shipped prior's name, a prior file's path or a generated "
+                     f"module, got {type(prior).__name__}")
+
+
+def prior_record(module: ModuleType) -> dict:
+    """How config.bamgen names ``module`` so that another process can load it again: a
+    shipped prior by name, else the prior file's text (from bamgen.load's cache), else the
+    module's import name (a module built into the user's own package)."""
+    from ..resources import shipped_prior
+    info = module.PRIOR
+    record = {"strategy": info["strategy"]}
+    shipped = shipped_prior(info["name"])
+    if shipped is not None and hashlib.sha256(shipped.read_bytes()).hexdigest() == info["source_hash"]:
+        return {"prior": info["name"], **record}
+    manifest = Path(getattr(module, "__file__", "") or ".").parent / "build.json"
+    if manifest.is_file():
+        built = json.loads(manifest.read_text(encoding="utf-8"))
+        return {"prior_source": built["source"], "prior_source_name": built["source_name"],
+                **record}
+    return {"prior_module": module.__name__, **record}
+
+
+def load_record(record: dict) -> ModuleType:
+    """The generated module that ``record`` (config.bamgen) names."""
+    import bamgen
+    strategy = record.get("strategy")
+    if "prior" in record:
+        return _shipped_module(record["prior"], strategy) or bamgen.load(record["prior"],
+                                                                          strategy=strategy)
+    if "prior_source" in record:
+        with tempfile.TemporaryDirectory() as folder:
+            name = Path(record.get("prior_source_name") or "prior.yaml").name
+            path = Path(folder) / name
+            path.write_text(record["prior_source"], encoding="utf-8")
+            return bamgen.load(path, strategy=strategy)
+    if "prior_module" in record:
+        return importlib.import_module(record["prior_module"])
+    raise ValueError(f"config.{CONFIG_KEY}: names no prior (expected 'prior', 'prior_source' or "
+                     f"'prior_module'), got keys {sorted(record)}")
+
+
+def _shipped_module(name: str, strategy: str | None) -> ModuleType | None:
+    """The installed build of shipped prior ``name`` (bamgen.generated), if it was built with
+    ``strategy``: no build needed."""
+    from ..resources import GENERATED_PACKAGE, shipped_prior
+    if shipped_prior(name) is None:
+        return None
+    try:
+        module = importlib.import_module(f"{GENERATED_PACKAGE}.{name}")
+    except ImportError:
+        return None
+    return module if strategy in (None, module.PRIOR["strategy"]) else None
+
+
+def register() -> None:
+    """Register bamgen's attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(ATTN_IMPLEMENTATION, bamgen_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_layout)
+
+
+def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     sliding_window=None, **kwargs):
+    """HF's attention call, through the layer's prior: q [B, Hq, Nq, D], k/v [B, Hk, Nk, D]
+    (the cache's slots); returns ([B, Nq, Hq, D], None) as HF's attention functions do."""
+    prior = getattr(module, PRIOR_ATTR, None)
+    if prior is None:
+        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the layer's prior: "
+                         f"call bamgen.integrations.transformers.apply_prior(model, prior)")
+    layout = attention_mask
+    if not isinstance(layout, PaddingLayout):
+        raise ValueError(
+            f"attention_mask: bamgen's attention takes the layout its mask function builds from "
+            f"the 2-D token mask, got {type(layout).__name__}"
+            f"{' of shape ' + str(tuple(layout.shape)) if hasattr(layout, 'shape') else ''}; "
+            f"pass a 2-D attention_mask (or none), not a prepared 4-D mask")
+    if dropout:
+        raise ValueError(f"attention_dropout={dropout}: bamgen's attention has no dropout; "
+                         f"set config.attention_dropout = 0.0")
+    if sliding_window is not None and layout.query_end > sliding_window:
+        raise ValueError(
+            f"sliding_window={sliding_window}: the sequence ({layout.query_end} tokens) is longer "
+            f"than the model's sliding window, which bamgen's attention does not apply; set "
+            f"config.sliding_window = None, or use a prior that is -oo beyond the window")
+    packed = _packed_documents(layout, query, key, kwargs.get("position_ids"))
+    out = prior(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling,
+                q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
+                cu_seqlens_q=packed, cu_seqlens_k=packed)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_documents(layout: PaddingLayout, query, key, position_ids):
+    """cu_seqlens for documents packed into one row, as HF marks them (no attention_mask, no
+    cache, ``position_ids`` restarting at each document, e.g. DataCollatorWithFlattening);
+    None for an ordinary batch. Each document then sees only itself, its positions from 0."""
+    plain = layout.key_mask is None and isinstance(layout.q_offset, int) and layout.q_offset == 0
+    if position_ids is None or not plain or query.shape[2] != key.shape[2]:
+        return None
+    breaks = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    if not bool(breaks.any()):
+        return None
+    if position_ids.shape[0] != 1:
+        raise ValueError(f"position_ids: documents packed into a batch of "
+                         f"{position_ids.shape[0]} rows; bamgen's attention takes packed "
+                         f"documents in one row (batch size 1), as FlashAttention's varlen does")
+    starts = breaks[0].nonzero().flatten() + 1
+    total = torch.tensor([0, position_ids.shape[1]], device=starts.device)
+    return torch.cat([total[:1], starts, total[1:]]).to(torch.int32)
+
+
+class IdentityRotary(torch.nn.Module):
+    """Stands in for a model's rotary embedding under ``rope="remove"``: cos = 1 and sin = 0,
+    so HF's ``apply_rotary_pos_emb`` leaves q and k as they are."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, x, position_ids):
+        shape = (*position_ids.shape, self.head_dim)
+        ones = torch.ones(shape, dtype=x.dtype, device=x.device)
+        return ones, torch.zeros_like(ones)
+
+    def extra_repr(self):
+        return f"head_dim={self.head_dim}"
+
+
+def _install(model, module: ModuleType, rope: str, init: dict | None) -> None:
+    """Attach a prior to every attention layer, remove RoPE if asked, switch attention."""
+    register()
+    config = model.config
+    cls = getattr(module, module.PRIOR["class_name"])
+    for attention in _attention_layers(model):
+        # Built on a real device even inside HF's meta-device loading context (the module checks
+        # its initial values); HF then loads the checkpoint's values into it.
+        weight = attention.q_proj.weight
+        device = torch.device("cpu") if weight.device.type == "meta" else weight.device
+        with device:
+            prior = cls(config.num_attention_heads, init=init, device=device)
+        setattr(attention, PRIOR_ATTR, prior)
+    if rope == "remove":
+        _remove_rotary(model)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def _attention_layers(model) -> list[torch.nn.Module]:
+    base = getattr(model, model.base_model_prefix, model)
+    return [layer.self_attn for layer in base.layers]
+
+
+def _remove_rotary(model) -> None:
+    base = getattr(model, model.base_model_prefix, model)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base.rotary_emb = IdentityRotary(head_dim)
+
+
+def _check_model(model) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"model: expected a Hugging Face transformers model, got "
+                         f"{type(model).__name__}")
+    _check_model_type(config.model_type)
+
+
+def _check_model_type(model_type: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported by bamgen's transformers "
+                         f"integration; supported: {', '.join(SUPPORTED_MODEL_TYPES)} (models "
+                         f"with their attention layout: q/k/v projections, rotary embedding)")
+
+
+_CONFIG_KWARGS = ("cache_dir", "revision", "local_files_only", "token", "trust_remote_code")
+
+
+def _config_kwargs(kwargs: dict) -> dict:
+    return {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
+
+
+def _model_class(config):
+    """The class the checkpoint was saved from (config.architectures), else the causal LM."""
+    import transformers
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def _with_prior(cls: type, record: dict) -> type:
+    """A subclass of ``cls`` (same name, so saving records the same architecture) that builds
+    the prior ``record`` names before HF loads the weights into it: the prior's parameters then
+    load from the checkpoint like any other weight, with no unexpected keys. The prior module is
+    loaded here, outside the meta-device context HF builds the model under."""
+    module, rope = load_record(record), record.get("rope", "remove")
+
+    def __init__(self, config, *args, **kwargs):
+        cls.__init__(self, config, *args, **kwargs)
+        _install(self, module, rope, None)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
