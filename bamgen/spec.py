@@ -74,7 +74,10 @@ MODULE_ATTRIBUTES = frozenset((
     "register_load_state_dict_pre_hook", "register_module", "register_parameter",
     "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_",
     "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train",
-    "training", "type", "xpu", "zero_grad", "num_heads", "prior_params"))
+    "training", "type", "xpu", "zero_grad", "num_heads", "prior_params",
+    # added to torch.nn.Module by transformers' modeling_utils once a model is built (the HF
+    # integration, bamgen.integrations.transformers)
+    "smart_apply"))
 # A module <name>.py in a folder on sys.path hides an importable module of that name, for the
 # generated module itself (`import torch`) and for the user's program: the standard library,
 # and what the generated module imports, directly or through torch and triton.
