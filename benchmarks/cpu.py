@@ -3,6 +3,7 @@
     python benchmarks/cpu.py                      # N = 1024 2048 4096 8192, H=8, D=64, causal, fp32
     python benchmarks/cpu.py --quick              # tiny smoke run (used by tests/test_cpu_path.py)
     python benchmarks/cpu.py --memory-scaling     # peak memory of fwd+bwd up to N=16384
+    python benchmarks/cpu.py --decode             # one decode step (1 query, N cached keys)
 
 Peers, all in one process, run alternately (one repeat of every peer, then the next repeat) and
 reported as medians, so that load from other processes on a shared machine hits them alike:
@@ -326,6 +327,45 @@ def memory_scaling(args) -> None:
               f"{args.heads * n * n * 4 / 2**20:.0f} |", flush=True)
 
 
+def decode_benchmark(args) -> None:
+    """One decode step: a single query row against N cached keys (q_offset = N - 1, causal), no
+    gradient, as generation runs it; against SDPA on the same shape (no bias: the floor).
+    Alternating repeats, medians (microseconds)."""
+    ns = args.n or [1024, 4096, 16384]
+    peers = ["sdpa", "bamgen-ggd", "bamgen-laplace"]
+    modules = {"bamgen-ggd": _load_generated("generalized_gaussian", args.module_dir),
+               "bamgen-laplace": _load_generated("laplace", args.module_dir)}
+    reps = max(args.reps, 3) * 20
+    print(f"decode step, CPU, torch {torch.__version__}, threads {torch.get_num_threads()}: "
+          f"B=1, H={args.heads}, D={args.dim}, fp32, one query against N keys, median of {reps} "
+          f"alternating repeats")
+    print()
+    print("| N | sdpa us | bamgen-ggd us | bamgen-laplace us | ggd / sdpa | laplace / sdpa |")
+    print("|---|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for n in ns:
+        q = torch.randn(1, args.heads, 1, args.dim, generator=gen)
+        k, v = (torch.randn(1, args.heads, n, args.dim, generator=gen) for _ in range(2))
+        params = {p: m.default_params(args.heads) for p, m in modules.items()}
+        calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
+        for p, m in modules.items():
+            calls[p] = (lambda m=m, prm=params[p]: m.attention(q, k, v, **prm, causal=True,
+                                                                 q_offset=n - 1, backend="torch"))
+        times = {p: [] for p in peers}
+        with torch.no_grad():
+            for fn in calls.values():       # warm-up
+                fn()
+            for _ in range(reps):
+                for p in peers:
+                    t0 = time.perf_counter()
+                    calls[p]()
+                    times[p].append(time.perf_counter() - t0)
+        med = {p: statistics.median(t) * 1e6 for p, t in times.items()}
+        print(f"| {n} | {med['sdpa']:.0f} | {med['bamgen-ggd']:.0f} | {med['bamgen-laplace']:.0f} | "
+              f"{med['bamgen-ggd'] / med['sdpa']:.2f} | {med['bamgen-laplace'] / med['sdpa']:.2f} |",
+              flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, nargs="*", help="sequence lengths (default 1024 2048 4096 8192)")
@@ -343,6 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bias-max-n", type=int, default=4096,
                     help="largest N for bias+sdpa (it holds several [H, N, N] tensors)")
     ap.add_argument("--memory-scaling", action="store_true")
+    ap.add_argument("--decode", action="store_true",
+                    help="one decode step (1 query against N keys) against SDPA (default N 1024 4096 16384)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     ap.add_argument("--module-dir", default=None, help="load the generated modules from this folder")
     ap.add_argument("--set", action="append", metavar="NAME=INT",
@@ -365,6 +407,11 @@ def main(argv=None) -> int:
         return 0
     if args.memory_scaling:
         memory_scaling(args)
+        return 0
+    if args.decode:
+        if args.quick:
+            args.n, args.reps = args.n or [64], 1
+        decode_benchmark(args)
         return 0
     if args.quick:
         args.n = args.n or [256]

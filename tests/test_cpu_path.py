@@ -271,3 +271,10 @@ def test_quick_benchmark_runs():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| 256 | bamgen-ggd |" in res.stdout and "ggd/sdpa fwd+bwd" in res.stdout, res.stdout
+
+
+def test_quick_decode_benchmark_runs():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu.py"), "--decode", "--quick"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| 64 |" in res.stdout and "ggd / sdpa" in res.stdout, res.stdout
