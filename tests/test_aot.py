@@ -28,10 +28,18 @@ def _inspect(prior, arch, head_dim, *extra):
     return json.loads(res.stdout)
 
 
+# One prior per tile kind at head dim 64 in every run (make test); the other priors' head-dim-64
+# compiles are marked aot_full and run in `make test-full` (each costs ~30 s of a core; at head
+# dim 128, the register-bound case, every prior compiles in every run).
+REPRESENTATIVE = {"uniform", "laplace", "generalized_gaussian", "bam_ssmax"}
+MATRIX = [pytest.param(prior, head_dim, id=f"{prior.stem}-{head_dim}",
+                       marks=[pytest.mark.aot_full] if head_dim == 64 and prior.stem not in REPRESENTATIVE else [])
+          for prior in PRIORS for head_dim in (64, 128)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("prior", PRIORS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("prior, head_dim", MATRIX)
 def test_kernels_compile_for_gpu(prior, arch, head_dim):
     report = _inspect(prior, arch, head_dim)
     assert {k["name"] for k in report["kernels"]} == KERNELS   # (tables are filled on the host)
