@@ -193,11 +193,15 @@ def test_func_grad_and_vmap():
 
 
 def test_op_names_and_reimport(monkeypatch):
-    """The ops are named after the prior and its build hash; importing the same build again
-    under another module name re-registers them, and both imports still compile."""
-    assert gaussian.OP_NAME == "gaussian_" + gaussian.PRIOR["build_hash"][:8]
-    assert hasattr(torch.ops.bamgen, gaussian.OP_NAME + "_fwd")
-    assert gaussian.OP_NAME != ggd.OP_NAME
+    """The ops are torch.ops.bamgen.<prior>_fwd / _bwd (DESIGN.md §7); importing the same build
+    again under another module name re-registers them, and both imports still compile; a
+    different build of a prior of the same name takes a name with its build hash."""
+    assert gaussian.OP_NAME == "gaussian" and ggd.OP_NAME == "generalized_gaussian"
+    assert hasattr(torch.ops.bamgen, "gaussian_fwd") and hasattr(torch.ops.bamgen, "gaussian_bwd")
+    owners = torch.library._bamgen_op_owners
+    monkeypatch.setitem(owners, "gaussian", "another build")
+    assert gaussian._op_name() == "gaussian_" + gaussian.PRIOR["build_hash"][:8]
+    monkeypatch.setitem(owners, "gaussian", gaussian.PRIOR["build_hash"])
     spec = importlib.util.spec_from_file_location("gaussian_again", gaussian.__file__)
     again = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gaussian_again", again)
