@@ -237,7 +237,8 @@ def show(file: Path, heads: int) -> None:
     click.echo(f"  cost model (issue slots per score over NoPE's): {costs}")
     if kernel_plan.ramp is not None:
         click.echo(f"  causal side: log2(e) * log_prior = {kernel_plan.ramp.outputs[1]} + "
-                   f"{kernel_plan.ramp.outputs[0]} * d (row and column terms, no per-score work)")
+                   f"{kernel_plan.ramp.outputs[0]} * d (scores from a reference key per tile: "
+                   f"one add per score)")
         for name, code in kernel_plan.ramp.hoisted:
             click.echo(f"    {name} = {code}")
     if kernel_plan.distance_table is not None:

@@ -102,7 +102,7 @@ class KernelPlan:
     # when tabulated: the table holds it) and triton_bwd the parameter derivatives alone; for any
     # other score, triton_fwd holds the logit and triton_bwd (logit, d logit / d s, derivatives).
     cost: tuple[tuple[str, int], ...] = ()   # the cost model's figures, for `bamgen show`
-    ramp: CodeBlock | None = None   # (slope, intercept) of a causal-side linear bias, see _causal_ramp
+    ramp: CodeBlock | None = None   # a causal-side linear bias, see _causal_ramp
     # Block skipping (table strategy): key tiles whose table entries (log_prior) are all <= skip
     # are not visited; -inf skips exactly where the prior is -oo, a finite bound is skip_below.
     skip: float | None = None
@@ -219,7 +219,8 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
     """log2(e) * log_prior as ``intercept + slope * d`` on the causal side d >= 0, when it is such
     a line (ALiBi's -|d|/b is): a bias linear in d = i - j is a row term plus a column term, so
     the kernels' steady-state loop adds two broadcast vectors instead of evaluating the prior
-    per score. Outputs (slope, intercept), both parameter-only (hoisted constants r<k>)."""
+    per score. Outputs (slope, intercept, then log(2) * d slope / d p for each learnable p), all
+    parameter-only (hoisted constants r<k>)."""
     if not ir.score_is_identity or set(ir.positions_used) - {"d"}:
         return None
     d = position_symbols()["d"]
@@ -230,7 +231,11 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
     if sp.degree(bias, d_causal) != 1:
         return None
     slope, intercept = sp.diff(bias, d_causal), bias.xreplace({d_causal: sp.S.Zero})
-    return _code_block([slope, intercept], names, "triton", prefix="r")
+    # d logit / d p = log(2) * (d slope / d p * d + d intercept / d p); measured from a row's
+    # reference distance (the kernels' _ramp_reference) only the first term's change survives
+    symbols = {p.name: p.symbol() for p in ir.spec.params}
+    slope_grads = [sp.log(2) * sp.diff(slope, symbols[name]) for name, _ in ir.grads]
+    return _code_block([slope, intercept, *slope_grads], names, "triton", prefix="r")
 
 
 def _table_blocks(split: TableIR, names: dict, ir: PriorIR) -> tuple[TablePlan, CodeBlock, CodeBlock]:

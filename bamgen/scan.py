@@ -433,8 +433,9 @@ class _Checker:
             yield "the distance table (float64)", ([("log_prior", value)]
                                                    + list(zip(plan.distance_table.grads, grads)))
         if plan.ramp is not None:
-            slope, intercept = run_block(plan.ramp, inputs, f32, "triton")
-            yield "the GPU kernels (float32)", [("ramp", slope), ("ramp", intercept)]
+            slope, intercept, *slope_grads = run_block(plan.ramp, inputs, f32, "triton")
+            yield "the GPU kernels (float32)", ([("ramp", slope), ("ramp", intercept)]
+                                                + list(zip(self.learnable, slope_grads)))
         fwd = run_block(plan.triton_fwd, gpu_inputs, f32, "triton")
         bwd = run_block(plan.triton_bwd, gpu_inputs, f32, "triton")
         if plan.score_is_identity:
