@@ -170,13 +170,15 @@ class _Ring:
 
     Chunk x covers positions [x * chunk, (x + 1) * chunk); rank r holds chunks (r, 2W-1-r) as
     its local slots 0 (head) and 1 (tail). `distances` is the set of chunk distances
-    qx - kx at which some score is visible (None: all of them)."""
+    qx - kx at which some score is visible (None: all of them); `docs`, packed documents (None:
+    one sequence)."""
     group: object
     rank: int
     world: int
     chunk: int
     causal: bool
     distances: Optional[frozenset]
+    docs: Optional["_Documents"] = None
 
     def start(self, rank: int, slot: int) -> int:
         return _chunk_indices(rank, self.world)[slot] * self.chunk
@@ -190,6 +192,9 @@ class _Ring:
                     continue
                 if self.distances is not None and qx - kx not in self.distances:
                     continue
+                if self.docs is not None and not self.docs.segments(
+                        qx * self.chunk, kx * self.chunk, self.chunk, self.causal):
+                    continue
                 out.append((qs, ks))
         return out
 
@@ -200,6 +205,68 @@ class _Ring:
     def peer(self, rank: int) -> int:
         """The global rank (what P2POp takes) of a rank of the group."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One document's part of a (query chunk, key chunk) pair: rows [q_lo, q_hi) of the query
+    chunk and keys [k_lo, k_hi) of the key chunk (chunk-local), positions counted from the
+    document's start (q_offset, k_offset), doc_len its length."""
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    q_offset: int
+    k_offset: int
+    doc_len: int
+
+
+@dataclass(frozen=True)
+class _Documents:
+    """Packed documents of the whole sequence (FlashAttention's cu_seqlens): a query sees only
+    keys of its own document, and positions restart at each document's start, as in
+    `mod.attention(..., cu_seqlens_q=cu, cu_seqlens_k=cu)` on one process."""
+    bounds: tuple          # (start, end) of each non-empty document, in order
+
+    def segments(self, q_start: int, k_start: int, chunk: int, causal: bool) -> list:
+        """The documents that have rows in [q_start, q_start + chunk) and keys they can see in
+        [k_start, k_start + chunk), each as a _Segment (under a causal mask, keys past the last
+        row are cut off)."""
+        out = []
+        for start, end in self.bounds:
+            q_lo, q_hi = max(start, q_start), min(end, q_start + chunk)
+            k_lo, k_hi = max(start, k_start), min(end, k_start + chunk)
+            if causal:
+                k_hi = min(k_hi, q_hi)
+            if q_lo < q_hi and k_lo < k_hi:
+                out.append(_Segment(q_lo - q_start, q_hi - q_start, k_lo - k_start, k_hi - k_start,
+                                    q_lo - start, k_lo - start, end - start))
+        return out
+
+
+def _documents(cu_seqlens, total: int, ring_group, world: int, device) -> _Documents:
+    """Check cu_seqlens (int [docs + 1], 0 .. total, non-decreasing, the same on every rank: the
+    ranks must agree on what is sent) and read it once."""
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+            or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor [docs + 1] of the whole "
+                         f"sequence's document bounds (0, ..., {total}), got "
+                         f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens!r}")
+    cuts = [int(c) for c in cu_seqlens.tolist()]
+    if cuts[0] != 0 or cuts[-1] != total or any(b < a for a, b in zip(cuts, cuts[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the whole "
+                         f"sequence's length {total} (2 * world * chunk; a padding tail is a "
+                         f"document of its own), got {cuts[:4]}{' ...' if len(cuts) > 4 else ''}")
+    if world > 1:
+        digest = torch.tensor([len(cuts), sum((k + 1) * c for k, c in enumerate(cuts)) % (1 << 61)],
+                              dtype=torch.int64, device=device)
+        low, high = digest.clone(), digest.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=ring_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=ring_group)
+        if not torch.equal(low, high):
+            raise ValueError("cu_seqlens must be the same on every rank of the group (the whole "
+                             "sequence's document bounds, not this rank's)")
+    return _Documents(tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a))
 
 
 class _Window:
@@ -306,9 +373,11 @@ class _Rows:
         self.l = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
         self.chunk = chunk
 
-    def merge(self, slot, out_b, stats_b):
-        """The log-sum-exp rule in base 2 with the exact row max (docs/architecture.md)."""
-        rows = slice(slot * self.chunk, (slot + 1) * self.chunk)
+    def merge(self, slot, out_b, stats_b, lo=0, hi=None):
+        """The log-sum-exp rule in base 2 with the exact row max (docs/architecture.md), over
+        rows [lo, hi) of the slot's chunk (a document's part of it; default all)."""
+        base = slot * self.chunk
+        rows = slice(base + lo, base + (self.chunk if hi is None else hi))
         out, m_old, l_old = self.out[:, :, rows], self.m[:, :, rows], self.l[:, :, rows]
         m_b, l_b = stats_b[..., 0], stats_b[..., 1]
         m = torch.maximum(m_old, m_b)
@@ -338,19 +407,37 @@ class _Call:
     n_total: Optional[int]     # the sequence length, for a prior that uses n (else None)
     window: Optional[_Window]  # for a prior with a window (else None)
 
-    def kwargs(self, ring: _Ring, q_rank, q_slot, k_rank, k_slot):
-        q_start = ring.start(q_rank, q_slot)
-        kw = dict(causal=self.causal, scale=self.scale, backend=self.backend,
-                  q_offset=q_start, k_offset=ring.start(k_rank, k_slot))
-        if self.n_total is not None:   # n over the whole row: keys 0 .. N-1 of the sequence
+    def blocks(self, ring: _Ring, q_rank, q_slot, k_rank, k_slot) -> list:
+        """The block calls of one (query chunk, key chunk) pair: (rows, keys, kwargs), rows and
+        keys slices of the chunks. One call over the whole chunks, or with packed documents one
+        per document the pair shares, with the document's own positions."""
+        q_start, k_start = ring.start(q_rank, q_slot), ring.start(k_rank, k_slot)
+        base = dict(causal=self.causal, scale=self.scale, backend=self.backend)
+        if ring.docs is None:
             rows = torch.arange(q_start, q_start + ring.chunk)
-            kw["n"] = (rows + 1).clamp(0, self.n_total) if self.causal else torch.full_like(rows, self.n_total)
-        return kw
+            return [(slice(0, ring.chunk), slice(0, ring.chunk),
+                     dict(base, q_offset=q_start, k_offset=k_start, **self._n(rows, self.n_total)))]
+        out = []
+        for seg in ring.docs.segments(q_start, k_start, ring.chunk, self.causal):
+            rows = torch.arange(seg.q_offset, seg.q_offset + seg.q_hi - seg.q_lo)
+            out.append((slice(seg.q_lo, seg.q_hi), slice(seg.k_lo, seg.k_hi),
+                        dict(base, q_offset=seg.q_offset, k_offset=seg.k_offset,
+                             **self._n(rows, seg.doc_len))))
+        return out
 
-    def forward(self, ring: _Ring, q, kv, params, q_rank, q_slot, k_rank, k_slot):
-        """(out, stats) of one block: this rank's query chunk against one key chunk."""
-        kw = self.kwargs(ring, q_rank, q_slot, k_rank, k_slot)
-        return self.mod.forward_block(q, kv[0], kv[1], **params, **kw)
+    def _n(self, rows, length) -> dict:
+        """For a prior that uses n: the count over the whole row (all blocks), rows being the
+        queries' positions in a sequence (or document) of `length` keys."""
+        if self.n_total is None:
+            return {}
+        return {"n": (rows + 1).clamp(0, length) if self.causal else torch.full_like(rows, length)}
+
+    def forward(self, ring: _Ring, rows: _Rows, q, kv, params, q_slot, k_rank, k_slot):
+        """Merge into `rows` this rank's query chunk q_slot against one key chunk."""
+        for r, c, kw in self.blocks(ring, ring.rank, q_slot, k_rank, k_slot):
+            out_b, stats_b = self.mod.forward_block(q[:, :, r], kv[0][:, :, c], kv[1][:, :, c],
+                                                    **params, **kw)
+            rows.merge(q_slot, out_b, stats_b, r.start, r.stop)
 
 
 def _split(x):
@@ -381,7 +468,7 @@ def _ring_forward(ring: _Ring, call: _Call, q, k, v, params):
     rows = _Rows(q, ring.chunk)
     for _step, src, kv in _steps(ring, k, v):
         for qs, ks in ring.pairs(ring.rank, src):
-            rows.merge(qs, *call.forward(ring, queries[qs], kv[ks], params, ring.rank, qs, src, ks))
+            call.forward(ring, rows, queries[qs], kv[ks], params, qs, src, ks)
     return rows.out, rows.stats()
 
 
@@ -407,15 +494,16 @@ def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
             d_kv = torch.zeros((len(kv), *chunk_shape), dtype=torch.float32, device=k.device)
         place = {s: i for i, s in enumerate(kv)}     # received slot -> index in d_kv
         for qs, ks in ring.pairs(ring.rank, src):
-            dq_b, dk_b, dv_b, dp_b, rows_b = mod.backward_block(
-                douts[qs], queries[qs], *kv[ks], outs[qs], row_stats[qs], **params,
-                **call.kwargs(ring, ring.rank, qs, src, ks))
-            dq_parts[qs].add_(dq_b)
-            d_kv[place[ks]][0].add_(dk_b)
-            d_kv[place[ks]][1].add_(dv_b)
-            row_parts[qs].add_(rows_b)
-            for name in mod.LEARNABLE:
-                dparams[name] += dp_b[name]
+            for r, c, kw in call.blocks(ring, ring.rank, qs, src, ks):
+                dq_b, dk_b, dv_b, dp_b, rows_b = mod.backward_block(
+                    douts[qs][:, :, r], queries[qs][:, :, r], kv[ks][0][:, :, c], kv[ks][1][:, :, c],
+                    outs[qs][:, :, r], row_stats[qs][:, :, r], **params, **kw)
+                dq_parts[qs][:, :, r].add_(dq_b)
+                d_kv[place[ks]][0][:, :, c].add_(dk_b)
+                d_kv[place[ks]][1][:, :, c].add_(dv_b)
+                row_parts[qs][:, :, r].add_(rows_b)
+                for name in mod.LEARNABLE:
+                    dparams[name] += dp_b[name]
         if step > 0:
             sent_back = _return_dkv(ring, d_kv, step)
             if returning is not None:
@@ -540,7 +628,8 @@ def _column(value, hq, device):
     return torch.full((hq,), float(value), dtype=torch.float32, device=device)
 
 
-def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend="auto", **params):
+def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend="auto",
+                   cu_seqlens=None, **params):
     """Attention of this rank's shard of queries over the whole sequence, the keys and values
     passed around the context-parallel `group`; equal to `mod.attention` on the full tensors.
 
@@ -548,6 +637,11 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     q [B, Hq, 2c, D], k and v [B, Hk, 2c, D]: this rank's shards from `shard` (same layout,
         same shapes on every rank); positions are those of the whole sequence, 0 .. N-1.
     causal, scale, backend: as in `mod.attention`.
+    cu_seqlens: packed documents (B = 1): int [docs + 1], the whole sequence's document bounds
+        (0, ..., N), the same on every rank; a query sees only its own document's keys and
+        positions restart at each document, as `mod.attention(..., cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens)`. Chunk pairs that share no document are neither computed nor
+        sent.
     **params: the prior's parameters, a float or a tensor [Hq] (or [1]) each, the same values
         on every rank; tensors that require grad get the gradient of the whole sequence (summed
         over the group), e.g. the values of `layer.prior_params()`.
@@ -571,11 +665,17 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
                if mod.LEARNABLE else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
     fixed = {name: value for name, value in params.items() if name not in mod.LEARNABLE}
     chunk = q.shape[2] // 2
-    ring = _Ring(group, rank, world, chunk, causal, None)
+    docs = None
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"packed documents (cu_seqlens) take B = 1: the documents lie one after "
+                             f"another in dim 2, got B = {q.shape[0]}")
+        docs = _documents(cu_seqlens, 2 * world * chunk, group, world, q.device)
+    ring = _Ring(group, rank, world, chunk, causal, None, docs)
     window = None
     if traits.window:
         window = _Window(mod, _block_params(mod, fixed, learned), hq, q.device)
         ring = _Ring(group, rank, world, chunk, causal, _agreed_distances(
-            window.chunk_distances(chunk, world, causal), ring, q.device))
+            window.chunk_distances(chunk, world, causal), ring, q.device), docs)
     call = _Call(mod, causal, scale, backend, 2 * world * chunk if traits.uses_n else None, window)
     return _RingAttention.apply(ring, call, fixed, q, k, v, learned)

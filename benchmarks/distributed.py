@@ -2,6 +2,7 @@
 
     python benchmarks/distributed.py                 # N = 8192, H = 8, Hk = 2, D = 64, GGD, causal
     python benchmarks/distributed.py --quick         # tiny smoke run
+    python benchmarks/distributed.py --documents 8   # 8 equal documents packed (cu_seqlens)
 
 Four processes are started once (spawned, gloo, one torch thread each) and run every
 configuration in turns, one repeat of each and then the next round, so that load from other
@@ -68,14 +69,20 @@ class _Problem:
             q, k, v, dout = (shard(t, group=group) for t in (q, k, v, dout))
         self.leaves = [t.requires_grad_() for t in (q, k, v)]
         self.dout = dout
+        self.docs = {}   # packed documents: each alone (--documents)
+        if args.documents > 1:
+            cu = torch.linspace(0, args.n, args.documents + 1).round().to(torch.int32)
+            self.docs = (dict(cu_seqlens=cu) if config.startswith("ring")
+                         else dict(cu_seqlens_q=cu, cu_seqlens_k=cu))
         self.threads = 2 if config.endswith("2 threads") else 1
 
     def forward(self):
         from bamgen.distributed import ring_attention
         torch.set_num_threads(self.threads)
         if self.config.startswith("ring"):
-            return ring_attention(self.mod, *self.leaves, causal=True, group=self.group, **self.params)
-        return self.mod.attention(*self.leaves, causal=True, **self.params)
+            return ring_attention(self.mod, *self.leaves, causal=True, group=self.group, **self.docs,
+                                  **self.params)
+        return self.mod.attention(*self.leaves, causal=True, **self.docs, **self.params)
 
     def backward(self, out):
         out.backward(self.dout)
@@ -170,7 +177,8 @@ def _summary(results):
 
 def _print(rows, args):
     base_t, base_held, base_peak, _ = rows["one process"]
-    print(f"\n{args.prior}, N={args.n}, H={args.heads}, Hk={args.kv_heads}, D={args.dim}, B=1, causal, "
+    docs = f", {args.documents} packed documents" if args.documents > 1 else ""
+    print(f"\n{args.prior}, N={args.n}{docs}, H={args.heads}, Hk={args.kv_heads}, D={args.dim}, B=1, causal, "
           f"fp32, forward + backward; median of {args.reps} alternating repeats; {os.cpu_count()} CPUs\n")
     print("| configuration | time ms | time / one process | held fwd->bwd MiB per rank | / one process "
           "| peak MiB per rank | / one process | sent MiB per rank |")
@@ -189,7 +197,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prior", default="generalized_gaussian")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (N=256, 2 repeats)")
+    ap.add_argument("--documents", type=int, default=1,
+                    help="pack the sequence as this many equal documents (cu_seqlens)")
     args = ap.parse_args(argv)
+    if not 1 <= args.documents <= args.n:
+        ap.error(f"--documents {args.documents}: must be between 1 and --n ({args.n})")
     if args.quick:
         args.n, args.reps = 256, 2
     if args.n % 8:

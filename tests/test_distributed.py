@@ -165,8 +165,9 @@ def _gather(x, group):
         return unshard(x.contiguous(), group=group)
 
 
-def _ring_case(rank, group_name, prior, causal, B, Hq, Hk, chunk, D):
-    """One case: returns the errors against the one-process run (asserts inside)."""
+def _ring_case(rank, group_name, prior, causal, B, Hq, Hk, chunk, D, cuts=None):
+    """One case: returns the errors against the one-process run (asserts inside). cuts: packed
+    documents (the whole sequence's cu_seqlens), else None."""
     group = GROUPS[group_name]
     world = dist.get_world_size(group)
     mod = importlib.import_module(f"generated.{prior}")
@@ -174,29 +175,32 @@ def _ring_case(rank, group_name, prior, causal, B, Hq, Hk, chunk, D):
     N = 2 * world * chunk
     q, k, v, dout = _inputs(B, Hq, Hk, N, D, seed=N + Hk)
     params = {n: torch.tensor(vals[:Hq]) for n, vals in values.items()}
+    docs = {} if cuts is None else dict(cu_seqlens_q=torch.tensor(cuts), cu_seqlens_k=torch.tensor(cuts))
 
     # the one-process run
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     p_one = {n: t.clone().requires_grad_(n in mod.LEARNABLE) for n, t in params.items()}
-    one = mod.attention(*leaves, **p_one, causal=causal)
+    one = mod.attention(*leaves, **p_one, causal=causal, **docs)
     one_grads = torch.autograd.grad(one, leaves + [p_one[n] for n in mod.LEARNABLE], dout)
 
     # the ring: every rank draws the whole sequence and keeps its shard
     shards = [shard(t, group=group).requires_grad_() for t in (q, k, v)]
     p_ring = {n: t.clone().requires_grad_(n in mod.LEARNABLE) for n, t in params.items()}
-    out = unshard(ring_attention(mod, *shards, causal=causal, group=group, **p_ring), group=group)
+    ring_docs = {} if cuts is None else dict(cu_seqlens=torch.tensor(cuts))
+    out = unshard(ring_attention(mod, *shards, causal=causal, group=group, **ring_docs, **p_ring),
+                  group=group)
     out.backward(dout)        # every rank holds the same loss on the full output
     ring = [out.detach()] + [_gather(t.grad, group) for t in shards]
     ring += [p_ring[n].grad for n in mod.LEARNABLE]
 
-    kw = dict(causal=causal, score=score, kink=kink, dout=dout)
+    kw = dict(causal=causal, score=score, kink=kink, dout=dout, **docs)
     ref = reference_attention(q, k, v, params, log_prior, **kw)
     pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
     names = ["out", "dq", "dk", "dv"] + [f"d{n}" for n in mod.LEARNABLE]
     refs = [ref.out, ref.dq, ref.dk, ref.dv] + [ref.dparams[n] for n in mod.LEARNABLE]
     pts = [pt.out, pt.dq, pt.dk, pt.dv] + [pt.dparams[n] for n in mod.LEARNABLE]
     gross = [ref.gross.get(n) for n in names]
-    context = f"{prior} causal={causal} world={world} rank={rank}"
+    context = f"{prior} causal={causal} world={world} rank={rank} documents={cuts}"
     for label, got in (("ring", ring), ("one process", [one.detach(), *one_grads])):
         assert_all_close([(n, g, r, p, s) for n, g, r, p, s in zip(names, got, refs, pts, gross)],
                          torch.float32, context=f"{label}: {context}")
@@ -226,6 +230,48 @@ CASES = [   # (group, prior, causal, B, Hq, Hk, chunk, D)
 def test_ring_matches_one_process(pool, case):
     ranks = [0, 1] if case[0] == "pair" else list(range(WORLD))
     pool.run(_ring_case, ranks, *case)
+
+
+DOC_CASES = [   # (group, prior, causal, B, Hq, Hk, chunk, D, cu_seqlens of the whole sequence)
+    # an empty document, one of length 1, documents across chunk and rank boundaries
+    ("pair", "generalized_gaussian", True, 1, 4, 2, 5, 16, [0, 3, 3, 11, 12, 20]),
+    ("pair", "bam_ssmax", False, 1, 4, 4, 5, 8, [0, 7, 8, 20]),   # n: the document's length
+    ("all", "bam_ssmax", True, 1, 4, 2, 4, 16, [0, 9, 10, 23, 32]),
+    ("all", "laplace", True, 1, 2, 1, 4, 16, [0, 1, 17, 30, 32]),
+]
+
+
+@pytest.mark.parametrize("case", DOC_CASES, ids=lambda c: "-".join(map(str, c[:3])) + "-packed")
+def test_ring_with_packed_documents_matches_one_process(pool, case):
+    """Packed documents through the ring: each document alone, positions restarting at its
+    start, equal to the one-process `attention(..., cu_seqlens_q=cu, cu_seqlens_k=cu)`."""
+    ranks = [0, 1] if case[0] == "pair" else list(range(WORLD))
+    pool.run(_ring_case, ranks, *case)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_documents_skip_chunk_pairs_that_share_none(causal):
+    """The schedule from the documents alone: a (query chunk, key chunk) pair is computed, and
+    its keys sent, exactly when some query of the one sees a key of the other."""
+    from bamgen.distributed import _Documents, _Ring
+    world, chunk = 3, 4
+    cuts = [0, 2, 9, 9, 10, 17, 24]
+    docs = _Documents(tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a))
+    doc_of = torch.bucketize(torch.arange(2 * world * chunk), torch.tensor(cuts[1:]), right=True)
+    for q_rank in range(world):
+        ring = _Ring(None, q_rank, world, chunk, causal, None, docs)
+        for k_rank in range(world):
+            want = []
+            for qs, qx in enumerate((q_rank, 2 * world - 1 - q_rank)):
+                for ks, kx in enumerate((k_rank, 2 * world - 1 - k_rank)):
+                    i = torch.arange(qx * chunk, (qx + 1) * chunk)[:, None]
+                    j = torch.arange(kx * chunk, (kx + 1) * chunk)[None, :]
+                    sees = doc_of[i] == doc_of[j]
+                    if causal:
+                        sees &= j <= i
+                    if bool(sees.any()):
+                        want.append((qs, ks))
+            assert ring.pairs(q_rank, k_rank) == want, (q_rank, k_rank)
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,6 +532,13 @@ def test_ring_attention_argument_errors():
         ring_attention(mod, q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16), **p)
     with pytest.raises(ValueError, match="causal must be"):
         ring_attention(mod, q, q, q, causal=1, **p)
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0.*length 8"):
+        ring_attention(mod, q, q, q, cu_seqlens=torch.tensor([0, 3, 7]), **p)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be an int32 or int64 tensor"):
+        ring_attention(mod, q, q, q, cu_seqlens=[0, 8], **p)
+    with pytest.raises(ValueError, match=r"packed documents \(cu_seqlens\) take B = 1"):
+        two = torch.randn(2, 2, 8, 16)
+        ring_attention(mod, two, two, two, cu_seqlens=torch.tensor([0, 8]), **p)
 
 
 @pytest.mark.slow
