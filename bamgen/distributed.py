@@ -145,11 +145,14 @@ class _PriorTraits:
 
     uses_n: the logit uses n (the number of keys the query sees): every block is given the
         count over the whole row (the block API's `n`), not over its own keys.
-    window: the log-prior can be -oo (a window) and depends on positions through d alone with
-        the default score, so a (query chunk, key chunk) pair whose every distance is outside
-        it can be skipped; the ring finds those pairs by evaluating the log-prior per distance."""
+    window: the log-prior can be -oo (a window), or the file sets skip_below, and it depends on
+        positions through d alone with the default score, so a (query chunk, key chunk) pair
+        whose every distance is outside the window (or below the bound) can be skipped; the
+        ring finds those pairs by evaluating the log-prior per distance.
+    skip_below: the file's skip_below (nats below the head's largest log-prior), else None."""
     uses_n: bool
     window: bool
+    skip_below: Optional[float] = None
 
 
 def _traits(mod) -> _PriorTraits:
@@ -158,7 +161,9 @@ def _traits(mod) -> _PriorTraits:
     score = _symbols(prior.get("score", "s + log_prior"))
     uses_n = "n" in log_prior | score
     d_only = not (log_prior & {"i", "j", "n"}) and prior.get("score", "s + log_prior") == "s + log_prior"
-    return _PriorTraits(uses_n=uses_n, window=d_only and "oo" in log_prior)
+    skip_below = prior.get("skip_below") if d_only else None
+    return _PriorTraits(uses_n=uses_n, window=d_only and ("oo" in log_prior or skip_below is not None),
+                        skip_below=skip_below)
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,24 +277,47 @@ def _documents(cu_seqlens, total: int, ring_group, world: int, device) -> _Docum
 class _Window:
     """A prior that is -oo beyond some distances (a window), depending on positions through d
     alone: its log-prior per distance and head (the module's `log_prior_at`) with this call's
-    parameter values."""
+    parameter values. With skip_below, a distance whose log-prior is more than skip_below nats
+    under the head's largest over the sequence counts as hidden too, as the GPU kernels' block
+    skipping reads it (an approximation: such a score has at most exp(-skip_below) times the
+    weight of the head's best distance)."""
 
-    def __init__(self, mod, params, hq, device):
+    def __init__(self, mod, params, hq, device, skip_below=None):
         self.mod, self.hq, self.params = mod, hq, params
         self.device = device
+        self.skip_below = skip_below
+        self.floor = None      # per head: the largest log-prior minus skip_below (chunk_distances)
+
+    def _log_prior(self, d0: int, d1: int):
+        pos_d = torch.arange(d0, d1, device=self.device)
+        return pos_d, self.mod.log_prior_at(pos_d, **self.params, num_heads=self.hq)
 
     def visible(self, d0: int, d1: int, causal: bool):
         """bool [Hq, d1 - d0]: whether distance d0 .. d1 - 1 lets a score through (NaN counts
         as visible: nothing is hidden that the module would compute)."""
-        pos_d = torch.arange(d0, d1, device=self.device)
-        ok = self.mod.log_prior_at(pos_d, **self.params, num_heads=self.hq) != -math.inf
+        pos_d, lp = self._log_prior(d0, d1)
+        ok = lp != -math.inf
+        if self.floor is not None:
+            ok &= ~(lp < self.floor[:, None])
         return ok & (pos_d >= 0)[None] if causal else ok
 
-    def chunk_distances(self, chunk: int, world: int, causal: bool) -> frozenset:
+    def _floor(self, lo: int, n: int):
+        """Per head, the largest finite log-prior over distances [lo, n) minus skip_below."""
+        best = torch.full((self.hq,), -math.inf, dtype=torch.float64, device=self.device)
+        for d0 in range(lo, n, _WINDOW_SLICE):
+            _, lp = self._log_prior(d0, min(n, d0 + _WINDOW_SLICE))
+            best = torch.maximum(best, torch.where(torch.isfinite(lp), lp, -math.inf).amax(1))
+        return best - self.skip_below
+
+    def chunk_distances(self, chunk: int, world: int, causal: bool, span: int) -> frozenset:
         """Chunk distances qx - kx at which some score is visible (the distances evaluated in
-        slices, so memory stays small for a long sequence)."""
+        slices, so memory stays small for a long sequence). span: the most keys a query can
+        see (the sequence's length, or the longest packed document's): skip_below is measured
+        from the best log-prior over those distances."""
         n = 2 * world * chunk
         lo = 0 if causal else -(n - 1)
+        if self.skip_below is not None:
+            self.floor = self._floor(0 if causal else -(span - 1), span)
         seen = torch.cat([self.visible(d0, min(n, d0 + _WINDOW_SLICE), causal).any(0)
                           for d0 in range(lo, n, _WINDOW_SLICE)])
         count = torch.cumsum(seen.to(torch.int64), 0).tolist()
@@ -674,8 +702,9 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     ring = _Ring(group, rank, world, chunk, causal, None, docs)
     window = None
     if traits.window:
-        window = _Window(mod, _block_params(mod, fixed, learned), hq, q.device)
+        window = _Window(mod, _block_params(mod, fixed, learned), hq, q.device, traits.skip_below)
+        span = 2 * world * chunk if docs is None else max(b - a for a, b in docs.bounds)
         ring = _Ring(group, rank, world, chunk, causal, _agreed_distances(
-            window.chunk_distances(chunk, world, causal), ring, q.device), docs)
+            window.chunk_distances(chunk, world, causal, span), ring, q.device), docs)
     call = _Call(mod, causal, scale, backend, 2 * world * chunk if traits.uses_n else None, window)
     return _RingAttention.apply(ring, call, fixed, q, k, v, learned)

@@ -352,17 +352,31 @@ params:
 """
 
 
+SKIP_PRIOR = """
+name: ring_skip
+description: a cubic fall-off whose far tail skip_below drops (|d| > 6 for b = 7, > 4 for b = 2)
+log_prior: -Abs(d)**3 / b
+skip_below: 40
+params:
+  b: {init: 4.0, domain: positive}
+"""
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_invisible_blocks_are_neither_computed_nor_sent(pool, tmp_path, causal):
     """Causal zigzag: a rank needs only the head chunk of a lower rank. A window of 5 keys with
     chunks of 4: a query chunk sees at most its neighbours; the other steps exchange nothing.
+    skip_below: distances more than 40 nats under the head's best count as outside the window
+    (6 keys here), as the GPU kernels' block skipping reads them.
     Every rank's block calls and the elements it sends equal what the positions alone say: the
     K/V chunks its peers' queries see (forward and backward) and the dK/dV of the chunks it
     received."""
     import bamgen
     (tmp_path / "ring_window.yaml").write_text(WINDOW_PRIOR)
     window_mod = bamgen.load(tmp_path / "ring_window.yaml", cache_dir=tmp_path / "cache")
-    for path, window in ((None, None), (window_mod.__file__, 5)):
+    (tmp_path / "ring_skip.yaml").write_text(SKIP_PRIOR)
+    skip_mod = bamgen.load(tmp_path / "ring_skip.yaml", cache_dir=tmp_path / "cache")
+    for path, window in ((None, None), (window_mod.__file__, 5), (skip_mod.__file__, 6)):
         res = pool.run(_count_work, list(range(WORLD)), "all", path, causal, 4, window)
         for rank, r in res.items():
             assert r["calls"] == {"fwd": r["pairs"], "bwd": r["pairs"]}, (rank, r, window)
