@@ -154,10 +154,28 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         logit_block=plan.triton_fwd if plan.score_is_identity else plan.triton_bwd,
         logit_args=_scalar_args(plan, plan.triton_fwd if plan.score_is_identity else plan.triton_bwd),
         table=plan.table, distance_table=plan.distance_table, fwd_tab=_table_args(plan, grads=False), bwd_tab=_table_args(plan, grads=True),
+        distance_value_first=(_first_output_first(plan.distance_table.code)
+                              if plan.distance_table else None),
         clamp_free=_clamp_free(plan),
         skip_repr=_float_repr(plan.skip), tile_kind=tile_kind(plan),
         triton_config=_render_tiles(tiles_for(plan)),
     )
+
+
+def _first_output_first(block) -> tuple[tuple, tuple]:
+    """block's body as (the statements its first output needs, the others), each in the body's
+    order: run in that order they compute the same values with the same operations, so a caller
+    that wants the first output alone stops after the first part (the distance table of a call
+    without a backward: the log-prior, not its derivatives) and gets it bit for bit."""
+    needed = set(re.findall(r"[A-Za-z_]\w*", block.outputs[0]))
+    first = []
+    for name, code in reversed(block.body):
+        if name in needed:
+            first.append((name, code))
+            needed |= set(re.findall(r"[A-Za-z_]\w*", code))
+    first.reverse()
+    taken = {name for name, _ in first}
+    return tuple(first), tuple((name, code) for name, code in block.body if name not in taken)
 
 
 def _render_tiles(table: dict) -> str:
