@@ -32,6 +32,7 @@ the rules (what must match on every rank) and what is left.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -236,9 +237,14 @@ class _Documents:
     def segments(self, q_start: int, k_start: int, chunk: int, causal: bool) -> list:
         """The documents that have rows in [q_start, q_start + chunk) and keys they can see in
         [k_start, k_start + chunk), each as a _Segment (under a causal mask, keys past the last
-        row are cut off)."""
+        row are cut off). Only the documents that meet the query chunk are looked at (the
+        schedule asks this for every pair at every step; there may be thousands of documents)."""
         out = []
-        for start, end in self.bounds:
+        first = bisect.bisect_right(self.bounds, (q_start, math.inf))   # past the docs starting <= q_start
+        for index in range(max(0, first - 1), len(self.bounds)):
+            start, end = self.bounds[index]
+            if start >= q_start + chunk:
+                break
             q_lo, q_hi = max(start, q_start), min(end, q_start + chunk)
             k_lo, k_hi = max(start, k_start), min(end, k_start + chunk)
             if causal:
