@@ -19,7 +19,7 @@ Nothing here trains: everything runs under torch.no_grad() with the prior parame
 """
 import torch
 
-from model import load_module
+from model import load_module, rotary
 
 QUERY_BLOCK = 1024        # query rows per attention call in the blocked path
 
@@ -109,27 +109,16 @@ def blind_spot(module_name, params, nats=20.0, limit=2 ** 20):
 # ----------------------------------------------------------------------------------------
 # Attention of one layer over a cache, with optional per-head windows.
 # ----------------------------------------------------------------------------------------
-def rotary_at(x, offset, base=10000.0):
-    """model.rotary for rows at absolute positions offset, offset + 1, ... (a KV cache)."""
-    n, dim = x.shape[2], x.shape[3]
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    pos = torch.arange(offset, offset + n, device=x.device, dtype=torch.float32)
-    angles = pos[:, None] * inv_freq[None]
-    cos = torch.cat([angles.cos()] * 2, -1).to(x.dtype)
-    sin = torch.cat([angles.sin()] * 2, -1).to(x.dtype)
-    x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 def _slice_params(params, heads):
     return {k: (v[heads] if v.numel() > 1 else v) for k, v in params.items()}
 
 
 def attend(attn, q, k, v, q_offset, windows=None, block=QUERY_BLOCK):
     """Causal attention of queries at absolute positions q_offset.. to keys at 0.. through the
-    layer's generated module. windows: None, or per head None (every key) or R (keys at distance
-    <= R only). Query rows go in blocks of `block`, each against the keys it can see (or its
-    window), so a block never touches keys it would not use."""
+    layer's generated module. windows: None, or per head None (every key) or R. Query rows go in
+    blocks of `block` rows (at least R), each against the keys it can see; with a window R, the
+    block [i0, i1) sees keys from i0 - R on: every key within R of each row, and none of the keys
+    more than R before the block (block skipping)."""
     mod = load_module(attn.module_name)
     params = {name: t.detach() for name, t in attn.prior.prior_params().items()}
     H, nq = q.shape[1], q.shape[2]
@@ -179,7 +168,7 @@ def model_windows(model, nats, max_distance):
     out = []
     for block in model.blocks:
         attn = block.attn
-        params = {k: v.detach() for k, v in attn.prior.prior_params().items()}
+        params = {k: v.detach().cpu() for k, v in attn.prior.prior_params().items()}
         if nats is None or not params:
             out.append(None)
         else:
@@ -200,7 +189,7 @@ def forward_cached(model, tokens, cache, windows=None, last_only=False):
         b, _, c = x.shape
         q, k, v = attn.qkv(block.ln1(x)).view(b, n, 3, attn.n_heads, c // attn.n_heads).permute(2, 0, 3, 1, 4)
         if attn.rope:
-            q, k = rotary_at(q, pos0), rotary_at(k, pos0)
+            q, k = rotary(q, offset=pos0), rotary(k, offset=pos0)
         keys, values = cache.append(li, k, v)
         q_off = pos0
         if li == last and last_only:
