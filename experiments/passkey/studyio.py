@@ -61,15 +61,16 @@ def record_session(out, cfg, wall_seconds, workers, argv, jobs):
     return doc
 
 
-def runs_to_do(out, variants, seeds, cfg, force, cost):
-    """(variant, seed) pairs with no saved runs/<variant>-s<seed>.json of these settings, the
-    costliest variants first (cost: relative cost per variant, 1 if absent); logs the reused."""
+def runs_to_do(out, variants, seeds, cfg, force, cost, complete=lambda record: True):
+    """(variant, seed) pairs with no saved runs/<variant>-s<seed>.json of these settings (or
+    one that complete(record) finds lacking), the costliest variants first (cost: relative cost
+    per variant, 1 if absent); logs the reused."""
     todo = []
     for variant in sorted(variants, key=lambda v: -cost.get(v, 1.0)):
         for seed in range(seeds):
             path = os.path.join(out, "runs", f"{variant}-s{seed}.json")
             saved = load_json(path)
-            if saved and saved.get("config") == cfg and not force:
+            if saved and saved.get("config") == cfg and complete(saved) and not force:
                 log(f"[{variant} s{seed}] reusing {os.path.relpath(path)}")
                 continue
             todo.append((variant, seed))

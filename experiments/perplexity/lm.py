@@ -69,26 +69,30 @@ def train(model, cfg, seed, stream, log=print, tag="", start_step=0, opt=None, o
 def evaluate_length(model, pieces, cfg, multiple):
     """Held-out bits per byte with non-overlapping chunks of multiple x the training length cut
     from the evaluation pieces (corpus.eval_pieces): the same bytes at every length, every byte
-    scored once, each chunk starting from BOS with no context carried over. Returns (bits per
-    byte over all bytes, bits per byte by position bucket within the chunk, seconds)."""
+    scored once, each chunk starting from BOS with no context carried over. Returns a dict:
+    bits_per_byte over all bytes; by_position, bucketed by position within the chunk (how much
+    context a byte had); by_piece_position, bucketed by position within the piece (which bytes:
+    the same buckets hold the same bytes at every length, so two lengths compare byte for
+    byte); seconds."""
     model.eval()
     dev = _device(model)
     length = cfg["train_length"] * multiple
     chunks = eval_chunks(pieces, length)
     per_forward = max(1, EVAL_TOKENS_PER_FORWARD // length)
-    nll_by_pos = torch.zeros(length, dtype=torch.float64)
+    nll = torch.zeros(chunks.shape, dtype=torch.float64)
     start = time.perf_counter()
     for i in range(0, chunks.shape[0], per_forward):
         target = chunks[i:i + per_forward]
         logits = model(with_bos(target).to(dev)).float()
-        nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), target.to(dev).reshape(-1),
-                              reduction="none").view_as(target)
-        nll_by_pos += nll.double().sum(0).cpu()
+        nll[i:i + per_forward] = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), target.to(dev).reshape(-1),
+                                                 reduction="none").view_as(target).double().cpu()
     seconds = time.perf_counter() - start
     model.train()
-    n_chunks = chunks.shape[0]
-    total = float(nll_by_pos.sum()) / (n_chunks * length) / LN2
-    return total, position_buckets(nll_by_pos / n_chunks / LN2, cfg["train_length"]), seconds
+    bits = nll / LN2
+    return dict(bits_per_byte=float(bits.mean()),
+                by_position=position_buckets(bits.mean(0), cfg["train_length"]),
+                by_piece_position=position_buckets(bits.view(pieces.shape).mean(0), cfg["train_length"]),
+                seconds=round(seconds, 2))
 
 
 def position_buckets(bits, train_length):

@@ -43,6 +43,23 @@ def position_table(runs, mult):
     return _table(["variant"] + [f"bytes {b}" for b in buckets], rows)
 
 
+def context_gain(rec, mult, base):
+    """{bucket: bits per byte at `mult` minus at `base` on the same bytes}, bucketed by position
+    in the longest chunks (= in the pieces): negative where the longer context helps."""
+    at = rec["eval"][str(mult)]["by_position"]
+    ref = rec["eval"][str(base)]["by_piece_position"]
+    return {b: at[b] - ref[b] for b in at}
+
+
+def gain_table(runs, mult, base):
+    buckets = list(next(iter(next(iter(runs.values())).values()))["eval"][str(mult)]["by_position"])
+    rows = []
+    for v, seeds in runs.items():
+        gains = [context_gain(r, mult, base) for r in seeds.values()]
+        rows.append([label(v)] + [fmt([g[b] for g in gains]) for b in buckets])
+    return _table(["variant"] + [f"bytes {b}" for b in buckets], rows)
+
+
 def _cfg(runs):
     return next(iter(next(iter(runs.values())).values()))["config"]
 
@@ -120,21 +137,28 @@ def plot_bpb(runs, multiples, path):
     plt.close(fig)
 
 
-def plot_by_position(runs, mult, train_length, path):
+def plot_by_position(runs, mult, base, train_length, path):
+    """Bits per byte at `mult` minus at `base` on the same bytes, by position in the chunk."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    first = next(iter(next(iter(runs.values())).values()))["eval"][str(mult)]["by_position"]
-    ends = [int(b.split("-")[1]) for b in first]
+    buckets = list(next(iter(next(iter(runs.values())).values()))["eval"][str(mult)]["by_position"])
+    ends = [int(b.split("-")[1]) for b in buckets]
     for v, seeds in runs.items():
-        ys = [statistics.fmean(r["eval"][str(mult)]["by_position"][b] for r in seeds.values()) for b in first]
-        ax.plot(ends, ys, marker="o", label=label(v))
+        gains = [context_gain(r, mult, base) for r in seeds.values()]
+        ys = [statistics.fmean(g[b] for g in gains) for b in buckets]
+        line, = ax.plot(ends, ys, marker="o", label=label(v))
+        ax.fill_between(ends, [min(g[b] for g in gains) for b in buckets],
+                        [max(g[b] for g in gains) for b in buckets], color=line.get_color(),
+                        alpha=0.15, linewidth=0)
+    ax.axhline(0, color="black", linewidth=0.8)
     ax.axvline(train_length, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"position in a {mult}x chunk (bucket end, bytes; grey: training length)")
-    ax.set_ylabel("held-out bits per byte in the bucket")
-    ys_all = [r["eval"][str(mult)]["by_position"][b] for s in runs.values() for r in s.values() for b in first]
-    ax.set_ylim(min(ys_all) - 0.1, min(max(ys_all), min(ys_all) + 3.0) + 0.1)
-    ax.set_title(f"Loss by position within the {mult}x chunks (mean over seeds)", fontsize=9)
+    ax.set_xticks(ends, [f"{e:,}" for e in ends], fontsize=7)
+    ax.set_xlabel(f"position in the {mult}x chunks (bucket end, bytes; grey: training length)")
+    ax.set_ylabel(f"bits/byte at {mult}x minus at {base}x, same bytes")
+    ax.set_ylim(-0.4, 1.0)
+    ax.set_title(f"What the longer context does, byte for byte (below 0: it helps; line: mean, "
+                 f"band: min-max over seeds)", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -153,7 +177,7 @@ def write_report(out, variants=None):
     paths = [os.path.join(out, "results.md"), os.path.join(out, "bpb.png"),
              os.path.join(out, "bpb_by_position.png")]
     plot_bpb(runs, multiples, paths[1])
-    plot_by_position(runs, max(multiples), cfg["train_length"], paths[2])
+    plot_by_position(runs, max(multiples), min(multiples), cfg["train_length"], paths[2])
     has_priors = plot_priors(runs, cfg["train_length"] * max(multiples), cfg["train_length"],
                              os.path.join(out, "priors.png"))
     if has_priors:
@@ -172,7 +196,7 @@ def render_markdown(runs, cfg, study, has_priors, readme):
     wall = (f"{study['wall_seconds'] / 60:.1f} min over {len(study['sessions'])} session(s) with "
             f"{study['workers']} process(es) of one thread (load average at the end "
             f"{study['load_average_at_end']})" if study else "not recorded")
-    longest = max(multiples)
+    longest, shortest = max(multiples), min(multiples)
     sections = [
         "# Perplexity on real text: results",
         f"Byte-level language models on the Python standard library's own source "
@@ -194,11 +218,16 @@ def render_markdown(runs, cfg, study, has_priors, readme):
         "## Held-out bits per byte by chunk length (mean ± std over seeds)",
         "![bits per byte against chunk length](bpb.png)", bpb_table(runs, multiples),
         "### Per seed", per_seed_table(runs, multiples),
-        f"## Bits per byte by position within the {longest}x chunks",
-        "Where in a chunk the loss is made: positions up to the training length see no more "
-        "context than in training; later buckets see more. A model that uses the longer context "
-        "gets lower here; one that breaks beyond its training length gets higher.",
-        "![bits per byte by position](bpb_by_position.png)", position_table(runs, longest),
+        f"## Byte for byte: what the {longest}x context does",
+        f"Bits per byte at {longest}x minus at {shortest}x on the same bytes, by position in "
+        f"the {longest}x chunks (mean ± std over seeds). At {shortest}x every byte has at most "
+        f"{cfg['train_length']} bytes of context; at {longest}x a byte in bucket [a, b) has a to "
+        f"b. Below 0, the longer context helps; above 0, the model is worse with more context "
+        f"than without it. The first bucket is 0 by construction (the same context).",
+        "![context gain by position](bpb_by_position.png)", gain_table(runs, longest, shortest),
+        f"The absolute bits per byte by position in the {longest}x chunks (each column holds "
+        f"different bytes, so compare variants within a column):",
+        position_table(runs, longest),
         "## Training", training_table(runs),
         "## Learned prior parameters",
         ("![learned priors](priors.png)\n\n" if has_priors else "")

@@ -113,6 +113,19 @@ def load_checkpoint(path, cfg, model, opt, device):
     return dict(step=0, curve=[], train_seconds=0.0, eval={})
 
 
+def evaluated(evals, mult, multiples):
+    """Whether length `mult` is evaluated. The shortest length also needs by_piece_position
+    (the reference for the context gain in the report; runs saved before it was recorded redo
+    that one cheap length)."""
+    entry = evals.get(str(mult))
+    return bool(entry) and (mult != min(multiples) or "by_piece_position" in entry)
+
+
+def complete(record):
+    multiples = record["config"]["multiples"]
+    return all(evaluated(record.get("eval", {}), m, multiples) for m in multiples)
+
+
 def run_task(variant, seed, cfg, out, device, max_files):
     """Worker: one (variant, seed) run, resumed from its checkpoint if one matches cfg."""
     import torch
@@ -143,12 +156,11 @@ def run_task(variant, seed, cfg, out, device, max_files):
                       opt=opt, on_checkpoint=checkpoint, seconds_before=seconds_before)
         checkpoint(cfg["steps"], opt, curve)
     for mult in cfg["multiples"]:
-        if str(mult) in state["eval"]:
+        if evaluated(state["eval"], mult, cfg["multiples"]):
             continue
-        bpb, by_pos, seconds = evaluate_length(model, pieces, cfg, mult)
-        state["eval"][str(mult)] = dict(bits_per_byte=bpb, by_position=by_pos, seconds=round(seconds, 2))
+        state["eval"][str(mult)] = result = evaluate_length(model, pieces, cfg, mult)
         log(f"{tag} eval {mult:>3}x ({cfg['train_length'] * mult:>5} bytes/chunk)  held-out bits/byte "
-            f"{bpb:.4f}  {seconds:6.1f} s")
+            f"{result['bits_per_byte']:.4f}  {result['seconds']:6.1f} s")
         save_checkpoint(ckpt, cfg, model, opt, state)
     record = dict(variant=variant, label=VARIANTS[variant]["label"], seed=seed, config=cfg,
                   corpus=dict(corpus["info"], eval_pieces=pieces.shape[0], eval_piece_bytes=piece,
@@ -164,7 +176,7 @@ def pending_tasks(args, cfg):
     """The (function, args) jobs still to do (--force: from scratch), seed by seed, so that a
     study cut short has every variant at its first seeds; the costliest variant first in each."""
     jobs = []
-    todo = runs_to_do(args.out, args.variants, args.seeds, cfg, args.force, COST)
+    todo = runs_to_do(args.out, args.variants, args.seeds, cfg, args.force, COST, complete)
     for variant, seed in sorted(todo, key=lambda vs: (vs[1], -COST.get(vs[0], 1.0))):
         if args.force and os.path.exists(checkpoint_path(args.out, variant, seed)):
             os.remove(checkpoint_path(args.out, variant, seed))
