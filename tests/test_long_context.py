@@ -125,7 +125,10 @@ def test_no_window_for_anti_local_flat_or_n_dependent_priors(mods):
     assert inf.head_windows("bam_ssmax", dict(anti, ssmax=torch.ones(2)), 20.0, 10_000) == [None, None]
     assert inf.head_windows("uniform", {}, 20.0, 100) == [None]
     assert inf.reach("bam", anti, 20.0) == [None, 21]
-    assert inf.blind_spot("bam", anti, 20.0)[0] == 0 and inf.blind_spot("bam", anti, 20.0)[1] is None
+    penalty = inf.anti_local_penalty("bam", anti, distances=(1, 8))
+    assert penalty[1] is None
+    assert penalty[0][1] == pytest.approx(math.exp(2.0) * (1 - 2.0 ** (-20 * 0.7)), rel=1e-4)
+    assert penalty[0][8] == pytest.approx(math.exp(2.0) * (8 ** -0.7 - 2.0 ** (-20 * 0.7)), rel=1e-4)
 
 
 @pytest.mark.parametrize("prior, module", [("bam", "bam"), ("laplace", "laplace")])

@@ -91,18 +91,17 @@ def reach(module_name, params, nats=20.0, limit=2 ** 30):
     return out
 
 
-def blind_spot(module_name, params, nats=20.0, limit=2 ** 20):
-    """Per head, for an anti-local head (log-prior rising with distance), the largest distance
-    whose log-prior is still `nats` below the far-away value; None for other heads."""
-    curve = log_prior_curve(module_name, params, torch.arange(limit + 1))
+def anti_local_penalty(module_name, params, distances=(1, 8, 64), far=2 ** 20):
+    """Per head: None unless the head is anti-local (its log-prior rises with distance, so far
+    keys are favoured); for an anti-local head, how many nats below a key `far` back a key at
+    each of `distances` sits, {d: nats}."""
+    probe = [1, far] + list(distances)
+    curve = log_prior_curve(module_name, params, probe)
     out = []
     for h in range(curve.shape[0]):
-        row = curve[h]
-        if not (row[-1] > row[1]):
-            out.append(None)
-            continue
-        below = torch.nonzero(row < row[-1] - nats)
-        out.append(int(below.max()) if below.numel() else 0)
+        near, top = float(curve[h, 0]), float(curve[h, 1])
+        out.append({d: top - float(curve[h, 2 + i]) for i, d in enumerate(distances)}
+                   if top > near else None)
     return out
 
 

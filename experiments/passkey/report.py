@@ -395,15 +395,15 @@ def render_markdown(runs, cfg, study, timing, has_priors,
 # ----------------------------------------------------------------------------------------
 def reach_cell(module_name, params, h, nats):
     """One head's reach in words: the distance where its learned log-prior is `nats` below its
-    peak; for an anti-local head, how far back near keys stay that far below the far ones."""
-    from inference import blind_spot, reach
+    peak; for an anti-local head, how far below the far keys its near keys sit."""
+    from inference import anti_local_penalty, reach
     one = {k: [v[h]] for k, v in params.items()}
     r = reach(module_name, one, nats)[0]
     if r is not None:
         return f"{r:,}"
-    spot = blind_spot(module_name, one, nats)[0]
-    if spot is not None:
-        return f"never (anti-local; -{nats:g} nats up to d = {spot:,})"
+    penalty = anti_local_penalty(module_name, one)[0]
+    if penalty is not None:
+        return "never; anti-local: " + ", ".join(f"d={d} -{p:.1f}" for d, p in penalty.items())
     return "never"
 
 

@@ -257,8 +257,8 @@ def render_markdown(runs, mults, study, readme):
         "## Reach of the learned priors",
         "The distance where each head's learned log-prior is 20 nats below its peak (`bamgen "
         "show`'s reach, at the trained parameters). An anti-local head (log-prior rising with "
-        "distance) never falls that far behind its peak; the cell says up to which distance its "
-        "near keys stay 20 nats below its far ones.\n\n" + reach_table(runs),
+        "distance, so far keys are favoured) never falls that far behind its peak; its cell gives "
+        "how many nats a key at distance 1, 8 and 64 sits below a far one.\n\n" + reach_table(runs),
         "## Cost: KV cache and block skipping",
         "Each sample: one prefill pass over the prompt, with the last layer's attention for the "
         "last row only, then one decoding step per digit against the cache. Layer 0's heads with a "

@@ -236,7 +236,8 @@ def render_markdown(runs, cfg, study, has_priors, readme):
           "ssmax·log(n). Laplace (ALiBi): -|d|/b, fixed.\n\n" + params_tables(runs),
         "### Reach per head",
         "The distance where each head's learned log-prior is 20 nats below its peak (`bamgen "
-        "show`'s reach column, evaluated at the trained parameters). For BAM-SSMax the logit "
+        "show`'s reach column, evaluated at the trained parameters); for an anti-local head, how "
+        "many nats a key at distance 1, 8 and 64 sits below a far one. For BAM-SSMax the logit "
         "multiplies the log-prior by ssmax·log(n), so its effective reach at n keys is shorter "
         "when ssmax·log(n) > 1.\n\n" + reach_table(runs),
     ]
