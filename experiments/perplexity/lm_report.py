@@ -112,6 +112,14 @@ def _plt():
     return plt
 
 
+def _label_off_scale(ax, xs, ys, top, color):
+    """Write the value of each point above the plot's top edge at that edge."""
+    for x, y in zip(xs, ys):
+        if y > top:
+            ax.annotate(f"{y:.2f}", (x, top), xytext=(0, -12), textcoords="offset points",
+                        ha="center", fontsize=7, color=color)
+
+
 def plot_bpb(runs, multiples, path):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
@@ -127,7 +135,11 @@ def plot_bpb(runs, multiples, path):
     ax.set_ylabel("held-out bits per byte (lower is better)")
     lo = min(min(seed_bpb(s, m)) for s in runs.values() for m in multiples)
     at1 = max(max(seed_bpb(s, multiples[0])) for s in runs.values())
-    ax.set_ylim(lo - 0.1, max(at1 + 1.5, lo + 1.0))      # a blow-up runs off the top
+    top = max(at1 + 1.5, lo + 1.0)                       # a blow-up runs off the top: say its value
+    ax.set_ylim(lo - 0.1, top)
+    for i, seeds in enumerate(runs.values()):
+        _label_off_scale(ax, multiples, [statistics.fmean(seed_bpb(seeds, m)) for m in multiples],
+                         top, f"C{i}")
     ax.set_title("Byte-level LM on the Python stdlib, chunked evaluation (line: mean; band: min-max over seeds)",
                  fontsize=8)
     ax.grid(alpha=0.3)
@@ -143,10 +155,11 @@ def plot_by_position(runs, mult, base, train_length, path):
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     buckets = list(next(iter(next(iter(runs.values())).values()))["eval"][str(mult)]["by_position"])
     ends = [int(b.split("-")[1]) for b in buckets]
-    for v, seeds in runs.items():
+    for i, (v, seeds) in enumerate(runs.items()):
         gains = [context_gain(r, mult, base) for r in seeds.values()]
         ys = [statistics.fmean(g[b] for g in gains) for b in buckets]
-        line, = ax.plot(ends, ys, marker="o", label=label(v))
+        line, = ax.plot(ends, ys, marker="o", label=label(v), color=f"C{i}")
+        _label_off_scale(ax, ends, ys, 1.0, line.get_color())
         ax.fill_between(ends, [min(g[b] for g in gains) for b in buckets],
                         [max(g[b] for g in gains) for b in buckets], color=line.get_color(),
                         alpha=0.15, linewidth=0)
