@@ -94,12 +94,13 @@ def document_positions(cu_seqlens, device=None):
     return torch.arange(int(cu[-1]), device=device) - torch.repeat_interleave(cu[:-1], lengths)
 
 
-def rotary(x, base=10000.0, positions=None):
+def rotary(x, base=10000.0, positions=None, offset=0):
     """Rotary position embedding (rotate-half form) of x [B, H, N, D]; positions [N] (default
-    0 .. N-1), e.g. document_positions() of a packed sequence."""
+    offset, offset + 1, ...: a KV cache appends rows at offset > 0), e.g. document_positions()
+    of a packed sequence."""
     n, dim = x.shape[2], x.shape[3]
     if positions is None:
-        positions = torch.arange(n, device=x.device)
+        positions = torch.arange(offset, offset + n, device=x.device)
     inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
     angles = positions.to(x.device, torch.float32)[:, None] * inv_freq[None]
     cos = torch.cat([angles.cos()] * 2, -1).to(x.dtype)

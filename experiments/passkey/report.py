@@ -388,3 +388,35 @@ def render_markdown(runs, cfg, study, timing, has_priors,
         timing_section(timing, runs, study),
     ]
     return "\n\n".join(sections) + "\n"
+
+
+# ----------------------------------------------------------------------------------------
+# Reach of the learned priors (used by the long-context studies' reports)
+# ----------------------------------------------------------------------------------------
+def reach_cell(module_name, params, h, nats):
+    """One head's reach in words: the distance where its learned log-prior is `nats` below its
+    peak; for an anti-local head, how far below the far keys its near keys sit."""
+    from inference import anti_local_penalty, reach
+    one = {k: [v[h]] for k, v in params.items()}
+    r = reach(module_name, one, nats)[0]
+    if r is not None:
+        return f"{r:,}"
+    penalty = anti_local_penalty(module_name, one)[0]
+    if penalty is not None:
+        return "never; anti-local: " + ", ".join(f"d={d} -{p:.1f}" for d, p in penalty.items())
+    return "never"
+
+
+def reach_table(runs, nats=20.0):
+    """Per variant with a learned or fixed prior: per seed and layer, each head's reach."""
+    parts = []
+    for v, seeds in runs.items():
+        module = VARIANTS[v]["module"]
+        if module in ("uniform",):
+            continue
+        first = next(iter(seeds.values()))
+        heads = len(next(iter(first["learned_prior"]["0"].values())))
+        rows = [[seed, layer] + [reach_cell(module, params, h, nats) for h in range(heads)]
+                for seed, rec in seeds.items() for layer, params in rec["learned_prior"].items()]
+        parts.append(f"**{label(v)}**\n\n" + _table(["seed", "layer"] + [f"head {h}" for h in range(heads)], rows))
+    return "\n\n".join(parts)

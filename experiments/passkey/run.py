@@ -11,18 +11,16 @@ stopped. The report (results.md, accuracy.png, priors.png) is rebuilt from those
 See experiments/passkey/README.md.
 """
 import argparse
-import json
-import multiprocessing
 import os
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from studyio import load_json, log, run_jobs, runs_to_do, save_json  # noqa: E402
 from model import VARIANTS  # noqa: E402
 from task import MIN_LENGTH  # noqa: E402
 
@@ -115,28 +113,8 @@ def make_config(args):
     return cfg
 
 
-def log(msg):
-    print(msg, flush=True)
-
-
 def run_path(out, variant, seed):
     return os.path.join(out, "runs", f"{variant}-s{seed}.json")
-
-
-def load_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def save_json(path, obj):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def train_task(variant, seed, cfg, out, device):
@@ -160,14 +138,8 @@ def timing_task(cfg, variants, steps, rounds, out, device):
 
 def pending_tasks(args, cfg):
     """The (function, args) jobs still to do, the costliest first."""
-    jobs = []
-    for variant in sorted(args.variants, key=lambda v: -COST.get(v, 1.0)):
-        for seed in range(args.seeds):
-            saved = load_json(run_path(args.out, variant, seed))
-            if saved and saved.get("config") == cfg and not args.force:
-                log(f"[{variant} s{seed}] reusing {os.path.relpath(run_path(args.out, variant, seed))}")
-                continue
-            jobs.append((train_task, (variant, seed, cfg, args.out, args.device)))
+    jobs = [(train_task, (variant, seed, cfg, args.out, args.device))
+            for variant, seed in runs_to_do(args.out, args.variants, args.seeds, cfg, args.force, COST)]
     if args.timing_steps > 0:
         saved = load_json(os.path.join(args.out, "timing.json"))
         if saved and saved.get("config") == cfg and not args.force:
@@ -176,19 +148,6 @@ def pending_tasks(args, cfg):
             jobs.append((timing_task, (cfg, args.variants, args.timing_steps,
                                        args.timing_rounds, args.out, args.device)))
     return jobs
-
-
-def run_jobs(jobs, workers):
-    """Run the jobs, in this process (workers <= 1) or in a pool of fresh processes."""
-    if workers <= 1:
-        for fn, fn_args in jobs:
-            fn(*fn_args)
-        return
-    ctx = multiprocessing.get_context("spawn")   # fresh interpreters: one thread each, no forked state
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = [pool.submit(fn, *fn_args) for fn, fn_args in jobs]
-        for fut in as_completed(futures):
-            fut.result()          # re-raise a worker's error here
 
 
 def main(argv=None):
