@@ -204,6 +204,14 @@ def reference_attention(
         # A prior may use the absolute positions too: p["i"] [B, 1, Nq, 1] and p["j"] [B, 1, 1, Nk]
         # (i and j are reserved names, never parameters).
         lp = log_prior(d[:, None], {**leaves, "i": i_pos[:, None, :, None], "j": j_pos[:, None, None, :]})
+        if score is default_score and nk > 0:
+            # s + log_prior: a softmax ignores a constant per row, so measure the prior from its
+            # largest visible value in the row (detached: its gradient meets sum_j dS = 0). Exact
+            # in real arithmetic; without it a prior that is huge and flat over the row (GGD with
+            # mu = 1e30: -9e22 at every key) swallows s even in float64, and the "reference"
+            # would give uniform weights where the answer is NoPE's.
+            peak = torch.where(visible[:, None] & torch.isfinite(lp), lp, float("-inf")).amax(-1, keepdim=True)
+            lp = lp - torch.where(torch.isfinite(peak), peak, 0.0).detach()
     # n as seen by the score; rows with n == 0 are fully masked and their value is irrelevant, so
     # they get n = 1 to keep e.g. log(n) finite (and its gradient, 0 * log 0, out of the picture).
     n = n_int.clamp(min=1).to(prior_dtype)[:, None, :, None]

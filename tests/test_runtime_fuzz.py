@@ -303,6 +303,14 @@ FOUND = [
                  "tm": [-4.008930900367051] * 4,
                  "ssmax": [0.4, 1.112374271417218, 0.414213562373095, 0.8157994231690342]},
          poison=None, seed=2147483646, use_module=True),
+    # GGD with mu = 1e30: the log-prior is -9e22 and flat over every row, so the answer is
+    # NoPE's. Both backends gave it; the reference itself lost s against -9e22 in float64 and
+    # gave uniform weights (it now measures the prior from each row's peak).
+    Case(prior="generalized_gaussian", backend="triton", dtype="bf16", B=1, Hq=1, Hk=1, Nq=33,
+         Nk=3, D=8, causal=False, q_offset=0, k_offset=0,
+         layouts=("bnhd", "expanded", "strided_slice"),
+         params={"alpha": [2.823514514118269], "beta": [0.75], "mu": [1e30]},
+         poison=None, seed=1, use_module=False),
 ]
 
 
