@@ -65,6 +65,16 @@ def default_score(s: Tensor, lp: Tensor, n: Tensor, p: Mapping[str, Tensor]) -> 
     return s + lp
 
 
+def ssmax_score(s: Tensor, lp: Tensor, n: Tensor, p: Mapping[str, Tensor]) -> Tensor:
+    """BAM-SSMax: (s + log_prior) * ssmax * log(n)."""
+    return (s + lp) * p["ssmax"] * torch.log(n.to(s.dtype))
+
+
+# Scores that see log_prior only through s + log_prior times a per-row factor: a constant added
+# to a row's log-prior moves its logits by a constant, which the softmax ignores.
+ROW_SHIFTABLE = (default_score, ssmax_score)
+
+
 @dataclass
 class RefResult:
     """Output and gradients of one reference evaluation.
@@ -204,10 +214,10 @@ def reference_attention(
         # A prior may use the absolute positions too: p["i"] [B, 1, Nq, 1] and p["j"] [B, 1, 1, Nk]
         # (i and j are reserved names, never parameters).
         lp = log_prior(d[:, None], {**leaves, "i": i_pos[:, None, :, None], "j": j_pos[:, None, None, :]})
-        if score is default_score and nk > 0:
-            # s + log_prior: a softmax ignores a constant per row, so measure the prior from its
-            # largest visible value in the row (detached: its gradient meets sum_j dS = 0). Exact
-            # in real arithmetic; without it a prior that is huge and flat over the row (GGD with
+        if score in ROW_SHIFTABLE and nk > 0:
+            # a softmax ignores a constant per row, so measure the prior from its largest visible
+            # value in the row (detached: its gradient meets sum_j dS = 0). Exact in real
+            # arithmetic; without it a prior that is huge and flat over the row (GGD with
             # mu = 1e30: -9e22 at every key) swallows s even in float64, and the "reference"
             # would give uniform weights where the answer is NoPE's.
             peak = torch.where(visible[:, None] & torch.isfinite(lp), lp, float("-inf")).amax(-1, keepdim=True)

@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.reference import reference_attention
+from tests.reference import reference_attention, ssmax_score
 from tests.tolerance import assert_all_close
 
 
@@ -55,7 +55,7 @@ PRIORS = {
                      domains={"b": POSITIVE}),
     "generalized_gaussian": Prior(_ggd, kink=lambda d, p: (d - p["mu"]) == 0,
                                   domains={"alpha": POSITIVE, "beta": POSITIVE, "mu": REAL}),
-    "bam_ssmax": Prior(_bam, score=lambda s, lp, n, p: (s + lp) * p["ssmax"] * torch.log(n.to(s.dtype)),
+    "bam_ssmax": Prior(_bam, score=ssmax_score,
                        domains={"ta": REAL, "tb": REAL, "tm": REAL, "ssmax": POSITIVE}),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -311,6 +311,13 @@ FOUND = [
          layouts=("bnhd", "expanded", "strided_slice"),
          params={"alpha": [2.823514514118269], "beta": [0.75], "mu": [1e30]},
          poison=None, seed=1, use_module=False),
+    # The same for SSMax: mu = 2 sinh(50) = 5e21 and tb = 2 put the log-prior at -8e44 on every
+    # key (below float32's range), so the answer is NoPE's with SSMax's scale.
+    Case(prior="bam_ssmax", backend="triton", dtype="fp16", B=1, Hq=1, Hk=1, Nq=17, Nk=17, D=8,
+         causal=False, q_offset=0, k_offset=0, layouts=("bnhd", "strided_slice", "transposed"),
+         params={"ta": [3.455420218736189], "tb": [1.9976575152159468], "tm": [50.0],
+                 "ssmax": [2.622864470487978]},
+         poison=None, seed=2339, use_module=False),
 ]
 
 
