@@ -192,7 +192,7 @@ def _fp_fusion(module: ModuleType, kernel: str) -> bool:
     """The kernel's FMA-contraction setting as the module launches it: its attention kernels
     run with FP_FUSION (off: the backward must recompute the forward's logits bit for bit),
     the other kernels with Triton's default (on)."""
-    if kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
+    if kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_decode"):
         return getattr(module, "FP_FUSION", True)
     return True
 
@@ -235,3 +235,67 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
                                                    if b in constexprs),
                                        main_loop=instruction_mix(main_loop(instructions))))
     return compiled
+
+
+# ----------------------------------------------------------------------------------------
+# The decode step's modelled time: the split-KV decode kernels against the prefill kernel
+# given one query row, on a whole GPU.
+# ----------------------------------------------------------------------------------------
+# SMs, SM clock (GHz) and DRAM bandwidth (GB/s) of the modelled GPUs: H100 SXM (132 SMs at
+# 1.83 GHz, HBM3 at 3.35 TB/s) and A100 SXM 80GB (108 SMs at 1.41 GHz, HBM2e at 2.04 TB/s).
+GPU = {"sm_90": {"sms": 132, "ghz": 1.83, "dram_gbs": 3350},
+       "sm_80": {"sms": 108, "ghz": 1.41, "dram_gbs": 2039}}
+LAUNCH_US = 2.0   # the fixed cost of one kernel launch outside a CUDA graph (an assumption)
+# (batch, query heads, kv heads, keys) of the decode steps the report and the tests model:
+# one sequence of a Llama-3-8B-like model (32 query heads over 8 kv heads) at three cache
+# lengths, and batches of 8 and 64 sequences
+DECODE_SHAPES = ((1, 32, 8, 1024), (1, 32, 8, 4096), (1, 32, 8, 32768), (8, 32, 8, 4096),
+                 (64, 32, 8, 4096))
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One modelled decode step (one query row per sequence): microseconds of the prefill
+    kernel and of the split-KV pair (decode + combine), each with its launches."""
+    shape: tuple[int, int, int, int]   # (batch, query heads, kv heads, keys)
+    splits: int
+    prefill_us: float
+    decode_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.decode_us / self.prefill_us
+
+
+def _kernel_us(arch: str, programs: int, tiles: int, cycles_per_tile: float, dram_bytes: float) -> float:
+    """A kernel's time: the slower of its SMs (waves of one program per SM, each walking `tiles`
+    main-loop passes at the loop model's cycles) and DRAM streaming `dram_bytes`. Optimistic for
+    both kernels alike: no per-SM bandwidth limit, no tail effects within a wave."""
+    gpu = GPU[arch]
+    waves = -(-programs // gpu["sms"])
+    compute = waves * tiles * cycles_per_tile / (gpu["ghz"] * 1e3)
+    return max(compute, dram_bytes / (gpu["dram_gbs"] * 1e3))
+
+
+def decode_step_model(module: ModuleType, kernels: dict[str, dict], arch: str, head_dim: int,
+                      dtype_bytes: int = 2, shapes=DECODE_SHAPES) -> list[DecodeStep]:
+    """The decode step at each shape, from the compiled kernels' loop models (``kernels``: name ->
+    {"block": (BLOCK_M, BLOCK_N), "cycles_per_tile": ...}, as `bamgen inspect` reports them) and
+    the module's own split rule (``_decode_splits``). The prefill kernel gives one row a whole
+    query tile and one program per (batch, head) that walks every key; the decode kernel splits
+    the keys over programs, then the combine kernel merges the splits' partials (float32,
+    written and read once: its DRAM traffic; its arithmetic is negligible)."""
+    fwd, dec = kernels["attn_fwd"], kernels["attn_decode"]
+    steps = []
+    for shape in shapes:
+        batch, hq, hk, keys = shape
+        kv_bytes = batch * hk * keys * head_dim * 2 * dtype_bytes   # K and V, read once from DRAM
+        prefill = _kernel_us(arch, batch * hq, -(-keys // fwd["block"][1]), fwd["cycles_per_tile"],
+                             kv_bytes) + LAUNCH_US
+        per_split, splits = module._decode_splits(keys, batch * hq, dec["block"][1], GPU[arch]["sms"])
+        partial_bytes = splits * batch * hq * (head_dim + 2) * 4
+        decode = (_kernel_us(arch, batch * hq * splits, -(-per_split // dec["block"][1]),
+                             dec["cycles_per_tile"], kv_bytes + partial_bytes)
+                  + _kernel_us(arch, batch * hq, 0, 0.0, partial_bytes) + 2 * LAUNCH_US)
+        steps.append(DecodeStep(shape, splits, round(prefill, 2), round(decode, 2)))
+    return steps

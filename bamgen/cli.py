@@ -135,7 +135,7 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
     import json
     import os
     os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU, not the interpreter
-    from .aot import compile_module, loop_model
+    from .aot import compile_module, decode_step_model, loop_model
     from .loader import import_module_file, load_prior
     with _reported(file):
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
@@ -160,6 +160,13 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
                        "tile": fwd["block"], "cycles": fwd["model"]["cycles"],
                        "units": "SM cycles per K/V tile of the forward's steady-state loop "
                                 "(see docs/performance.md)"}
+    by_name = {k["name"]: {"block": k["block"], "cycles_per_tile": k["model"]["cycles_per_tile"]}
+               for k in report["kernels"]}
+    if "attn_decode" in by_name:
+        steps = decode_step_model(module, by_name, arch, head_dim, 4 if dtype == "fp32" else 2)
+        report["decode_model"] = [{"shape": list(s.shape), "splits": s.splits,
+                                   "prefill_us": s.prefill_us, "decode_us": s.decode_us,
+                                   "ratio": round(s.ratio, 3)} for s in steps]
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -175,6 +182,13 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
                    f"{k['spill_bytes']:6d} {k['shared_bytes']:8d} | {'':10s} {loop['total']:4d} "
                    f"{loop['mma']:4d} {loop['mufu']:5d} {loop['fp32']:5d} {loop['ld_global']:4d} "
                    f"{loop['ld_shared']:4d} | {model['cycles_per_tile']:.0f} ({model['bound']})")
+    if "decode_model" in report:
+        click.echo("  decode step, modelled (one row; batch x q heads x kv heads x keys): "
+                   "prefill kernel -> split-KV kernels")
+        for step in report["decode_model"]:
+            shape = "x".join(str(x) for x in step["shape"])
+            click.echo(f"    {shape:>14s}  {step['prefill_us']:8.1f} us -> {step['decode_us']:7.1f} us"
+                       f" ({step['splits']} splits, {step['ratio']:.2f}x)")
     for name, path in cubins.items():
         click.echo(f"  wrote {path}")
 

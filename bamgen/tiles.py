@@ -68,6 +68,18 @@ TILES = {
     },
 }
 
+# The decode kernel (a generation step: 1-16 query rows, the keys split over programs). Its
+# tile is one MMA's 16 rows by the longest key tile the registers allow: shared-memory traffic
+# bounds its main loop, and a longer key tile issues fewer instructions per key (sm_90, head
+# dim 128: 16x128 models 9.9k LSU cycles per 1000 keys, 16x64 11.1k, 16x32 13.9k; 16x256
+# spills at head dim 64). What the prior computes per score matters little at 16 rows, so
+# every kind shares it.
+_DECODE = {64: [(16, 128, 4, 3)], 128: [(16, 128, 4, 2)], 256: [(16, 64, 4, 2)]}
+for _families in TILES.values():
+    for _by_dim in _families.values():
+        for _dim, _kernels in _by_dim.items():
+            _by_dim[_dim] = {**_kernels, "decode": _DECODE[_dim]}
+
 
 def tile_kind(plan: KernelPlan) -> str:
     """Which table of TILES a prior's kernels use (see the module docstring)."""

@@ -20,7 +20,8 @@ os.environ.pop("TRITON_INTERPRET", None)          # compile for the GPU, not the
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KERNEL_NAMES = {"fwd": "attn_fwd", "bwd_dkdv": "attn_bwd_dkdv", "bwd_dq": "attn_bwd_dq"}
+KERNEL_NAMES = {"fwd": "attn_fwd", "bwd_dkdv": "attn_bwd_dkdv", "bwd_dq": "attn_bwd_dq",
+                "decode": "attn_decode"}
 
 
 def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple) -> dict:
@@ -36,7 +37,8 @@ def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple) ->
     finally:
         table[bucket][kernel] = saved
     model = aot.loop_model(k.main_loop, arch, k.num_warps)
-    scores = config[0] * config[1]
+    # the decode kernel's useful work is one row per key (a generation step): per 1000 keys
+    scores = config[1] if kernel == "decode" else config[0] * config[1]
     return {"registers": k.registers, "stack": k.stack_bytes, "spill": k.local_bytes,
             "shared": k.shared_bytes,
             "per_1k": {unit: round(c * 1000 / scores) for unit, c in model["cycles"].items()}}
@@ -56,7 +58,8 @@ def main(argv=None) -> None:
     names = args.priors or sorted(paths)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
     print(f"| prior | config | regs | stack | shared | tensor | mufu | fp32 | issue | lsu |  "
-          f"({args.arch}, {args.kernel}, head dim {args.head_dim}; cycles per 1000 scores)")
+          f"({args.arch}, {args.kernel}, head dim {args.head_dim}; cycles per 1000 "
+          f"{'keys' if args.kernel == 'decode' else 'scores'})")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         module = load_prior(paths[name])

@@ -24,7 +24,7 @@ import torch
 
 from tests.helpers import ROOT
 
-ATTENTION_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+ATTENTION_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
 ALL_SHIPPED = ["uniform", "laplace", "generalized_gaussian", "bam", "bam_ssmax", "cauchy", "gaussian",
                "kerple_log", "kerple_power"]
 TABLE_PRIORS = [name for name in ALL_SHIPPED if name not in ("uniform", "laplace")]  # test_strategies
@@ -36,7 +36,8 @@ out = {}
 for name in sys.argv[2:]:
     mod = importlib.import_module("generated." + name)
     kernels = mod._load_triton()
-    launches = inspect.getsource(mod._triton_forward) + inspect.getsource(mod._triton_backward)
+    launches = (inspect.getsource(mod._triton_forward) + inspect.getsource(mod._triton_backward)
+                + inspect.getsource(mod._triton_decode))
     out[name] = {
         "unspecialised": {k: list(kernels[k].do_not_specialize) for k in %r},
         "fp_fusion": mod.FP_FUSION,

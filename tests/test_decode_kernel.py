@@ -1,0 +1,189 @@
+"""The split-KV decode kernel (flash-decoding) under the Triton interpreter.
+
+A call with at most DECODE_ROWS (16) query rows and no backward to follow (a generation step)
+runs `_attn_decode` over key splits and merges the splits by log-sum-exp in `_decode_combine`.
+Under TRITON_INTERPRET=1 a split holds 32 keys, so the ragged lengths below cross many split
+and tile borders. Checked here:
+
+* the output against the float64 reference (DESIGN.md §6 tolerance) for every tile kind of
+  prior, with a KV cache's offsets, per-row offsets and left padding (key_mask), GQA, causal or
+  not, bf16 and float32, and rows that see no key;
+* the merged row statistics equal the prefill kernel's (m bit for bit, l to rounding);
+* a windowed prior skips whole splits: keys only skipped splits hold are NaN and reach nothing;
+* which calls take it: at most 16 rows without autograd; a backward or 17 rows take the prefill
+  kernel.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import bamgen
+from tests.helpers import write_prior
+from tests.reference import reference_attention
+from tests.test_masks import DTYPES, MASK_PRIORS, NO_SHRINK, SCALE, params_for
+from tests.test_runtime_fuzz import PRIORS
+from tests.tolerance import assert_all_close
+
+
+def load(prior):
+    return importlib.import_module(f"generated.{prior}")
+
+
+class DecodeSpy:
+    """Counts the calls that took the decode kernels (monkeypatched over _triton_decode)."""
+
+    def __init__(self, mod, monkeypatch):
+        self.calls = 0
+        real = mod._triton_decode
+
+        def spy(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, "_triton_decode", spy)
+
+
+@st.composite
+def decode_cases(draw):
+    B = draw(st.sampled_from([1, 2, 3]))
+    Hq = draw(st.sampled_from([1, 2, 4]))
+    Hk = draw(st.sampled_from([h for h in (1, 2, 4) if Hq % h == 0]))
+    Nq = draw(st.sampled_from([1, 2, 5, 16]))
+    Nk = draw(st.sampled_from([1, 17, 64, 123, 200]))
+    offsets = draw(st.sampled_from(["cache", "zero", "per_row", "far"]))
+    if offsets == "cache":      # the new rows are the last Nq positions of the sequence
+        q_offset, k_offset = Nk - Nq, 0
+    elif offsets == "far":      # positions deep into a long generation
+        q_offset, k_offset = 5000 + Nk - Nq, 5000
+    elif offsets == "zero":
+        q_offset, k_offset = 0, 0
+    else:                       # a left-padded batch: row b starts pad_b keys late
+        pads = [draw(st.integers(0, Nk)) for _ in range(B)]
+        q_offset = [Nk - Nq - p for p in pads]
+        k_offset = [-p for p in pads]
+    key_mask = None
+    if offsets == "per_row":
+        key_mask = [[0] * p + [1] * (Nk - p) for p in pads]
+    elif draw(st.booleans()):
+        key_mask = [[draw(st.integers(0, 1)) for _ in range(Nk)] for _ in range(B)]
+    return dict(prior=draw(st.sampled_from(MASK_PRIORS)), dtype=draw(st.sampled_from(list(DTYPES))),
+                B=B, Hq=Hq, Hk=Hk, Nq=Nq, Nk=Nk, D=draw(st.sampled_from([8, 16, 80])),
+                causal=draw(st.booleans()), q_offset=q_offset, k_offset=k_offset, key_mask=key_mask,
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def run_decode_case(c, monkeypatch):
+    mod = load(c["prior"])
+    spy = DecodeSpy(mod, monkeypatch)
+    dtype = DTYPES[c["dtype"]]
+    g = torch.Generator().manual_seed(c["seed"])
+    q = torch.randn(c["B"], c["Hq"], c["Nq"], c["D"], generator=g).to(dtype)
+    k, v = (torch.randn(c["B"], c["Hk"], c["Nk"], c["D"], generator=g).to(dtype) for _ in range(2))
+    params = {n: t.detach() for n, t in params_for(mod, c["Hq"], g).items()}
+    kw = dict(causal=c["causal"])
+    for name in ("q_offset", "k_offset"):
+        kw[name] = torch.tensor(c[name]) if isinstance(c[name], list) else c[name]
+    if c["key_mask"] is not None:
+        kw["key_mask"] = torch.tensor(c["key_mask"], dtype=torch.bool)
+    with torch.no_grad():
+        out = mod.attention(q, k, v, **params, backend="triton", **kw)
+    assert spy.calls == 1, f"the decode kernel did not run; {c!r}"
+    pdef = PRIORS[c["prior"]]
+    rkw = dict(kw, score=pdef.score, kink=pdef.kink)
+    ref = reference_attention(q, k, v, params, pdef.log_prior, **rkw)
+    pt = reference_attention(q, k, v, params, pdef.log_prior, compute_dtype=dtype, **rkw)
+    assert bool(torch.isfinite(out).all()), f"out is not finite; {c!r}"
+    assert_all_close([("out", out, ref.out, pt.out)], dtype, context=repr(c))
+    empty = ref.empty_rows
+    if bool(empty.any()):
+        assert bool((out.transpose(1, 2)[empty] == 0).all()), f"rows that see no key are not 0; {c!r}"
+
+
+@settings(max_examples=30 * SCALE, deadline=None, print_blob=True,
+          phases=NO_SHRINK if SCALE == 1 else list(Phase),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_matches_reference(data, monkeypatch):
+    run_decode_case(data.draw(decode_cases(), label="case"), monkeypatch)
+
+
+@pytest.mark.parametrize("prior", ["laplace", "generalized_gaussian", "bam_ssmax"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_statistics_equal_the_prefill_kernels(prior, causal):
+    """The merged (m, l) of every row are the prefill kernel's: m is the same maximum of the same
+    logits (bit for bit), l the same sum in another order. The split-KV call and the prefill
+    call are made on the same inputs through the module's launcher."""
+    mod = load(prior)
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 3, 150, 16
+    q = torch.randn(B, Hq, Nq, D, generator=g)
+    k, v = (torch.randn(B, Hk, Nk, D, generator=g) for _ in range(2))
+    theta = mod._theta(q, {n: t for n, t in params_for(mod, Hq, g).items()}, grad=False)
+    scale = D ** -0.5
+    out_d, stats_d, _, _ = mod._triton_forward(q, k, v, theta, causal, scale, Nk - Nq, 0)
+    out_p, stats_p, _, _ = mod._triton_forward(q, k, v, theta, causal, scale, Nk - Nq, 0,
+                                               for_backward=True)
+    torch.testing.assert_close(out_d, out_p, rtol=2e-6, atol=2e-6)
+    assert torch.equal(stats_d[0], stats_p[0])
+    torch.testing.assert_close(stats_d[1], stats_p[1], rtol=2e-6, atol=0)
+
+
+WINDOW = """
+name: local_window
+description: ALiBi inside a window of w keys back, nothing beyond (a sliding window)
+log_prior: Piecewise((-Abs(d) / b, Abs(d) <= w), (-oo, True))
+params:
+  b: {init: 4.0, domain: positive}
+  w: {value: 5}
+"""
+
+
+def test_window_prior_skips_whole_splits(tmp_path, monkeypatch):
+    """One query at position 199 sees keys 194..199 only: every split but the last holds keys
+    no row can see. Those keys are NaN; a split that visited them would poison the merge."""
+    module = bamgen.load(write_prior(tmp_path, WINDOW), cache_dir=tmp_path / "cache")
+    spy = DecodeSpy(module, monkeypatch)
+    torch.manual_seed(0)
+    B, H, Nk, D = 2, 2, 200, 16
+    q = torch.randn(B, H, 1, D)
+    k, v = torch.randn(B, H, Nk, D), torch.randn(B, H, Nk, D)
+    k_used, v_used = k.clone(), v.clone()
+    k_used[:, :, :160] = float("nan")
+    v_used[:, :, :160] = float("nan")
+    b = torch.tensor([2.0, 7.0])
+    with torch.no_grad():
+        out = module.attention(q, k_used, v_used, b=b, q_offset=Nk - 1, backend="triton")
+    assert spy.calls == 1
+    window = lambda d, p: torch.where(d.abs() <= 5, -d.abs() / p["b"], -torch.inf)  # noqa: E731
+    ref = reference_attention(q, k, v, {"b": b}, window, causal=True, q_offset=Nk - 1)
+    pt = reference_attention(q, k, v, {"b": b}, window, causal=True, q_offset=Nk - 1,
+                             compute_dtype=torch.float32)
+    assert_all_close([("out", out, ref.out, pt.out)], torch.float32, context="window decode")
+
+
+def test_which_calls_take_the_decode_kernel(monkeypatch):
+    mod = load("generalized_gaussian")
+    spy = DecodeSpy(mod, monkeypatch)
+    params = mod.default_params(2)
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    with torch.no_grad():
+        mod.attention(torch.randn(1, 2, 16, 16), k, v, **params, q_offset=24, backend="triton")
+    assert spy.calls == 1                                   # 16 rows, no autograd: decode
+    with torch.no_grad():
+        mod.attention(torch.randn(1, 2, 17, 16), k, v, **params, q_offset=23, backend="triton")
+    assert spy.calls == 1                                   # 17 rows: the prefill kernel
+    q = torch.randn(1, 2, 1, 16, requires_grad=True)
+    mod.attention(q, k, v, **params, q_offset=39, backend="triton").sum().backward()
+    assert spy.calls == 1 and q.grad is not None            # a backward follows: prefill
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 40], dtype=torch.int32)
+    with torch.no_grad():
+        mod.attention(torch.randn(1, 2, 2, 16), k, v, **params, cu_seqlens_q=cu, cu_seqlens_k=cu_k,
+                      backend="triton")
+    assert spy.calls == 1                                   # packed documents: prefill
