@@ -126,8 +126,13 @@ def _compile_all(paths: list[Path], strategy: str | None) -> list[Artifact]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--save", "save_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write each kernel's cubin into this directory.")
+@click.option("--kernel", "kernels", multiple=True,
+              type=click.Choice(["attn_fwd", "bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
+                                 "attn_decode", "decode_combine"]),
+              help="Compile only these kernels (repeat the option; attn_fwd always, the report's "
+                   "model is its). Default: all.")
 def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layout: str,
-            as_json: bool, save_dir: Path | None) -> None:
+            as_json: bool, save_dir: Path | None, kernels: tuple[str, ...]) -> None:
     """Compile FILE's kernels ahead of time for a GPU and report their resources.
 
     FILE is a prior (.yaml) or a generated module (.py). No GPU is needed.
@@ -141,7 +146,7 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
     with _reported(file, f"compiling for {arch}"):
         kernels = compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
-                                 layout=layout)
+                                 layout=layout, only=("attn_fwd", *kernels) if kernels else None)
     cubins = _save_cubins(save_dir, module.PRIOR["name"], kernels, arch, dtype, head_dim, causal)
     report = {"prior": module.PRIOR["name"], "arch": arch, "dtype": dtype, "head_dim": head_dim,
               "causal": causal, "layout": layout, "strategy": module.PRIOR.get("strategy"),

@@ -1,4 +1,5 @@
-"""The split-KV decode kernel (flash-decoding) under the Triton interpreter.
+"""Decode steps on both paths: the split-KV decode kernel (flash-decoding) under the Triton
+interpreter, and the CPU path's decode step.
 
 A call with at most DECODE_ROWS (16) query rows and no backward to follow (a generation step)
 runs `_attn_decode` over key splits and merges the splits by log-sum-exp in `_decode_combine`.
@@ -12,10 +13,20 @@ and tile borders. Checked here:
 * a windowed prior skips whole splits: keys only skipped splits hold are NaN and reach nothing;
 * which calls take it: at most 16 rows without autograd; a backward or 17 rows take the prefill
   kernel.
+
+The CPU path's decode step (`_torch_decode`: torch's fused kernel with the prior's bias as its
+mask, the bias kept across steps) is held to the same reference by the same cases, and:
+
+* a step's output does not depend on the steps before it: a generation of growing caches gives,
+  at every step, the bits a fresh process (an empty table cache) gives;
+* new parameter values (an optimiser step, another layer) never reuse another set's bias;
+* where it does not apply (a NaN in a key some row does not see, a NaN prior) the general path
+  answers, with the same result as before.
 """
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -35,17 +46,20 @@ def load(prior):
 
 
 class DecodeSpy:
-    """Counts the calls that took the decode kernels (monkeypatched over _triton_decode)."""
+    """Counts the calls that took a decode path: the Triton decode kernels (_triton_decode), or
+    the CPU path's decode step (_torch_decode, when it answered rather than handing over)."""
 
-    def __init__(self, mod, monkeypatch):
+    def __init__(self, mod, monkeypatch, backend="triton"):
         self.calls = 0
-        real = mod._triton_decode
+        name = "_triton_decode" if backend == "triton" else "_torch_decode"
+        real = getattr(mod, name)
 
         def spy(*args, **kwargs):
-            self.calls += 1
-            return real(*args, **kwargs)
+            got = real(*args, **kwargs)
+            self.calls += backend == "triton" or got is not None
+            return got
 
-        monkeypatch.setattr(mod, "_triton_decode", spy)
+        monkeypatch.setattr(mod, name, spy)
 
 
 @st.composite
@@ -77,9 +91,9 @@ def decode_cases(draw):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
-def run_decode_case(c, monkeypatch):
+def run_decode_case(c, monkeypatch, backend="triton"):
     mod = load(c["prior"])
-    spy = DecodeSpy(mod, monkeypatch)
+    spy = DecodeSpy(mod, monkeypatch, backend)
     dtype = DTYPES[c["dtype"]]
     g = torch.Generator().manual_seed(c["seed"])
     q = torch.randn(c["B"], c["Hq"], c["Nq"], c["D"], generator=g).to(dtype)
@@ -91,8 +105,9 @@ def run_decode_case(c, monkeypatch):
     if c["key_mask"] is not None:
         kw["key_mask"] = torch.tensor(c["key_mask"], dtype=torch.bool)
     with torch.no_grad():
-        out = mod.attention(q, k, v, **params, backend="triton", **kw)
-    assert spy.calls == 1, f"the decode kernel did not run; {c!r}"
+        out = mod.attention(q, k, v, **params, backend=backend, **kw)
+    # (SSMax has no distance table on the CPU path: its steps take the general path)
+    assert spy.calls == (backend == "triton" or mod.TORCH_TABLE_PATH), f"the decode path did not run; {c!r}"
     pdef = PRIORS[c["prior"]]
     rkw = dict(kw, score=pdef.score, kink=pdef.kink)
     ref = reference_attention(q, k, v, params, pdef.log_prior, **rkw)
@@ -104,7 +119,7 @@ def run_decode_case(c, monkeypatch):
         assert bool((out.transpose(1, 2)[empty] == 0).all()), f"rows that see no key are not 0; {c!r}"
 
 
-@settings(max_examples=30 * SCALE, deadline=None, print_blob=True,
+@settings(max_examples=20 * SCALE, deadline=None, print_blob=True,
           phases=NO_SHRINK if SCALE == 1 else list(Phase),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
@@ -113,8 +128,16 @@ def test_decode_matches_reference(data, monkeypatch):
     run_decode_case(data.draw(decode_cases(), label="case"), monkeypatch)
 
 
-@pytest.mark.parametrize("prior", ["laplace", "generalized_gaussian", "bam_ssmax"])
-@pytest.mark.parametrize("causal", [True, False])
+@settings(max_examples=40 * SCALE, deadline=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cpu_decode_matches_reference(data, monkeypatch):
+    run_decode_case(data.draw(decode_cases(), label="case"), monkeypatch, backend="torch")
+
+
+@pytest.mark.parametrize("prior, causal", [("laplace", True), ("generalized_gaussian", False),
+                                           ("bam_ssmax", True)])
 def test_decode_statistics_equal_the_prefill_kernels(prior, causal):
     """The merged (m, l) of every row are the prefill kernel's: m is the same maximum of the same
     logits (bit for bit), l the same sum in another order. The split-KV call and the prefill
@@ -187,3 +210,126 @@ def test_which_calls_take_the_decode_kernel(monkeypatch):
         mod.attention(torch.randn(1, 2, 2, 16), k, v, **params, cu_seqlens_q=cu, cu_seqlens_k=cu_k,
                       backend="triton")
     assert spy.calls == 1                                   # packed documents: prefill
+
+
+# --------------------------------------------------------------------------------------------
+# the CPU path's decode step: its kept bias, and where it hands over
+
+
+def _jittered(mod, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: t.detach() for n, t in params_for(mod, H, g).items()}
+
+
+@pytest.mark.parametrize("prior", ["generalized_gaussian", "laplace", "uniform"])
+def test_cpu_decode_step_does_not_depend_on_the_steps_before(prior, monkeypatch):
+    """A generation of growing caches, with tables of 16 distances per chunk so that the steps
+    cross many chunk borders: every step's output has the bits that step gives from an empty
+    table cache (a fresh process), with left padding (per-row offsets) and GQA, and after a
+    jump backwards (a new prompt: the kept span does not extend)."""
+    mod = load(prior)
+    monkeypatch.setattr(mod, "TORCH_DECODE_CHUNK", 64)    # 4 heads x 16 distances
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hk, D, total = 2, 4, 2, 16, 150
+    q = torch.randn(B, Hq, total, D, generator=g)
+    k, v = (torch.randn(B, Hk, total, D, generator=g) for _ in range(2))
+    params = _jittered(mod, Hq, 2)
+    pads = torch.tensor([0, 9])
+    key_mask = torch.arange(total)[None] >= pads[:, None]
+    lengths = list(range(1, total + 1, 7)) + [40, 41, 3]
+
+    def step(n):
+        return mod.attention(q[:, :, n - 1:n], k[:, :, :n], v[:, :, :n], **params, q_offset=n - 1 - pads,
+                             k_offset=-pads, key_mask=key_mask[:, :n], backend="torch")
+
+    spy = DecodeSpy(mod, monkeypatch, "torch")
+    with torch.no_grad():
+        history = [step(n) for n in lengths]
+        for n, got in zip(lengths, history):
+            mod._DECODE_TABLES.tables.clear()
+            assert torch.equal(step(n), got), n
+    assert spy.calls == 2 * len(lengths)
+
+
+def test_cpu_decode_new_parameters_never_reuse_a_bias(monkeypatch):
+    """Two layers' parameter sets alternate, then one changes in place (an optimiser step): each
+    call equals the same call from an empty table cache, and the two sets' outputs differ."""
+    mod = load("generalized_gaussian")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = (torch.randn(1, 4, 90, 16, generator=g) for _ in range(2))
+    layer_a, layer_b = _jittered(mod, 4, 4), _jittered(mod, 4, 5)
+
+    def call(params):
+        return mod.attention(q, k, v, **params, q_offset=89, backend="torch")
+
+    before = {n: t.clone() for n, t in layer_a.items()}
+    with torch.no_grad():
+        outs = [call(layer_a), call(layer_b), call(layer_a)]
+        layer_a["alpha"].mul_(1.5)            # in place: the same tensor, new values
+        outs.append(call(layer_a))
+        fresh = []
+        for params in (before, layer_b, before, layer_a):
+            mod._DECODE_TABLES.tables.clear()
+            fresh.append(call({n: t.clone() for n, t in params.items()}))
+    for got, want in zip(outs, fresh):
+        assert torch.equal(got, want)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[3])
+
+
+def test_cpu_decode_hands_a_hidden_nan_to_the_general_path(monkeypatch):
+    """Speculative decoding's staircase: 3 new rows, the last key seen by the last row only. A
+    NaN stored in that key reaches that row alone (as SDPA's math has it); the decode step,
+    whose mask would add -inf to the NaN score, hands the call to the general path."""
+    mod = load("generalized_gaussian")
+    spy = DecodeSpy(mod, monkeypatch, "torch")
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 3, 16, generator=g)
+    k, v = (torch.randn(1, 2, 30, 16, generator=g) for _ in range(2))
+    k[:, :, -1] = float("nan")
+    params = mod.default_params(2)
+    with torch.no_grad():
+        out = mod.attention(q, k, v, **params, q_offset=27, backend="torch")
+    assert spy.calls == 0
+    assert bool(torch.isfinite(out[:, :, :2]).all()) and bool(torch.isnan(out[:, :, 2]).all())
+    with torch.no_grad():                     # one row: every key visible, the step itself
+        one = mod.attention(q[:, :, 2:], k, v, **params, q_offset=29, backend="torch")
+    assert spy.calls == 1 and bool(torch.isnan(one).all())
+
+
+def test_cpu_decode_row_outside_a_window_is_zero(tmp_path, monkeypatch):
+    """A query whose window of distances holds no key sees nothing: output 0 and statistics
+    (-inf, 0), as on the general path; a query in reach of its window is the reference's."""
+    module = bamgen.load(write_prior(tmp_path, WINDOW), cache_dir=tmp_path / "cache")
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 2, 1, 16, generator=g)
+    k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(2))
+    b = torch.tensor([2.0, 7.0])
+    layout = module._layout(q, k, 40, 0, None, None, None)
+    theta = module._theta(q, {"b": b}, grad=False)
+    out, stats = module._torch_decode(q, k, v, theta, True, 0.25, layout)
+    assert bool((out == 0).all()) and bool((stats[..., 0] == -math.inf).all()) and bool((stats[..., 1] == 0).all())
+    spy = DecodeSpy(module, monkeypatch, "torch")
+    with torch.no_grad():
+        near = module.attention(q, k, v, b=b, q_offset=22, backend="torch")
+    assert spy.calls == 1
+    window = lambda d, p: torch.where(d.abs() <= 5, -d.abs() / p["b"], -torch.inf)  # noqa: E731
+    ref = reference_attention(q, k, v, {"b": b}, window, causal=True, q_offset=22)
+    pt = reference_attention(q, k, v, {"b": b}, window, causal=True, q_offset=22, compute_dtype=torch.float32)
+    assert_all_close([("out", near, ref.out, pt.out)], torch.float32, context="window cpu decode")
+
+
+def test_module_decode_under_no_grad_takes_the_step(monkeypatch):
+    """The nn.Module in a generation loop (eval, no_grad) takes the decode step; with autograd
+    on, the general path (its backward needs the exact statistics)."""
+    mod = load("generalized_gaussian")
+    spy = DecodeSpy(mod, monkeypatch, "torch")
+    layer = getattr(mod, mod.PRIOR["class_name"])(num_heads=4)
+    q = torch.randn(1, 4, 1, 16)
+    k, v = torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    with torch.no_grad():
+        a = layer(q, k, v, q_offset=49, backend="torch")
+    assert spy.calls == 1
+    b = layer(q, k, v, q_offset=49, backend="torch")
+    assert spy.calls == 1 and b.requires_grad
+    torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=2e-6)

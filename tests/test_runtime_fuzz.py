@@ -325,3 +325,22 @@ FOUND = [
 @pytest.mark.parametrize("found", FOUND, ids=lambda c: f"{c.prior}-{c.dtype}-{c.q_offset}-{c.k_offset}")
 def test_cases_the_fuzz_found(found, backend):
     assert run_case(dataclasses.replace(found, backend=backend)) == "checked"
+
+
+def test_dead_row_with_a_nan_value_on_the_torch_path():
+    """Found by the fuzz: a row whose only key has a log-prior of -inf (GGD with beta = 300:
+    (14 / 0.5) ** 300 overflows) sees nothing, so its gradients are 0, even where that key's v
+    is NaN (0 * NaN reached dS through dP = dO v^T). The torch path now reads such a v as 0 in the
+    backward; a live row that weighs it keeps its NaN through O. (The Triton path still gives
+    NaN here: docs/reliability.md.)"""
+    case = Case(prior="generalized_gaussian", backend="torch", dtype="fp32", B=1, Hq=1, Hk=1, Nq=1,
+                Nk=1, D=1, causal=False, q_offset=-3, k_offset=3,
+                layouts=("contiguous", "contiguous", "contiguous"),
+                params={"alpha": [0.5], "beta": [300.0], "mu": [1.0]}, poison=("v", 0, math.nan),
+                seed=0, use_module=False)
+    assert run_case(case) == "checked"
+    # row 0 (position 0) sees no key, row 1 weighs the NaN key (position 1): the dead row's
+    # gradients are 0, the live row's stay NaN
+    assert run_case(dataclasses.replace(case, Nq=2, Nk=2, q_offset=0, k_offset=1, causal=True,
+                                        params={"alpha": [3.0], "beta": [1.0], "mu": [0.0]},
+                                        poison=("v", 0, math.nan))) == "checked"
