@@ -18,6 +18,7 @@ PRIORS = shipped_priors()
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 KERNELS = {"attn_fwd", "bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_decode", "decode_combine"}
 NO_MMA = {"bwd_preprocess", "decode_combine"}   # row reductions: no key tiles, no tensor cores
+DECODE = {"attn_decode", "decode_combine"}
 PRIOR_DIR = PRIORS[0].parent
 
 
@@ -38,12 +39,20 @@ MATRIX = [pytest.param(prior, head_dim, id=f"{prior.stem}-{head_dim}",
           for prior in PRIORS for head_dim in (64, 128)]
 
 
+# The decode kernels of the representative priors compile in every run; the other priors'
+# (whose decode kernels differ from their kind's representative only in the parameters they
+# load: a table prior's logit is a table entry there) in `make test-full`.
+TRAINING = ("--kernel", "bwd_preprocess", "--kernel", "attn_bwd_dkdv", "--kernel", "attn_bwd_dq")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("prior, head_dim", MATRIX)
 def test_kernels_compile_for_gpu(prior, arch, head_dim):
-    report = _inspect(prior, arch, head_dim)
-    assert {k["name"] for k in report["kernels"]} == KERNELS   # (tables are filled on the host)
+    decode = prior.stem in REPRESENTATIVE
+    report = _inspect(prior, arch, head_dim, *(() if decode else TRAINING))
+    # (tables are filled on the host)
+    assert {k["name"] for k in report["kernels"]} == (KERNELS if decode else KERNELS - DECODE)
     for kernel in report["kernels"]:
         assert 0 < kernel["registers"] <= 255, kernel
         assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
@@ -56,6 +65,20 @@ def test_kernels_compile_for_gpu(prior, arch, head_dim):
     if arch == "sm_90":   # Hopper's warpgroup MMA, not the Ampere fallback
         assert all(op.startswith("HGMMA") for op in fwd["main_loop"]["mma_shapes"]), fwd
     assert report["model"]["cycles_per_tile"] == fwd["model"]["cycles_per_tile"]
+    if decode:
+        check_decode_model(report)
+
+
+@pytest.mark.slow
+@pytest.mark.aot_full
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("prior", [p for p in PRIORS if p.stem not in REPRESENTATIVE], ids=lambda p: p.stem)
+def test_decode_kernels_compile_for_every_prior(prior, arch):
+    report = _inspect(prior, arch, 128, "--kernel", "attn_decode", "--kernel", "decode_combine")
+    assert {k["name"] for k in report["kernels"]} == {"attn_fwd"} | DECODE
+    for kernel in report["kernels"]:
+        assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
+        assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
     check_decode_model(report)
 
 
