@@ -333,3 +333,39 @@ def test_module_decode_under_no_grad_takes_the_step(monkeypatch):
     b = layer(q, k, v, q_offset=49, backend="torch")
     assert spy.calls == 1 and b.requires_grad
     torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("padding", ["finite", "nan", "inf"])
+def test_cpu_decode_reads_a_static_cache_as_it_is(padding, monkeypatch):
+    """A static cache as Hugging Face keeps it: K and V are slices of a larger buffer (not
+    contiguous), a left-padded batch's padding slots hold whatever the buffer held (NaN or inf in
+    uninitialised memory) and key_mask hides them. The step reads the slices without copying them
+    and gives the reference's rows, computed on the same keys with the padding set to 0; padding
+    that is not finite is read as 0 rather than reaching every row as 0 * NaN."""
+    mod = load("generalized_gaussian")
+    spy = DecodeSpy(mod, monkeypatch, "torch")
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hk, D, Nk, pads = 3, 4, 2, 16, 37, [0, 5, 12]
+    fill = {"finite": 0.5, "nan": float("nan"), "inf": float("inf")}[padding]
+    k_buf, v_buf = (torch.full((B, Hk, 64, D), float("nan")) for _ in range(2))
+    k_buf[:, :, :Nk], v_buf[:, :, :Nk] = (torch.randn(B, Hk, Nk, D, generator=g) for _ in range(2))
+    key_mask = torch.ones(B, Nk, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        k_buf[b, :, :p], v_buf[b, :, :p], key_mask[b, :p] = fill, fill, False
+    k, v = k_buf[:, :, :Nk], v_buf[:, :, :Nk]
+    before = (k.clone(), v.clone())
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    params = {n: t.detach() for n, t in params_for(mod, Hq, g).items()}
+    kw = dict(q_offset=torch.tensor([Nk - 1 - p for p in pads]), k_offset=torch.tensor([-p for p in pads]),
+              key_mask=key_mask)
+    with torch.no_grad():
+        out = mod.attention(q, k, v, **params, backend="torch", **kw)
+    assert spy.calls == 1 and bool(torch.isfinite(out).all())
+    assert torch.equal(k.nan_to_num(), before[0].nan_to_num()) and torch.equal(v.nan_to_num(), before[1].nan_to_num())
+    hidden = ~key_mask[:, None, :, None]
+    k0, v0 = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    pdef = PRIORS["generalized_gaussian"]
+    rkw = dict(kw, causal=True, score=pdef.score, kink=pdef.kink)
+    ref = reference_attention(q, k0, v0, params, pdef.log_prior, **rkw)
+    pt = reference_attention(q, k0, v0, params, pdef.log_prior, compute_dtype=torch.float32, **rkw)
+    assert_all_close([("out", out, ref.out, pt.out)], torch.float32, context=f"static cache, {padding} padding")
