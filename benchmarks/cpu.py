@@ -329,10 +329,11 @@ def memory_scaling(args) -> None:
 
 def decode_benchmark(args) -> None:
     """One decode step: a single query row against N cached keys (q_offset = N - 1, causal), no
-    gradient, as generation runs it; against SDPA on the same shape (no bias: the floor).
-    Alternating repeats, medians (microseconds)."""
+    gradient, as generation runs it; against SDPA on the same shape (no bias). "kernel" is the
+    fused kernel bamgen's step calls, alone, with GGD's bias mask made beforehand: what a step
+    would cost with no Python around it. Alternating repeats, medians (microseconds)."""
     ns = args.n or [1024, 4096, 16384]
-    peers = ["sdpa", "bamgen-ggd", "bamgen-laplace"]
+    peers = ["sdpa", "kernel", "bamgen-ggd", "bamgen-laplace"]
     modules = {"bamgen-ggd": _load_generated("generalized_gaussian", args.module_dir),
                "bamgen-laplace": _load_generated("laplace", args.module_dir)}
     reps = max(args.reps, 3) * 20
@@ -340,14 +341,19 @@ def decode_benchmark(args) -> None:
           f"B=1, H={args.heads}, D={args.dim}, fp32, one query against N keys, median of {reps} "
           f"alternating repeats")
     print()
-    print("| N | sdpa us | bamgen-ggd us | bamgen-laplace us | ggd / sdpa | laplace / sdpa |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| N | sdpa us | kernel us | bamgen-ggd us | bamgen-laplace us | kernel / sdpa | ggd / sdpa "
+          "| laplace / sdpa |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     for n in ns:
         q = torch.randn(1, args.heads, 1, args.dim, generator=gen)
         k, v = (torch.randn(1, args.heads, n, args.dim, generator=gen) for _ in range(2))
         params = {p: m.default_params(args.heads) for p, m in modules.items()}
-        calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
+        ggd = modules["bamgen-ggd"]
+        theta = ggd._theta(q, params["bamgen-ggd"], grad=False)
+        mask = ggd._torch_decode_mask(theta, args.heads, 1, 1, n, n - 1, 0, True)[0]
+        calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+                 "kernel": lambda: ggd._FLASH_CPU(q, k, v, attn_mask=mask, scale=args.dim ** -0.5)}
         for p, m in modules.items():
             calls[p] = (lambda m=m, prm=params[p]: m.attention(q, k, v, **prm, causal=True,
                                                                  q_offset=n - 1, backend="torch"))
@@ -361,7 +367,8 @@ def decode_benchmark(args) -> None:
                     calls[p]()
                     times[p].append(time.perf_counter() - t0)
         med = {p: statistics.median(t) * 1e6 for p, t in times.items()}
-        print(f"| {n} | {med['sdpa']:.0f} | {med['bamgen-ggd']:.0f} | {med['bamgen-laplace']:.0f} | "
+        print(f"| {n} | {med['sdpa']:.0f} | {med['kernel']:.0f} | {med['bamgen-ggd']:.0f} | "
+              f"{med['bamgen-laplace']:.0f} | {med['kernel'] / med['sdpa']:.2f} | "
               f"{med['bamgen-ggd'] / med['sdpa']:.2f} | {med['bamgen-laplace'] / med['sdpa']:.2f} |",
               flush=True)
 
