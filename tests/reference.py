@@ -147,6 +147,19 @@ def _per_head(value: ParamValue, hq: int) -> Tensor:
     return t.clone()
 
 
+def _float32_range(lp: Tensor, visible: Tensor) -> Tensor:
+    """The log-prior as the kernels can hold it: they shift it per head by its largest value
+    over the call's visible scores and hold the result in float32, where a value more than
+    float32's largest (3.4e38) below that peak is -inf, and a key whose log-prior is -inf is
+    hidden (docs/reliability.md, "float32's range"). Without this rule a row whose every key
+    lies 1e39 nats below its head's best distance (GGD with beta = 300 far from mu) is alive
+    here and sees no key in the kernels."""
+    seen = visible & torch.isfinite(lp)
+    peak = torch.where(seen, lp, float("-inf")).amax(dim=(0, 2, 3), keepdim=True).detach()
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    return torch.where(lp - peak < -torch.finfo(torch.float32).max, float("-inf"), lp)
+
+
 def reference_attention(
     q: Tensor,
     k: Tensor,
@@ -214,6 +227,8 @@ def reference_attention(
         # A prior may use the absolute positions too: p["i"] [B, 1, Nq, 1] and p["j"] [B, 1, 1, Nk]
         # (i and j are reserved names, never parameters).
         lp = log_prior(d[:, None], {**leaves, "i": i_pos[:, None, :, None], "j": j_pos[:, None, None, :]})
+        if is_ref and nk > 0:
+            lp = _float32_range(lp, visible[:, None])
         if score in ROW_SHIFTABLE and nk > 0:
             # a softmax ignores a constant per row, so measure the prior from its largest visible
             # value in the row (detached: its gradient meets sum_j dS = 0). Exact in real
@@ -226,6 +241,10 @@ def reference_attention(
     # they get n = 1 to keep e.g. log(n) finite (and its gradient, 0 * log 0, out of the picture).
     n = n_int.clamp(min=1).to(prior_dtype)[:, None, :, None]
     logit_raw = score(s, lp, n, leaves)  # pt: promoted to float32 by the float32 prior
+    if score is not default_score:
+        # a log-prior of -inf hides its key whatever the score makes of it (block skipping drops
+        # such keys unseen): SSMax's (s - inf) * log(n) would be NaN for a row with one key
+        logit_raw = torch.where(lp == float("-inf"), float("-inf"), logit_raw)
     if logit_raw.dim() < 4:
         logit_raw = logit_raw.expand(bsz, hq, nq, nk)
     logit = logit_raw

@@ -318,6 +318,21 @@ FOUND = [
          params={"ta": [3.455420218736189], "tb": [1.9976575152159468], "tm": [50.0],
                  "ssmax": [2.622864470487978]},
          poison=None, seed=2339, use_module=False),
+    # SSMax with tb = 300: the only key of row 1 lies 2.5e157 nats below the head's best
+    # distance, beyond float32's range, so the kernels hold its log-prior as -inf; with one key
+    # log(n) = 0 and the score (s - inf) * log(n) was NaN on both backends. A log-prior of -inf
+    # now hides its key whatever the score does (the row sees nothing: 0), and the reference
+    # keeps float32's range per head (docs/reliability.md) where it used to see a live row.
+    Case(prior="bam_ssmax", backend="torch", dtype="fp32", B=1, Hq=2, Hk=1, Nq=2, Nk=1, D=1,
+         causal=False, q_offset=0, k_offset=0, layouts=("contiguous", "contiguous", "contiguous"),
+         params={"ta": [1.0, 1.0], "tb": [300.0, 300.0], "tm": [1.0, 1.0], "ssmax": [1.0, 1.0]},
+         poison=None, seed=0, use_module=False),
+    # The same range for a logit s + log_prior (GGD, beta = 300, mu = -2.35): row 1's key is
+    # 1e157 below the head's best, -inf in the kernels' table; the row sees no key (0).
+    Case(prior="generalized_gaussian", backend="torch", dtype="fp32", B=1, Hq=2, Hk=1, Nq=2, Nk=1,
+         D=1, causal=False, q_offset=0, k_offset=0, layouts=("contiguous", "contiguous", "contiguous"),
+         params={"alpha": [1.0, 1.0], "beta": [300.0, 300.0], "mu": [-2.35, -2.35]},
+         poison=None, seed=0, use_module=False),
 ]
 
 
