@@ -17,7 +17,8 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # The whole suite but the aot_full part of the AOT compile matrix (about 14 minutes on 2 cores);
-# test-full adds it (the other priors' head-dim-64 compiles and decode kernels, about 4 more minutes).
+# test-full adds it (the other priors' compiles at head dim 64 and on sm_80, and their decode
+# kernels: about 5 more minutes).
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto -m "not aot_full" tests
 
