@@ -155,6 +155,8 @@ def _float32_range(lp: Tensor, visible: Tensor) -> Tensor:
     lies 1e39 nats below its head's best distance (GGD with beta = 300 far from mu) is alive
     here and sees no key in the kernels."""
     seen = visible & torch.isfinite(lp)
+    if seen.numel() == 0:   # no batch row, query or key: nothing to measure from
+        return lp
     peak = torch.where(seen, lp, float("-inf")).amax(dim=(0, 2, 3), keepdim=True).detach()
     peak = torch.where(torch.isfinite(peak), peak, 0.0)
     return torch.where(lp - peak < -torch.finfo(torch.float32).max, float("-inf"), lp)
@@ -227,7 +229,7 @@ def reference_attention(
         # A prior may use the absolute positions too: p["i"] [B, 1, Nq, 1] and p["j"] [B, 1, 1, Nk]
         # (i and j are reserved names, never parameters).
         lp = log_prior(d[:, None], {**leaves, "i": i_pos[:, None, :, None], "j": j_pos[:, None, None, :]})
-        if is_ref and nk > 0:
+        if is_ref:
             lp = _float32_range(lp, visible[:, None])
         if score in ROW_SHIFTABLE and nk > 0:
             # a softmax ignores a constant per row, so measure the prior from its largest visible
