@@ -1,5 +1,5 @@
 """GPU benchmark of the generated Triton kernels against their peers: TFLOP/s and time ratios,
-forward and backward, causal, N from 1k to 64k.
+forward and backward, causal, N from 1k to 64k; and a decode step against a KV cache.
 
     python benchmarks/gpu.py                                  # N = 1k..64k, D = 64 128, H=16, bf16
     python benchmarks/gpu.py --n 4096 16384 --head-dim 128    # a subset
@@ -42,6 +42,13 @@ the reason under the tables instead of stopping the run. The last timed call of 
 kept, and each bamgen module's output is compared with the peers that compute its function
 ("Agreement", relative to the largest |value|; bf16 on a GPU, so about 1e-2 is expected there).
 
+Decode steps (after the training sizes; ``--decode-n``, ``--decode-batch``, ``--kv-heads``):
+one new query row per head against N cached keys, GQA, no gradient, timed as ``fwd`` above.
+Peers: ``sdpa`` (no bias), ``flex-ggd`` (the query at position N - 1), ``bamgen-<prior>`` (the
+split-KV decode kernels), ``bamgen-ggd-forward`` (the same call through the forward kernel, as
+a step ran before the decode kernels) and, in --quick, ``bamgen-ggd-torch`` (the CPU decode
+step). Their rows are marked "(decode)"; GB/s counts K and V read once.
+
 --quick is the CI smoke run: no GPU, TRITON_INTERPRET=1 set before Triton is imported, B=1, H=2,
 N = 32 48, D=16, fp32 on the CPU. The bamgen kernels run in the Triton interpreter and on the
 torch backend, SDPA on the CPU, FlexAttention eagerly and forward only (it has no CPU backward).
@@ -78,7 +85,11 @@ sys.path.insert(0, str(ROOT))
 PRIORS = {"ggd": "generalized_gaussian", "laplace": "laplace", "uniform": "uniform"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GPU_NS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
-QUICK = dict(n=[32, 48], head_dim=[16], heads=2, tokens=1, dtype="fp32")
+GPU_DECODE_NS = [4096, 32768]       # cache lengths of the decode steps
+GPU_DECODE_BATCHES = [1, 64]        # one sequence (latency), a serving batch (bandwidth)
+# decode: 80 cached keys are three splits of the decode kernel under the interpreter
+QUICK = dict(n=[32, 48], head_dim=[16], heads=2, tokens=1, dtype="fp32", decode_n=[80],
+             decode_batch=[2])
 QUICK_TOL = 1e-4  # relative to the largest magnitude of the reference tensor
 SMOKE_HEADER = "interpreter smoke run: timings are not GPU figures"
 
@@ -388,6 +399,118 @@ def agreement(peers: list[Peer]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# decode: one generation step (one new query row) against a KV cache, no gradient
+
+
+@dataclass
+class DecodeConfig:
+    """B sequences, each one new query row per query head against n cached keys (GQA: heads
+    query heads over kv_heads key/value heads), as a generation step runs it."""
+    n: int
+    batch: int
+    heads: int
+    kv_heads: int
+    dim: int
+    dtype: torch.dtype
+    device: str
+
+    def flops(self) -> float:
+        return 4 * self.batch * self.heads * self.n * self.dim
+
+    def cache_bytes(self) -> float:
+        """K and V, read once: what bounds a step on a GPU."""
+        return 2 * self.batch * self.kv_heads * self.n * self.dim * self.dtype.itemsize
+
+
+def make_decode_inputs(cfg: DecodeConfig):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(cfg.batch, cfg.heads, 1, cfg.dim, generator=g)
+    k, v = (torch.randn(cfg.batch, cfg.kv_heads, cfg.n, cfg.dim, generator=g) for _ in range(2))
+    return [t.to(cfg.device, cfg.dtype) for t in (q, k, v)]
+
+
+def decode_score_mod(prior: str, params: dict, q_offset: int):
+    """score_mod for a step: the query's position is q_offset (the last of the sequence)."""
+    mod = score_mod(prior, params)
+    if mod is None:
+        return None
+    return lambda score, bi, h, qi, kj: mod(score, bi, h, qi + q_offset, kj)
+
+
+def decode_peer(name: str, cfg: DecodeConfig, qkv) -> Peer:
+    """The peers of a decode step: ``sdpa`` (no bias), ``flex-<prior>``, ``bamgen-<prior>``
+    (the split-KV decode kernels on a GPU, the CPU decode step on backend "torch"), and
+    ``bamgen-<prior>-forward``: the same call through the forward kernel (what a step ran
+    before the decode kernel existed), by asking for a gradient it does not use."""
+    q_offset = cfg.n - 1
+    if name == "sdpa":
+        return Peer(name, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                    list(qkv), None, backward=False)
+    kind, prior, *variant = name.split("-")
+    params = {n: t.detach() for n, t in learnable_params(prior, cfg).items()}
+    if kind == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+        mod = decode_score_mod(prior, params, q_offset)
+        attend = torch.compile(flex_attention, dynamic=False) if cfg.device == "cuda" else flex_attention
+        return Peer(name, lambda q, k, v: attend(q, k, v, score_mod=mod, enable_gqa=True),
+                    list(qkv), None, backward=False)
+    module = load_module(prior)
+    backend = "torch" if variant == ["torch"] else "triton"
+
+    def step(q, k, v):
+        return module.attention(q, k, v, **params, causal=True, q_offset=q_offset, backend=backend)
+
+    def through_forward_kernel(q, k, v):
+        with torch.enable_grad():   # a backward could follow: the forward kernel runs
+            return step(q.detach().requires_grad_(), k, v).detach()
+    return Peer(name, through_forward_kernel if variant == ["forward"] else step, list(qkv), None,
+                backward=False)
+
+
+def default_decode_peers(quick: bool) -> list[str]:
+    return (["sdpa", "flex-ggd", "bamgen-ggd", "bamgen-ggd-forward", "bamgen-laplace",
+             "bamgen-uniform"] + (["bamgen-ggd-torch"] if quick else []))
+
+
+def decode_agreement(peers: list[Peer]) -> dict:
+    """The decode peers that compute one function, compared on their last outputs."""
+    by_name = {p.name: p for p in peers}
+    pairs = [("bamgen-ggd", "flex-ggd"), ("bamgen-uniform", "sdpa"),
+             ("bamgen-ggd", "bamgen-ggd-forward"), ("bamgen-ggd", "bamgen-ggd-torch")]
+    return {f"decode {a} vs {b}": _rel_err(by_name[a].last[0], by_name[b].last[0])
+            for a, b in pairs if a in by_name and b in by_name}
+
+
+def run_decode_config(cfg: DecodeConfig, names: list[str], args) -> dict:
+    if cfg.device == "cuda":
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    qkv = make_decode_inputs(cfg)
+    timer = Timer(cfg.device)
+    unavailable: dict = {}
+    peers, first = [], {}
+    for name in names:
+        try:
+            peer = decode_peer(name, cfg, qkv)
+            first[name] = warm_up(timer, peer, args.warmup)
+            peers.append(peer)
+        except Exception as err:   # compile failure, out of memory, unsupported feature
+            unavailable[name] = _reason(err)
+    times = measure(peers, timer, args.repeats, unavailable)
+    result = {"mode": "decode", "N": cfg.n, "B": cfg.batch, "H": cfg.heads, "Hk": cfg.kv_heads,
+              "D": cfg.dim, "peers": {}, "unavailable": unavailable,
+              "agreement": decode_agreement(peers)}
+    for peer in peers:
+        fwd = times.get((peer.name, "fwd"))
+        if fwd is not None:
+            result["peers"][peer.name] = {
+                "fwd_s": fwd, "bwd_s": None, "first_s": first[peer.name],
+                "fwd_tflops": cfg.flops() / fwd / 1e12, "bwd_tflops": None,
+                "gb_per_s": cfg.cache_bytes() / fwd / 1e9}
+    return result
+
+
+# --------------------------------------------------------------------------------------------
 # one configuration, and the tables
 
 
@@ -428,9 +551,32 @@ def _ratio(a, b):
 
 def print_results(results: list[dict], args, env: dict) -> None:
     print_header(args, env)
-    print_times(results)
-    print_ratios(results)
+    training = [r for r in results if r.get("mode") != "decode"]
+    print_times(training)
+    print_ratios(training)
+    print_decode([r for r in results if r.get("mode") == "decode"])
     print_notes(results)
+
+
+def print_decode(results: list[dict]) -> None:
+    """A decode step's time, the K/V cache it reads per second, and its ratios."""
+    if not results:
+        return
+    print("\nDecode step: one new query row per head against N cached keys (GQA), no gradient; "
+          "GB/s: K and V read per second; ratios of times (below 1: faster)\n")
+    print("| N | B | Hq/Hk | D | peer | us | GB/s | / sdpa | / flex | / bamgen forward kernel |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t = lambda peer: r["peers"].get(peer, {}).get("fwd_s")
+        for name, p in r["peers"].items():
+            prior = name.split("-")[1] if name.startswith(("bamgen-", "flex-")) else None
+            flex = f"flex-{prior}" if name.startswith("bamgen-") else None
+            forward = f"bamgen-{prior}-forward" if name == f"bamgen-{prior}" else None
+            print(f"| {r['N']} | {r['B']} | {r['H']}/{r['Hk']} | {r['D']} | {name} | "
+                  f"{_f(p['fwd_s'] * 1e6, '.1f')} | {_f(p['gb_per_s'], '.3g')} | "
+                  f"{_ratio(p['fwd_s'], t('sdpa')) if name != 'sdpa' else '-'} | "
+                  f"{_ratio(p['fwd_s'], t(flex)) if flex else '-'} | "
+                  f"{_ratio(p['fwd_s'], t(forward)) if forward else '-'} |")
 
 
 def print_header(args, env: dict) -> None:
@@ -480,10 +626,13 @@ SUMMARY_COLUMNS = ("D", "N", "B", "peer", "fwd ms", "bwd ms", "fwd TFLOP/s", "bw
 def summary_table(results: list[dict]) -> list[str]:
     """Times and ratios in one markdown table, one row per (D, N, peer): what --markdown
     writes. Ratios are the row's time over the peer's (sdpa; flex-<prior> with the row's prior;
-    fa2-alibi for Laplace rows), "-" where that peer did not run or computes another function."""
+    fa2-alibi for Laplace rows), "-" where that peer did not run or computes another function.
+    Decode steps follow, their peers marked "(decode)": N is the cache's length, "fwd ms" the
+    step, and the ratios are against the same peers' steps."""
     lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
-    for r in sorted(results, key=lambda r: (r["D"], r["N"])):
+    for r in sorted(results, key=lambda r: (r.get("mode") == "decode", r["D"], r["N"], r["B"])):
         t = lambda peer, kind: r["peers"].get(peer, {}).get(f"{kind}_s")
+        label = " (decode)" if r.get("mode") == "decode" else ""
         for name, p in r["peers"].items():
             prior = name.split("-")[1] if name.startswith(("bamgen-", "flex-")) else None
             refs = ["sdpa",
@@ -491,7 +640,7 @@ def summary_table(results: list[dict]) -> list[str]:
                     "fa2-alibi" if prior == "laplace" else None]
             cells = [_ratio(p[f"{kind}_s"], t(ref, kind)) if ref and ref != name else "-"
                      for ref in refs for kind in ("fwd", "bwd")]
-            lines.append(f"| {r['D']} | {r['N']} | {r['B']} | {name} | {_ms(p['fwd_s'])} | "
+            lines.append(f"| {r['D']} | {r['N']} | {r['B']} | {name}{label} | {_ms(p['fwd_s'])} | "
                          f"{_ms(p['bwd_s'])} | {_f(p['fwd_tflops'], '.3g')} | "
                          f"{_f(p['bwd_tflops'], '.3g')} | " + " | ".join(cells) +
                          f" | {_f(p['first_s'], '.1f')} |")
@@ -575,6 +724,13 @@ def parse_args(argv):
     ap.add_argument("--markdown", metavar="PATH",
                     help="also write the set-up, one table of times and ratios, and the notes "
                          "as markdown (what make gpu-check keeps in docs/results/gpu/)")
+    ap.add_argument("--decode-n", type=int, nargs="*",
+                    help="cache lengths of the decode steps (default 4096 32768; none: no decode)")
+    ap.add_argument("--decode-batch", type=int, nargs="+", help="sequences per decode step (default 1 64)")
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="key/value heads of the decode steps (default heads / 4: GQA)")
+    ap.add_argument("--decode-peers", nargs="+", choices=default_decode_peers(True), metavar="PEER",
+                    help=f"subset of: {' '.join(default_decode_peers(True))}")
     ap.add_argument("--quick", action="store_true",
                     help="CI smoke run on the CPU under the Triton interpreter, with checks "
                          "(fixes H=2, B=1, fp32, one repeat)")
@@ -585,7 +741,14 @@ def parse_args(argv):
         args.head_dim = args.head_dim or QUICK["head_dim"]
         args.heads, args.tokens, args.dtype = QUICK["heads"], QUICK["tokens"], QUICK["dtype"]
         args.repeats, args.warmup = 1, 1
+        args.decode_n = QUICK["decode_n"] if args.decode_n is None else args.decode_n
+        args.decode_batch = args.decode_batch or QUICK["decode_batch"]
     args.n = args.n or GPU_NS
+    args.decode_n = GPU_DECODE_NS if args.decode_n is None else args.decode_n
+    args.decode_batch = args.decode_batch or GPU_DECODE_BATCHES
+    args.kv_heads = args.kv_heads or max(1, args.heads // 4)
+    if args.kv_heads < 1 or args.heads % args.kv_heads:
+        ap.error(f"--kv-heads {args.kv_heads} must divide the query heads ({args.heads})")
     args.head_dim = args.head_dim or [64, 128]
     return args
 
@@ -615,6 +778,15 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             results.append(run_config(cfg, names, args))
             print(f"N={n} D={dim} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    decode_names = args.decode_peers or default_decode_peers(args.quick)
+    for dim in args.head_dim:
+        for n in args.decode_n:
+            for batch in args.decode_batch:
+                cfg = DecodeConfig(n, batch, args.heads, args.kv_heads, dim, DTYPES[args.dtype], device)
+                t0 = time.perf_counter()
+                results.append(run_decode_config(cfg, decode_names, args))
+                print(f"decode N={n} B={batch} D={dim} done in {time.perf_counter() - t0:.0f} s",
+                      flush=True)
     print_results(results, args, env)
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "results": results},

@@ -46,8 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "gpu"
 # the sizes the report covers: the issue's shape (bf16, head dim 128, causal) at a short and a
 # long sequence, every peer. Most of its time is FlexAttention's compiles (per peer and size) and
-# its backward with learnable parameters (5 s a call at 16k on an H100).
-BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5"
+# its backward with learnable parameters (5 s a call at 16k on an H100). The decode steps: one
+# and 64 sequences against 4096 cached keys, the shapes docs/performance.md models ("Decode
+# kernel (GPU, modelled)"); one flex compile each.
+BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64"
 PROPERTY_SELECTION = "triton or hard_case or module_init"
 # the property tests took 110 s on 15 workers on an H200 (docs/performance.md)
 TOTAL_S = 570

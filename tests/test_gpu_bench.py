@@ -33,6 +33,14 @@ def test_quick_gpu_benchmark_runs(tmp_path):
     for check in ("bamgen-ggd vs bamgen-ggd-torch fwd+grads", "bamgen-laplace vs flex-laplace fwd",
                   "bamgen-uniform vs sdpa fwd"):
         assert check in out, out
+    # the decode step: every peer timed, and the decode kernels checked against the forward
+    # kernel, the CPU decode step, flex with the same prior and (no prior) SDPA
+    for peer in ("sdpa", "flex-ggd", "bamgen-ggd", "bamgen-ggd-forward", "bamgen-ggd-torch",
+                 "bamgen-laplace", "bamgen-uniform"):
+        assert f"| 80 | 2 | 2/1 | 16 | {peer} |" in out, out
+    for check in ("decode bamgen-ggd vs flex-ggd", "decode bamgen-ggd vs bamgen-ggd-forward",
+                  "decode bamgen-ggd vs bamgen-ggd-torch", "decode bamgen-uniform vs sdpa"):
+        assert check in out, out
     _check_markdown_report(report.read_text())
 
 
@@ -49,6 +57,10 @@ def _check_markdown_report(text):
     cells = rows["bamgen-ggd"].strip("| ").split(" | ")
     assert cells[8] != "-" and cells[10] != "-" and cells[12] == "-", cells   # sdpa, flex; no fa2
     assert "fa2-alibi: no GPU" in text and "bamgen-ggd vs flex-ggd fwd" in text, text
+    decode = {line.split(" | ")[3]: line for line in lines if line.startswith("| 16 | 80 | 2 |")}
+    assert set(decode) >= {"sdpa (decode)", "flex-ggd (decode)", "bamgen-ggd (decode)"}, text
+    cells = decode["bamgen-ggd (decode)"].strip("| ").split(" | ")
+    assert cells[5] == "-" and cells[8] != "-" and cells[10] != "-", cells   # no bwd; sdpa, flex
 
 
 def test_a_failed_check_is_reported():
