@@ -8,11 +8,13 @@ stack (DESIGN.md §3: no spills for head dims up to 128). Figures: docs/performa
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from bamgen.resources import shipped_priors
-from tests.helpers import run_cli
+from tests.helpers import ROOT, run_cli
 
 PRIORS = shipped_priors()
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
@@ -162,3 +164,17 @@ def test_autotune_candidates_fit():
     for prior, arch, dim, candidate, name, stack, spill, shared in rows:
         assert stack == 0 and spill == 0, (prior, arch, dim, candidate, name)
         assert shared <= SHARED_LIMIT[arch], (prior, arch, dim, candidate, name)
+
+
+@pytest.mark.slow
+def test_aot_report_prints_every_kernel_with_a_key_loop():
+    """benchmarks/aot_report.py (the tables of docs/performance.md) runs over every kernel a
+    prior compiles, the decode kernels included; the row reductions have no key tiles and no
+    row."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_report.py"), "--priors",
+                          "uniform", "--arch", "sm_90", "--head-dim", "64"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    names = {line.split(" | ")[2] for line in res.stdout.splitlines() if line.startswith("| uniform |")}
+    assert names == KERNELS - NO_MMA, res.stdout
