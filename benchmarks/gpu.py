@@ -46,8 +46,8 @@ Decode steps (after the training sizes; ``--decode-n``, ``--decode-batch``, ``--
 one new query row per head against N cached keys, GQA, no gradient, timed as ``fwd`` above.
 Peers: ``sdpa`` (no bias), ``flex-ggd`` (the query at position N - 1), ``bamgen-<prior>`` (the
 split-KV decode kernels), ``bamgen-ggd-forward`` (the same call through the forward kernel, as
-a step ran before the decode kernels) and, in --quick, ``bamgen-ggd-torch`` (the CPU decode
-step). Their rows are marked "(decode)"; GB/s counts K and V read once.
+a step ran before the decode kernels) and, in --quick, ``bamgen-ggd-torch`` (backend "torch":
+on the CPU tensors of --quick, the CPU decode step; on CUDA tensors, the torch path on the GPU). Their rows are marked "(decode)"; GB/s counts K and V read once.
 
 --quick is the CI smoke run: no GPU, TRITON_INTERPRET=1 set before Triton is imported, B=1, H=2,
 N = 32 48, D=16, fp32 on the CPU. The bamgen kernels run in the Triton interpreter and on the

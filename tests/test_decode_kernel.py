@@ -38,6 +38,7 @@ from tests.helpers import write_prior
 from tests.reference import reference_attention
 from tests.test_masks import DTYPES, MASK_PRIORS, NO_SHRINK, SCALE, params_for
 from tests.test_runtime_fuzz import PRIORS
+from tests.test_runtime_fuzz import _layout as fuzz_layout
 from tests.tolerance import assert_all_close
 
 
@@ -335,18 +336,20 @@ def test_module_decode_under_no_grad_takes_the_step(monkeypatch):
     torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("padding", ["finite", "nan", "inf"])
+@pytest.mark.parametrize("padding", ["finite", "nan", "inf", "huge"])
 def test_cpu_decode_reads_a_static_cache_as_it_is(padding, monkeypatch):
     """A static cache as Hugging Face keeps it: K and V are slices of a larger buffer (not
-    contiguous), a left-padded batch's padding slots hold whatever the buffer held (NaN or inf in
-    uninitialised memory) and key_mask hides them. The step reads the slices without copying them
-    and gives the reference's rows, computed on the same keys with the padding set to 0; padding
-    that is not finite is read as 0 rather than reaching every row as 0 * NaN."""
+    contiguous), a left-padded batch's padding slots hold whatever the buffer held (NaN, inf or
+    1e38 in uninitialised memory) and key_mask hides them. The step reads the slices without
+    copying them and gives the reference's rows, computed on the same keys with the padding set
+    to 0; padding that is not finite, or so large that q.k overflows, is read as 0 rather than
+    reaching every row as 0 * NaN or inf - inf."""
     mod = load("generalized_gaussian")
     spy = DecodeSpy(mod, monkeypatch, "torch")
     g = torch.Generator().manual_seed(11)
     B, Hq, Hk, D, Nk, pads = 3, 4, 2, 16, 37, [0, 5, 12]
-    fill = {"finite": 0.5, "nan": float("nan"), "inf": float("inf")}[padding]
+    # huge: finite, but q.k overflows to inf there, and inf + -inf is NaN
+    fill = {"finite": 0.5, "nan": float("nan"), "inf": float("inf"), "huge": 1e38}[padding]
     k_buf, v_buf = (torch.full((B, Hk, 64, D), float("nan")) for _ in range(2))
     k_buf[:, :, :Nk], v_buf[:, :, :Nk] = (torch.randn(B, Hk, Nk, D, generator=g) for _ in range(2))
     key_mask = torch.ones(B, Nk, dtype=torch.bool)
@@ -369,3 +372,29 @@ def test_cpu_decode_reads_a_static_cache_as_it_is(padding, monkeypatch):
     ref = reference_attention(q, k0, v0, params, pdef.log_prior, **rkw)
     pt = reference_attention(q, k0, v0, params, pdef.log_prior, compute_dtype=torch.float32, **rkw)
     assert_all_close([("out", out, ref.out, pt.out)], torch.float32, context=f"static cache, {padding} padding")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided_slice", "bnhd", "expanded"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cpu_decode_takes_the_layouts_users_bring(layout, dtype, monkeypatch):
+    """q, k and v in the memory layouts real code hands over (the runtime fuzz's): a head dim
+    that is not unit-stride (a transposed or strided view), [B, N, H, D] storage, a broadcast
+    batch. The fused kernel reads every stride but the head dim's, so the step gives the
+    reference's rows for all of them (a transposed K once gave garbage here)."""
+    mod = load("generalized_gaussian")
+    spy = DecodeSpy(mod, monkeypatch, "torch")
+    g = torch.Generator().manual_seed(12)
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 3, 40, 16
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(DTYPES[dtype])
+    k, v = (torch.randn(1, Hk, Nk, D, generator=g).expand(B, Hk, Nk, D).contiguous().to(DTYPES[dtype])
+            for _ in range(2))
+    qx, kx, vx = (fuzz_layout(t, layout) for t in (q, k, v))
+    params = {n: t.detach() for n, t in params_for(mod, Hq, g).items()}
+    with torch.no_grad():
+        out = mod.attention(qx, kx, vx, **params, q_offset=Nk - Nq, backend="torch")
+    assert spy.calls == 1
+    pdef = PRIORS["generalized_gaussian"]
+    rkw = dict(causal=True, q_offset=Nk - Nq, score=pdef.score, kink=pdef.kink)
+    ref = reference_attention(q, k, v, params, pdef.log_prior, **rkw)
+    pt = reference_attention(q, k, v, params, pdef.log_prior, compute_dtype=DTYPES[dtype], **rkw)
+    assert_all_close([("out", out, ref.out, pt.out)], DTYPES[dtype], context=f"{layout} {dtype}")

@@ -230,6 +230,9 @@ def run_case(case: Case):
         return "refused"
     assert expected_error is None, f"no error for an invalid {expected_error}; case: {ctx}"
     assert out.shape == q.shape and out.dtype == dtype, (out.shape, out.dtype, ctx)
+    with torch.no_grad():   # inference takes other paths: a decode step for up to 16 rows
+        served = m(*leaves, **kw) if case.use_module else mod.attention(*leaves, **ptensors, **kw)
+    assert served.shape == q.shape and served.dtype == dtype, (served.shape, served.dtype, ctx)
     wrt = leaves + list(param_leaves.values())
     if out.numel() and out.requires_grad:
         grads = torch.autograd.grad(out, wrt, dout, allow_unused=True)
@@ -244,7 +247,8 @@ def run_case(case: Case):
         return "empty"
     ref = reference_attention(q, k, v, ref_params, pdef.log_prior, **rkw)
     pt = reference_attention(q, k, v, ref_params, pdef.log_prior, compute_dtype=dtype, **rkw)
-    got = [("out", out.detach(), ref.out, pt.out), ("dq", grads[0], ref.dq, pt.dq),
+    got = [("out", out.detach(), ref.out, pt.out), ("out without grad", served, ref.out, pt.out),
+           ("dq", grads[0], ref.dq, pt.dq),
            ("dk", grads[1], ref.dk, pt.dk), ("dv", grads[2], ref.dv, pt.dv)]
     if case.poison is None:   # (the reference zeroes a NaN gradient at a kink of the prior,
         # its convention for 0 * inf, which would also hide the NaN a NaN input rightly gives)
@@ -260,7 +264,7 @@ def run_case(case: Case):
         lost = keep & ~torch.isfinite(mine.double())
         assert not bool(lost.any()), (f"{name}: {int(lost.sum())} entries non-finite where the reference "
                                       f"is finite; case: {ctx}")
-        if name == "out":   # and non-finite wherever an input with weight made them so
+        if name.startswith("out"):   # and non-finite wherever an input with weight made them so
             hidden = ref.out_must_be_nonfinite & torch.isfinite(mine.double())
             assert not bool(hidden.any()), (f"out: {int(hidden.sum())} entries finite where a non-finite "
                                             f"input reaches them; case: {ctx}")
