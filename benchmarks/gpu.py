@@ -322,12 +322,13 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:160] if text else ''}"
 
 
-def set_up(names, cfg, qkv, dout, timer, rounds, unavailable) -> tuple[list[Peer], dict]:
-    """Build and warm up every peer; a failing one goes to ``unavailable`` with its reason."""
+def set_up(names, make, device, timer, rounds, unavailable) -> tuple[list[Peer], dict]:
+    """Build (``make(name)``) and warm up every peer; a failing one goes to ``unavailable`` with
+    its reason."""
     peers, first = [], {}
     for name in names:
         try:
-            peer = make_peer(name, cfg, qkv, dout)
+            peer = make(name)
         except Unavailable as err:
             unavailable[name] = str(err)
             continue
@@ -337,7 +338,7 @@ def set_up(names, cfg, qkv, dout, timer, rounds, unavailable) -> tuple[list[Peer
                 peers.append(peer)
                 break
             except Exception as err:  # compile failure, OOM, unsupported feature
-                if cfg.device == "cuda":
+                if device == "cuda":
                     torch.cuda.empty_cache()
                 if peer.fallback is None:
                     unavailable[name] = _reason(err)
@@ -488,14 +489,8 @@ def run_decode_config(cfg: DecodeConfig, names: list[str], args) -> dict:
     qkv = make_decode_inputs(cfg)
     timer = Timer(cfg.device)
     unavailable: dict = {}
-    peers, first = [], {}
-    for name in names:
-        try:
-            peer = decode_peer(name, cfg, qkv)
-            first[name] = warm_up(timer, peer, args.warmup)
-            peers.append(peer)
-        except Exception as err:   # compile failure, out of memory, unsupported feature
-            unavailable[name] = _reason(err)
+    peers, first = set_up(names, lambda name: decode_peer(name, cfg, qkv), cfg.device, timer,
+                          args.warmup, unavailable)
     times = measure(peers, timer, args.repeats, unavailable)
     result = {"mode": "decode", "N": cfg.n, "B": cfg.batch, "H": cfg.heads, "Hk": cfg.kv_heads,
               "D": cfg.dim, "peers": {}, "unavailable": unavailable,
@@ -521,7 +516,8 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     qkv, dout = make_inputs(cfg)
     timer = Timer(cfg.device)
     unavailable: dict = {}
-    peers, first = set_up(names, cfg, qkv, dout, timer, args.warmup, unavailable)
+    peers, first = set_up(names, lambda name: make_peer(name, cfg, qkv, dout), cfg.device, timer,
+                          args.warmup, unavailable)
     times = measure(peers, timer, args.repeats, unavailable)
     errors = agreement(peers)
     result = {"N": cfg.n, "B": cfg.batch, "H": cfg.heads, "D": cfg.dim, "peers": {},

@@ -92,6 +92,17 @@ def decode_cases(draw):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
+def check_against_prior(out, prior, q, k, v, params, dtype, context, **kw):
+    """out against the float64 reference of a shipped prior (tests/tolerance.py's yardstick);
+    kw: attention()'s layout arguments. Returns the reference's result."""
+    pdef = PRIORS[prior]
+    rkw = dict(kw, score=pdef.score, kink=pdef.kink)
+    ref = reference_attention(q, k, v, params, pdef.log_prior, **rkw)
+    pt = reference_attention(q, k, v, params, pdef.log_prior, compute_dtype=dtype, **rkw)
+    assert_all_close([("out", out, ref.out, pt.out)], dtype, context=context)
+    return ref
+
+
 def run_decode_case(c, monkeypatch, backend="triton"):
     mod = load(c["prior"])
     spy = DecodeSpy(mod, monkeypatch, backend)
@@ -109,12 +120,8 @@ def run_decode_case(c, monkeypatch, backend="triton"):
         out = mod.attention(q, k, v, **params, backend=backend, **kw)
     # (SSMax has no distance table on the CPU path: its steps take the general path)
     assert spy.calls == (backend == "triton" or mod.TORCH_TABLE_PATH), f"the decode path did not run; {c!r}"
-    pdef = PRIORS[c["prior"]]
-    rkw = dict(kw, score=pdef.score, kink=pdef.kink)
-    ref = reference_attention(q, k, v, params, pdef.log_prior, **rkw)
-    pt = reference_attention(q, k, v, params, pdef.log_prior, compute_dtype=dtype, **rkw)
     assert bool(torch.isfinite(out).all()), f"out is not finite; {c!r}"
-    assert_all_close([("out", out, ref.out, pt.out)], dtype, context=repr(c))
+    ref = check_against_prior(out, c["prior"], q, k, v, params, dtype, repr(c), **kw)
     empty = ref.empty_rows
     if bool(empty.any()):
         assert bool((out.transpose(1, 2)[empty] == 0).all()), f"rows that see no key are not 0; {c!r}"
@@ -367,11 +374,8 @@ def test_cpu_decode_reads_a_static_cache_as_it_is(padding, monkeypatch):
     assert torch.equal(k.nan_to_num(), before[0].nan_to_num()) and torch.equal(v.nan_to_num(), before[1].nan_to_num())
     hidden = ~key_mask[:, None, :, None]
     k0, v0 = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
-    pdef = PRIORS["generalized_gaussian"]
-    rkw = dict(kw, causal=True, score=pdef.score, kink=pdef.kink)
-    ref = reference_attention(q, k0, v0, params, pdef.log_prior, **rkw)
-    pt = reference_attention(q, k0, v0, params, pdef.log_prior, compute_dtype=torch.float32, **rkw)
-    assert_all_close([("out", out, ref.out, pt.out)], torch.float32, context=f"static cache, {padding} padding")
+    check_against_prior(out, "generalized_gaussian", q, k0, v0, params, torch.float32,
+                        f"static cache, {padding} padding", causal=True, **kw)
 
 
 @pytest.mark.parametrize("layout", ["transposed", "strided_slice", "bnhd", "expanded"])
@@ -393,8 +397,5 @@ def test_cpu_decode_takes_the_layouts_users_bring(layout, dtype, monkeypatch):
     with torch.no_grad():
         out = mod.attention(qx, kx, vx, **params, q_offset=Nk - Nq, backend="torch")
     assert spy.calls == 1
-    pdef = PRIORS["generalized_gaussian"]
-    rkw = dict(causal=True, q_offset=Nk - Nq, score=pdef.score, kink=pdef.kink)
-    ref = reference_attention(q, k, v, params, pdef.log_prior, **rkw)
-    pt = reference_attention(q, k, v, params, pdef.log_prior, compute_dtype=DTYPES[dtype], **rkw)
-    assert_all_close([("out", out, ref.out, pt.out)], DTYPES[dtype], context=f"{layout} {dtype}")
+    check_against_prior(out, "generalized_gaussian", q, k, v, params, DTYPES[dtype],
+                        f"{layout} {dtype}", causal=True, q_offset=Nk - Nq)
