@@ -8,13 +8,17 @@ others through the "aot_eager" backend, which traces the same graphs (dynamo and
 the fake implementations, register_autograd) without generating code.
 """
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from bamgen.generated import gaussian, generalized_gaussian as ggd
+from bamgen.generated import bam_ssmax, gaussian, generalized_gaussian as ggd, uniform
+from tests.helpers import ROOT
 
 LENGTHS = (17, 40, 65)
 
@@ -194,8 +198,9 @@ def test_func_grad_and_vmap():
 
 def test_op_names_and_reimport(monkeypatch):
     """The ops are torch.ops.bamgen.<prior>_fwd / _bwd (DESIGN.md §7); importing the same build
-    again under another module name re-registers them, and both imports still compile; a
-    different build of a prior of the same name takes a name with its build hash."""
+    again under another module name shares the first import's op objects (registering again
+    left the first import calling a dangling operator handle), and both imports still compile;
+    a different build of a prior of the same name takes a name with its build hash."""
     assert gaussian.OP_NAME == "gaussian" and ggd.OP_NAME == "generalized_gaussian"
     assert hasattr(torch.ops.bamgen, "gaussian_fwd") and hasattr(torch.ops.bamgen, "gaussian_bwd")
     owners = torch.library._bamgen_op_owners
@@ -206,6 +211,7 @@ def test_op_names_and_reimport(monkeypatch):
     again = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gaussian_again", again)
     spec.loader.exec_module(again)
+    assert again._OPS is gaussian._OPS and again._TRITON_OPS is gaussian._TRITON_OPS
     q, k, v = (torch.randn(1, 2, 7, 8) for _ in range(3))
     for module in (gaussian, again):
         fn = torch.compile(lambda q, k, v: module.attention(q, k, v, sigma=3.0, mu=0.0),
@@ -231,3 +237,184 @@ def test_gradcheck_float64(module, params):
         return module.attention(q, k, v, **dict(zip(names, values)), causal=False)
 
     assert torch.autograd.gradcheck(f, (q, k, v, *values))
+
+
+# ----------------------------------------------------------------------------------------
+# The GPU path under torch.compile: the triton ops (prepare, fwd_triton, bwd_triton). Here the
+# kernels run interpreted inside an "aot_eager" graph; with BAMGEN_TEST_DEVICE=cuda (make
+# gpu-check) the same tests compile with inductor on the GPU.
+# ----------------------------------------------------------------------------------------
+GPU = os.environ.get("BAMGEN_TEST_DEVICE", "cpu") == "cuda"
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def traced_ops(seen):
+    """A torch.compile backend: "aot_eager" (inductor on a GPU) that records the bamgen ops of
+    the forward and backward graphs AOT autograd made."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    def record(gm, _inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if "bamgen" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    if GPU:
+        return "inductor"
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+def assert_same(got, want):
+    """Bit for bit under the interpreter (the same kernels, the same tiles); on a GPU inductor
+    compiles the kernels itself, held to float32's default closeness."""
+    if GPU:
+        torch.testing.assert_close(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_path_compiles_through_triton_ops(dtype):
+    """backend="triton" under fullgraph, dynamic compile: three lengths, a key_mask on one, one
+    graph, no graph break; out and the gradients of q, k, v and a learnable parameter equal
+    eager; the graphs hold the triton ops, not the opaque _fwd / _bwd."""
+    torch.manual_seed(7)
+    alpha = torch.tensor([3.0, 5.0, 8.0, 13.0], device=DEVICE, requires_grad=True)
+
+    def f(q, k, v, key_mask):
+        return ggd.attention(q, k, v, alpha=alpha, beta=1.5, mu=0.5, key_mask=key_mask,
+                             backend="triton")
+
+    seen = set()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=traced_ops(seen))
+    for n, masked in zip(LENGTHS, (False, True, False)):
+        q = torch.randn(1, 4, n, 8, device=DEVICE, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, 2, n, 8, device=DEVICE, dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        key_mask = torch.rand(1, n, device=DEVICE) > 0.3 if masked else None
+        results = []
+        for fn in (compiled, f):
+            out = fn(q, k, v, key_mask)
+            results.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v, alpha))))
+        for got, want in zip(*results):
+            assert_same(got, want)
+    assert counters["stats"]["unique_graphs"] == 2   # (with and without a key_mask)
+    assert graph_breaks() == 0
+    if not GPU:
+        assert seen == {f"bamgen.{ggd.OP_NAME}_{op}.default" for op in ("prepare", "fwd_triton",
+                                                                        "bwd_triton")}
+
+
+@pytest.mark.parametrize("module", [bam_ssmax, uniform], ids=["bam_ssmax", "uniform"])
+def test_triton_decode_steps_compile_once(module):
+    """A generation loop compiled once: one new row against a cache that grows (the split-KV
+    decode kernels, no gradient), the same rows as eager, no recompile as the cache grows.
+    BAM-SSMax reads n (the key counts from the prepare op); NoPE has no table."""
+    torch.manual_seed(8)
+    params = module.default_params(4)
+    params = {name: value.to(DEVICE) for name, value in params.items()}
+
+    def step(q, k, v):
+        return module.attention(q, k, v, **params, q_offset=k.shape[2] - 1, backend="triton")
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=traced_ops(set()))
+    k, v = (torch.randn(1, 2, 70, 16, device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        for n in (33, 50, 69):   # (slices of one cache: a view of its whole would be contiguous, a guard)
+            q = torch.randn(1, 4, 1, 16, device=DEVICE)
+            assert_same(compiled(q, k[:, :, :n], v[:, :, :n]), step(q, k[:, :, :n], v[:, :, :n]))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert graph_breaks() == 0
+
+
+def test_triton_errors_under_compile_are_eager_errors():
+    """The prepare op checks what eager checks, when it runs: the same ValueError."""
+    q, k, v = (torch.randn(1, 2, 6, 8, device=DEVICE) for _ in range(3))
+
+    def bad_domain(q, k, v):
+        return ggd.attention(q, k, v, alpha=torch.tensor([2.0, -1.0], device=DEVICE), beta=2.0,
+                             mu=0.0, backend="triton")
+
+    def bad_mask(q, k, v):
+        return ggd.attention(q, k, v, alpha=2.0, beta=2.0, mu=0.0, backend="triton",
+                             key_mask=torch.ones(1, 6, device=DEVICE))
+
+    for fn in (bad_domain, bad_mask):
+        with pytest.raises(ValueError) as eager:
+            fn(q, k, v)
+        with pytest.raises(ValueError) as traced:
+            torch.compile(fn, fullgraph=True, backend=traced_ops(set()))(q, k, v)
+        assert str(traced.value) == str(eager.value)
+
+
+TRACE_SCRIPT = r"""
+import json, sys, types
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch._functorch.aot_autograd import aot_export_module
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from bamgen.generated import generalized_gaussian as ggd
+
+# What a machine with an H100 would do, without one: register the ops as a CUDA import does,
+# and answer the two device queries the host code makes.
+ggd._TRITON_OPS = ops = ggd._TritonOps()
+ggd._gpu_family = lambda device=None: "sm_90"
+torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=132)
+
+
+class Step(torch.nn.Module):
+    # a training step's forward and backward, and a decode step, on a symbolic length
+    def forward(self, q, k, v, q1, theta):
+        table, window, counts = ops.prepare(q, k, theta, True, 0, 0, None, True, True)
+        out, stats, o32 = ops.fwd(q, k, v, theta, table, window, counts, None, True, 0.125, 0, 0, True)
+        grads = ops.bwd(out, q, k, v, o32, stats, theta, table, window, counts, None, True, 0.125, 0, 0)
+        n = k.shape[2]
+        t1, w1, c1 = ops.prepare(q1, k, theta, True, n - 1, 0, None, False, True)
+        return (out, *grads, ops.fwd(q1, k, v, theta, t1, w1, c1, None, True, 0.125, n - 1, 0, False)[0])
+
+
+mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+
+def fake(shape, dtype=torch.bfloat16, dynamic=(2,)):
+    # meta tensors: a CPU build of torch has no CUDA device, and the traced graph is the same
+    sizes = [DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(len(shape))]
+    return mode.from_tensor(torch.empty(shape, device="meta", dtype=dtype),
+                            symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+
+args = (fake((2, 4, 300, 64)), fake((2, 2, 300, 64)), fake((2, 2, 300, 64)),
+        fake((2, 4, 1, 64), dynamic=()), fake((4, 3), torch.float32, dynamic=()))
+with mode:
+    graph, _ = aot_export_module(Step(), args, trace_joint=False)
+launches = []
+for node in graph.graph.nodes:
+    if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        while not hasattr(kernel, "arg_names") or hasattr(kernel.fn, "fn"):
+            kernel = kernel.fn   # (num_warps wraps a kernel in a one-config autotuner)
+        launches.append({"kernel": kernel.fn.__name__,
+                         "symbolic_grid": not isinstance(node.kwargs["grid"][0][0], int),
+                         "d_top1": str(node.kwargs["kwargs"].get("d_top1"))})
+print(json.dumps(launches))
+"""
+
+
+def test_triton_ops_trace_to_kernel_launches():
+    """Without the interpreter, the triton ops decompose under AOT autograd into one
+    triton_kernel_wrapper_functional per launch (what inductor compiles): every kernel of a
+    training step and a decode step, their grids and d_top1 symbolic in the length."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT, str(ROOT)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    launches = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [launch["kernel"] for launch in launches] == [
+        "_attn_fwd", "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_decode",
+        "_decode_combine"]
+    for launch in launches:
+        if launch["kernel"] != "_decode_combine":   # (one program per query row: 1)
+            assert launch["symbolic_grid"], launch
+        if launch["kernel"] not in ("_bwd_preprocess", "_decode_combine"):
+            assert not launch["d_top1"].isdigit(), launch   # a SymInt: no recompile per length
