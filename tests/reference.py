@@ -298,12 +298,33 @@ def reference_attention(
                 res.gross["d" + name] = torch.where(visible4, clean(g, leaf).abs(), 0.0).sum(dim=(0, 2, 3))
         res.gross.pop("_ds_abs", None)
 
+    if is_ref and leaves and score is default_score:
+        dlp = torch.autograd.grad(logit_raw, list(leaves.values()), torch.ones_like(logit_raw),
+                                  retain_graph=True, allow_unused=True)
+        ds = torch.autograd.grad(out, logit_raw, dout_c, retain_graph=True)[0]
     inputs = [qc, kc, vc] + list(leaves.values())
     grads = torch.autograd.grad(out, inputs, grad_outputs=dout_c, allow_unused=True)
     res.dq, res.dk, res.dv = (g if g is not None else torch.zeros_like(x) for g, x in zip(grads[:3], inputs[:3]))
     for (name, leaf), g in zip(leaves.items(), grads[3:]):
         res.dparams[name] = clean(g, leaf).sum(dim=(0, 2, 3))
+    if is_ref and leaves and score is default_score:
+        for (name, leaf), d in zip(leaves.items(), dlp):
+            res.dparams[name] = _float32_derivatives(res.dparams[name], ds, d, leaf, clean)
     return res
+
+
+def _float32_derivatives(dparam: Tensor, ds: Tensor, dlp: Optional[Tensor], leaf: Tensor, clean) -> Tensor:
+    """A parameter's gradient as the kernels define it where the log-prior's derivative leaves
+    float32's range: sum dS * d log_prior / d theta with that derivative clamped to +-3.4e38
+    (the distance tables hold float32; docs/reliability.md, "float32's range"). Next to a kink
+    of a prior with beta < 1 (GGD, mu = 4e-44, beta = 0.05: |d - mu| ** (beta - 1) ~ 1e40) the
+    exact gradient may lie beyond float32's range, which no float32 result can hold. Unchanged
+    where every derivative is within range."""
+    big = torch.finfo(torch.float32).max
+    if dlp is None or not bool((dlp.abs() > big).any()):
+        return dparam
+    clamped = torch.where(torch.isnan(dlp), dlp, dlp.clamp(-big, big))
+    return clean(torch.where(ds != 0, ds * clamped, 0.0), leaf).sum(dim=(0, 2, 3))
 
 
 def gross_magnitudes(p, q, kx, vx, dout, scale, group, dlds_abs=None):

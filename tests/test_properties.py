@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 from tests.reference import reference_attention
 from tests.tolerance import assert_all_close
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 # --------------------------------------------------------------------------------------------
 # Hypothesis profiles
 
@@ -172,10 +174,15 @@ def run_case(case: Case):
     for name in prior.params:
         if isinstance(kparams[name], torch.Tensor):
             got["d" + name] = kparams[name].grad
+    # a parameter gradient beyond float32's range (next to a kink of a prior with beta < 1; the
+    # reference applies the kernels' clamped derivatives: reference._float32_derivatives) is
+    # +-inf when rounded to float32: it and the result are compared saturated at +-3.4e38
+    beyond = {"d" + name: ref.dparams[name].abs() > FLOAT32_MAX for name in prior.params}
     for name, t in got.items():
         assert t is not None, f"{name} has no gradient; case: {ctx}"
         got[name] = t.cpu()
-        assert bool(torch.isfinite(t).all()), f"{name} is not finite; case: {ctx}"
+        finite = torch.isfinite(got[name]) | beyond.get(name, False)
+        assert bool(finite.all()), f"{name} is not finite; case: {ctx}"
     assert qk.grad.dtype == dtype and kk.grad.dtype == dtype and vk.grad.dtype == dtype
 
     empty = ref.empty_rows
@@ -188,10 +195,11 @@ def run_case(case: Case):
                ("dq", got["dq"], ref.dq, pt.dq, ref.gross["dq"]),
                ("dk", got["dk"], ref.dk, pt.dk, ref.gross["dk"]),
                ("dv", got["dv"], ref.dv, pt.dv, ref.gross["dv"])]
+    saturated = lambda t: t.double().clamp(-FLOAT32_MAX, FLOAT32_MAX)   # noqa: E731 (NaN stays)
     for name in prior.params:
         if "d" + name in got:
-            results.append(("d" + name, got["d" + name], ref.dparams[name], pt.dparams[name],
-                            ref.gross["d" + name]))
+            results.append(("d" + name, saturated(got["d" + name]), saturated(ref.dparams[name]),
+                            saturated(pt.dparams[name]), ref.gross["d" + name]))
     return assert_all_close(results, dtype, context=ctx)
 
 
@@ -275,6 +283,14 @@ def _ggd(alpha, beta, mu, Hq=4):
 
 
 HARD_CASES = {
+    # a parameter gradient beyond float32's range: mu a subnormal 4e-44, beta 0.05, so
+    # |d - mu| ** (beta - 1) ~ 1e40 at d = 0 (found by the property tests; both D's draws)
+    "mu_subnormal_beta005_d16": dict(prior="generalized_gaussian", dtype="fp32", B=1, Hq=1, Hk=1, Nq=1,
+                                     Nk=2, D=16, causal=False, q_offset=0, k_offset=0, seed=0,
+                                     params=_ggd(0.5, 0.05, 3.783505853677006e-44, Hq=1)),
+    "mu_subnormal_beta005_d32": dict(prior="generalized_gaussian", dtype="fp32", B=1, Hq=1, Hk=1, Nq=1,
+                                     Nk=2, D=32, causal=False, q_offset=0, k_offset=0, seed=0,
+                                     params=_ggd(0.5, 0.05, 3.783505853677006e-44, Hq=1)),
     # single query, single key
     "n1_ggd": dict(prior="generalized_gaussian", dtype="fp32", B=1, Hq=4, Hk=4, Nq=1, Nk=1, D=16, causal=True,
                    q_offset=0, k_offset=0, params=_ggd(1.0, 0.3, 0.0)),
