@@ -3,8 +3,8 @@
     python benchmarks/gpu_check.py                        # what `make gpu-check` runs
     python benchmarks/gpu_check.py --bench-args "--n 1024 4096 --head-dim 64 128"
 
-With a CUDA GPU that torch can use, it runs three steps, one after the other, each under a time
-limit (LIMITS_S: the first two have their own, the benchmark gets what is left of TOTAL_S, 9.5
+With a CUDA GPU that torch can use, it runs four steps, one after the other, each under a time
+limit (LIMITS_S: the first three have their own, the benchmark gets what is left of TOTAL_S, 9.5
 minutes in all; a step killed at its limit counts as failed):
 
 1. ``properties``: the Triton backend's property tests and hard cases, and the module tests, with
@@ -14,9 +14,13 @@ minutes in all; a step killed at its limit counts as failed):
 2. ``aot``: tests/test_aot.py for this GPU's family only (``-k sm_90`` on Hopper and newer,
    ``-k sm_80`` on Ampere and Ada, the keys of the tile tables): every shipped prior's kernels
    compile with no register spills;
-3. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
+3. ``compile``: the Triton path under torch.compile (tests/test_compile.py -k triton, with
+   ``BAMGEN_TEST_DEVICE=cuda``): inductor compiles the triton ops' kernel launches, fullgraph and
+   dynamic, a training step over three lengths and decode steps over a growing cache, equal to
+   eager with no recompile;
+4. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
    report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
-   the raw results beside it as .json); this script then adds the outcome of the three steps
+   the raw results beside it as .json); this script then adds the outcome of the four steps
    and prints where the file is.
 
 It exits 0 when every step passed and 1 otherwise. Without a GPU (no CUDA device visible to
@@ -51,9 +55,10 @@ RESULTS = ROOT / "docs" / "results" / "gpu"
 # kernel (GPU, modelled)"); one flex compile each.
 BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64"
 PROPERTY_SELECTION = "triton or hard_case or module_init"
-# the property tests took 110 s on 15 workers on an H200 (docs/performance.md)
+# the property tests took 110 s on 15 workers on an H200 (docs/performance.md); the compile
+# tests take ~60 s on 2 CPU workers under the interpreter, most of it tracing
 TOTAL_S = 570
-LIMITS_S = {"properties": 200, "aot": 90}
+LIMITS_S = {"properties": 170, "aot": 90, "compile": 90}
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ def report_path(device_name: str, day: datetime.date, folder: Path) -> Path:
 
 def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
          workers: int = 0) -> tuple[Step, ...]:
-    """The three steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
+    """The four steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider") + (
         ("-n", str(workers)) if workers else ())
     bench = (python, "benchmarks/gpu.py", *shlex.split(bench_args),
@@ -108,6 +113,8 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
         Step("properties", pytest + ("tests/test_properties.py", "-k", PROPERTY_SELECTION),
              (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")), LIMITS_S["properties"]),
         Step("aot", pytest + ("tests/test_aot.py", "-k", arch), (), LIMITS_S["aot"]),
+        Step("compile", pytest + ("tests/test_compile.py", "-k", "triton"),
+             (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")), LIMITS_S["compile"]),
         Step("benchmark", bench, (), TOTAL_S - sum(LIMITS_S.values())),
     )
 
@@ -209,7 +216,8 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
             return 1
         print(f"gpu-check: no GPU here ({why}; nvidia-smi lists none), nothing run; with CUDA it "
               f"runs tests/test_properties.py -k \"{PROPERTY_SELECTION}\" on CUDA tensors, "
-              f"tests/test_aot.py -k <the GPU's sm_80|sm_90> and benchmarks/gpu.py "
+              f"tests/test_aot.py -k <the GPU's sm_80|sm_90>, tests/test_compile.py -k triton on "
+              f"CUDA tensors and benchmarks/gpu.py "
               f"{args.bench_args}, and writes docs/results/gpu/<device>-<date>.md")
         return 0
     arch = family(gpu.capability)

@@ -1,5 +1,5 @@
 """`make gpu-check` (benchmarks/gpu_check.py): without a GPU one line and exit 0, nothing written;
-with one, the three steps it runs select what they should, and one report comes out.
+with one, the four steps it runs select what they should, and one report comes out.
 
 The GPU branch runs here with its steps replaced (no GPU on the development machine); the real
 run is `make gpu-check` on a CUDA machine."""
@@ -100,6 +100,17 @@ def test_the_property_step_runs_the_triton_tests_on_cuda():
     assert not any("test_torch_backend_matches_reference" in i for i in ids)
 
 
+def test_the_compile_step_selects_the_triton_compile_tests():
+    gc = _load_script()
+    step = {s.name: s for s in gc.plan("sm_90", sys.executable, ROOT / "r.md")}["compile"]
+    ids = _collected(*step.argv[step.argv.index("tests/test_compile.py"):])
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert names == {"test_triton_path_compiles_through_triton_ops",
+                     "test_triton_decode_steps_compile_once",
+                     "test_triton_errors_under_compile_are_eager_errors",
+                     "test_triton_ops_trace_to_kernel_launches"}, names
+
+
 def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=()):
     """main() as on an H100, with each step's command replaced by a stand-in that takes its
     whole time limit."""
@@ -120,12 +131,14 @@ def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=()):
     return rc, ran, tmp_path / "nvidia-h100-80gb-hbm3-2026-11-22.md"
 
 
-def test_with_a_gpu_it_runs_three_steps_and_writes_one_report(monkeypatch, tmp_path, capsys):
+def test_with_a_gpu_it_runs_four_steps_and_writes_one_report(monkeypatch, tmp_path, capsys):
     gc = _load_script()
     rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path)
     assert rc == 0
-    assert [s.name for s in ran] == ["properties", "aot", "benchmark"]
+    assert [s.name for s in ran] == ["properties", "aot", "compile", "benchmark"]
     assert ran[1].argv[-2:] == ("-k", "sm_90")
+    assert ran[2].argv[-3:] == ("tests/test_compile.py", "-k", "triton")
+    assert dict(ran[2].env)["BAMGEN_TEST_DEVICE"] == "cuda"
     assert sum(s.limit_s for s in ran) == gc.TOTAL_S < 600         # within 10 minutes
     text = report.read_text()
     assert sum(line.startswith("|---") for line in text.splitlines()) == 1   # one table
@@ -136,7 +149,7 @@ def test_with_a_gpu_it_runs_three_steps_and_writes_one_report(monkeypatch, tmp_p
 def test_a_failed_step_fails_the_check_and_still_reports(monkeypatch, tmp_path, capsys):
     gc = _load_script()
     rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("aot",))
-    assert rc == 1 and len(ran) == 3
+    assert rc == 1 and len(ran) == 4
     assert "* aot: failed (exit 1)" in report.read_text()
     rc, _, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("benchmark",))
     assert rc == 1 and not report.exists()
