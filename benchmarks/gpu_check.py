@@ -15,7 +15,7 @@ minutes in all; a step killed at its limit counts as failed):
    ``-k sm_80`` on Ampere and Ada, the keys of the tile tables): every shipped prior's kernels
    compile with no register spills;
 3. ``compile``: the Triton path under torch.compile (tests/test_compile.py -k triton, with
-   ``BAMGEN_TEST_DEVICE=cuda``): inductor compiles the triton ops' kernel launches, fullgraph and
+   ``BAMGEN_TEST_DEVICE=cuda`` and ``TRITON_DEFAULT_FP_FUSION=0``, which the triton ops need): inductor compiles the triton ops' kernel launches, fullgraph and
    dynamic, a training step over three lengths and decode steps over a growing cache, equal to
    eager with no recompile;
 4. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
@@ -114,7 +114,8 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
              (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")), LIMITS_S["properties"]),
         Step("aot", pytest + ("tests/test_aot.py", "-k", arch), (), LIMITS_S["aot"]),
         Step("compile", pytest + ("tests/test_compile.py", "-k", "triton"),
-             (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")), LIMITS_S["compile"]),
+             (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0"),
+              ("TRITON_DEFAULT_FP_FUSION", "0")), LIMITS_S["compile"]),
         Step("benchmark", bench, (), TOTAL_S - sum(LIMITS_S.values())),
     )
 

@@ -108,6 +108,7 @@ def test_the_compile_step_selects_the_triton_compile_tests():
     assert names == {"test_triton_path_compiles_through_triton_ops",
                      "test_triton_decode_steps_compile_once",
                      "test_triton_errors_under_compile_are_eager_errors",
+                     "test_triton_ops_only_where_contraction_is_off",
                      "test_triton_ops_trace_to_kernel_launches"}, names
 
 
@@ -139,6 +140,7 @@ def test_with_a_gpu_it_runs_four_steps_and_writes_one_report(monkeypatch, tmp_pa
     assert ran[1].argv[-2:] == ("-k", "sm_90")
     assert ran[2].argv[-3:] == ("tests/test_compile.py", "-k", "triton")
     assert dict(ran[2].env)["BAMGEN_TEST_DEVICE"] == "cuda"
+    assert dict(ran[2].env)["TRITON_DEFAULT_FP_FUSION"] == "0"   # (the triton ops need it)
     assert sum(s.limit_s for s in ran) == gc.TOTAL_S < 600         # within 10 minutes
     text = report.read_text()
     assert sum(line.startswith("|---") for line in text.splitlines()) == 1   # one table
