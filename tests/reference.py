@@ -319,11 +319,12 @@ def _float32_derivatives(dparam: Tensor, ds: Tensor, dlp: Optional[Tensor], leaf
     (the distance tables hold float32; docs/reliability.md, "float32's range"). Next to a kink
     of a prior with beta < 1 (GGD, mu = 4e-44, beta = 0.05: |d - mu| ** (beta - 1) ~ 1e40) the
     exact gradient may lie beyond float32's range, which no float32 result can hold. Unchanged
-    where every derivative is within range."""
+    where every finite derivative is within range; an infinite or NaN derivative (a formula
+    that breaks at a parameter value, not a float32 limit) stays as it is, for the tests to see."""
     big = torch.finfo(torch.float32).max
-    if dlp is None or not bool((dlp.abs() > big).any()):
+    if dlp is None or not bool((torch.isfinite(dlp) & (dlp.abs() > big)).any()):
         return dparam
-    clamped = torch.where(torch.isnan(dlp), dlp, dlp.clamp(-big, big))
+    clamped = torch.where(torch.isfinite(dlp), dlp.clamp(-big, big), dlp)
     return clean(torch.where(ds != 0, ds * clamped, 0.0), leaf).sum(dim=(0, 2, 3))
 
 
