@@ -53,6 +53,7 @@ ParamValue = Union[float, int, Tensor]
 # log_prior(d, p) -> tensor broadcastable to [B, Hq, Nq, Nk]
 #   d: [B, 1, Nq, Nk] distances i_abs - j_abs (floating point, exact integers)
 #   p: {name: tensor [B, Hq, Nq, Nk]} (a per-element copy of the per-head value)
+LOG2E = 1.4426950408889634   # the kernels' z = logit * log2(e)
 LogPrior = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
 # score(s, lp, n, p) -> logits; s [B, Hq, Nq, Nk], lp [B, Hq, Nq, Nk] (or broadcastable), n [B, 1, Nq, 1]
 Score = Callable[[Tensor, Tensor, Tensor, Mapping[str, Tensor]], Tensor]
@@ -162,6 +163,25 @@ def _float32_range(lp: Tensor, visible: Tensor) -> Tensor:
     return torch.where(lp - peak < -torch.finfo(torch.float32).max, float("-inf"), lp)
 
 
+def _float32_logit_range(s: Tensor, lp: Tensor, n: Tensor, leaves: Mapping[str, Tensor], score,
+                          visible: Tensor) -> Tensor:
+    """For a score that scales s + log_prior (SSMax: times ssmax * log n), the log-prior with
+    -inf where the kernels' float32 logit is -inf. Both backends compute such a score's
+    z = logit * log2(e) in float32 from s + (log_prior minus its head's peak over the call), and
+    a z below -3.4e38 is -inf there. A row far from its head's best distance then sees no key,
+    where exact arithmetic would give it the softmax of its own keys (found by the runtime fuzz:
+    BAM-SSMax, ssmax = 1e30, queries at 2**23, rows 5 positions from the head's best one;
+    docs/reliability.md, "float32's range"). A per-row reference in the kernels would lift it."""
+    seen = visible & torch.isfinite(lp)
+    if seen.numel() == 0:
+        return lp
+    peak = torch.where(seen, lp, float("-inf")).amax(dim=(0, 2, 3), keepdim=True).detach()
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    with torch.no_grad():
+        z = score(s.detach(), lp.detach() - peak, n, {k: t.detach() for k, t in leaves.items()}) * LOG2E
+    return torch.where(z < -torch.finfo(torch.float32).max, float("-inf"), lp)
+
+
 def reference_attention(
     q: Tensor,
     k: Tensor,
@@ -231,6 +251,9 @@ def reference_attention(
         lp = log_prior(d[:, None], {**leaves, "i": i_pos[:, None, :, None], "j": j_pos[:, None, None, :]})
         if is_ref:
             lp = _float32_range(lp, visible[:, None])
+            if score is not default_score and score in ROW_SHIFTABLE:
+                n_seen = n_int.clamp(min=1).to(prior_dtype)[:, None, :, None]
+                lp = _float32_logit_range(s, lp, n_seen, leaves, score, visible[:, None])
         if score in ROW_SHIFTABLE and nk > 0:
             # a softmax ignores a constant per row, so measure the prior from its largest visible
             # value in the row (detached: its gradient meets sum_j dS = 0). Exact in real

@@ -322,6 +322,14 @@ FOUND = [
          params={"ta": [3.455420218736189], "tb": [1.9976575152159468], "tm": [50.0],
                  "ssmax": [2.622864470487978]},
          poison=None, seed=2339, use_module=False),
+    # SSMax with ssmax = 1e30, tb = 2 and queries at 2**23: rows 5 positions from the head's best
+    # distance have every z = logit * log2(e) below -3.4e38 in float32 (measured from the head's
+    # peak), so both backends see no key there (0) where exact arithmetic gives v of the best key.
+    # The reference now keeps that float32 range for such scores (_float32_logit_range).
+    Case(prior="bam_ssmax", backend="torch", dtype="fp32", B=1, Hq=2, Hk=1, Nq=17, Nk=3, D=1,
+         causal=False, q_offset=8388608, k_offset=0, layouts=("contiguous", "contiguous", "contiguous"),
+         params={"ta": [1.0, 1.0], "tb": [1.0, 2.0], "tm": [1.0, 1.0], "ssmax": [1e30, 1e30]},
+         poison=None, seed=0, use_module=False),
     # SSMax with tb = 300: the only key of row 1 lies 2.5e157 nats below the head's best
     # distance, beyond float32's range, so the kernels hold its log-prior as -inf; with one key
     # log(n) = 0 and the score (s - inf) * log(n) was NaN on both backends. A log-prior of -inf
