@@ -155,12 +155,17 @@ def _float32_range(lp: Tensor, visible: Tensor) -> Tensor:
     hidden (docs/reliability.md, "float32's range"). Without this rule a row whose every key
     lies 1e39 nats below its head's best distance (GGD with beta = 300 far from mu) is alive
     here and sees no key in the kernels."""
-    seen = visible & torch.isfinite(lp)
-    if seen.numel() == 0:   # no batch row, query or key: nothing to measure from
+    if visible.numel() == 0:   # no batch row, query or key: nothing to measure from
         return lp
+    return torch.where(lp - _head_peak(lp, visible) < -torch.finfo(torch.float32).max, float("-inf"), lp)
+
+
+def _head_peak(lp: Tensor, visible: Tensor) -> Tensor:
+    """Per head, the largest finite log-prior over the call's visible scores (0 where none is),
+    detached: what the kernels' distance table measures the prior from."""
+    seen = visible & torch.isfinite(lp)
     peak = torch.where(seen, lp, float("-inf")).amax(dim=(0, 2, 3), keepdim=True).detach()
-    peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    return torch.where(lp - peak < -torch.finfo(torch.float32).max, float("-inf"), lp)
+    return torch.where(torch.isfinite(peak), peak, 0.0)
 
 
 def _float32_logit_range(s: Tensor, lp: Tensor, n: Tensor, leaves: Mapping[str, Tensor], score,
@@ -172,13 +177,10 @@ def _float32_logit_range(s: Tensor, lp: Tensor, n: Tensor, leaves: Mapping[str, 
     where exact arithmetic would give it the softmax of its own keys (found by the runtime fuzz:
     BAM-SSMax, ssmax = 1e30, queries at 2**23, rows 5 positions from the head's best one;
     docs/reliability.md, "float32's range"). A per-row reference in the kernels would lift it."""
-    seen = visible & torch.isfinite(lp)
-    if seen.numel() == 0:
+    if visible.numel() == 0:
         return lp
-    peak = torch.where(seen, lp, float("-inf")).amax(dim=(0, 2, 3), keepdim=True).detach()
-    peak = torch.where(torch.isfinite(peak), peak, 0.0)
     with torch.no_grad():
-        z = score(s.detach(), lp.detach() - peak, n, {k: t.detach() for k, t in leaves.items()}) * LOG2E
+        z = score(s.detach(), lp.detach() - _head_peak(lp, visible), n, {k: t.detach() for k, t in leaves.items()}) * LOG2E
     return torch.where(z < -torch.finfo(torch.float32).max, float("-inf"), lp)
 
 
