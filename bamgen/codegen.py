@@ -156,7 +156,8 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         table=plan.table, distance_table=plan.distance_table, fwd_tab=_table_args(plan, grads=False), bwd_tab=_table_args(plan, grads=True),
         distance_value_first=(_first_output_first(plan.distance_table.code)
                               if plan.distance_table else None),
-        clamp_free=_clamp_free(plan),
+        clamp_free=_clamp_free(plan), table_groups=_table_groups(plan),
+        tile_row_sums=len(plan.learnable) >= 2,   # see the dQ kernel in triton_backward.py.jinja
         skip_repr=_float_repr(plan.skip), tile_kind=tile_kind(plan),
         triton_config=_render_tiles(tiles_for(plan)),
     )
@@ -204,6 +205,18 @@ def _table_args(plan: KernelPlan, grads: bool) -> str:
     names = [] if plan.score_is_identity else ["tab_v"]
     names += [f"tab_{n}" for n in plan.table.grads] if grads else []
     return "".join(f", {n}" for n in names)
+
+
+def _table_groups(plan: KernelPlan) -> tuple[tuple[str, ...], ...]:
+    """The dQ kernel's names for the interleaved backward table (table strategy with derivative
+    tables): tab_v then tab_<param> per distance, in groups of four (one 16-byte vector load
+    each), the last padded with unused names. Empty where there is no derivative table: the
+    dQ kernel then reads the log-prior alone from the forward's table."""
+    if plan.table is None or not plan.table.grads:
+        return ()
+    names = ["tab_v"] + [f"tab_{n}" for n in plan.table.grads]
+    names += [f"_tab_pad{k}" for k in range(-len(names) % 4)]
+    return tuple(tuple(names[k:k + 4]) for k in range(0, len(names), 4))
 
 
 def _clamp_free(plan: KernelPlan) -> tuple[str, ...]:

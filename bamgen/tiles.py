@@ -6,10 +6,10 @@ default, ``BAMGEN_AUTOTUNE=1`` times them all on a GPU). Register pressure decid
 and it depends on what the main loop computes per score:
 
 * ``light``: nothing or a causal-side ramp (NoPE, ALiBi) — the largest tiles;
-* ``table``: a gathered table entry, and in dQ one derivative table per learnable parameter
-  with two [BLOCK_M, BLOCK_N] accumulators each (GGD, BAM, Cauchy, KERPLE). On sm_90 dQ keeps
-  BLOCK_M = 64 (narrow BLOCK_N instead): below 64 rows there is no warpgroup MMA, and the warps
-  re-read K and V through shared memory for every product;
+* ``table``: a gathered table entry, and in dQ the derivative tables (one vector load per
+  four entries) with one [BLOCK_M, BLOCK_N] accumulator per learnable parameter (GGD, BAM,
+  Cauchy, KERPLE). On sm_90 both backward kernels keep the warpgroup MMA: 64 rows in dQ, 64
+  keys in dK/dV (below that the warps re-read their operands through shared memory);
 * ``general``: a printed expression per score, or a score other than s + log_prior (SSMax).
 
 Every entry compiles with no register spills and within the family's shared memory for every
@@ -29,7 +29,9 @@ TILES = {
     "light": {
         "sm_90": {
             64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
-            128: {"fwd": [(128, 64, 8, 2), (128, 128, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)],
+            # dK/dV: 32 keys are too few for the warpgroup MMA, so 64x32 re-reads its operands
+            # through shared memory (modelled LSU-bound at 691 cycles / 1k scores, 32x64: 318)
+            128: {"fwd": [(128, 64, 8, 2), (128, 128, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2), (64, 32, 4, 2)],
                   "bwd_dq": [(64, 32, 4, 2)]},
             256: _HEAD_256,
         },
@@ -44,8 +46,8 @@ TILES = {
     },
     "table": {
         "sm_90": {
-            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 16, 4, 2)]},
-            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(64, 16, 4, 2)]},
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
             256: _HEAD_256,
         },
         "sm_80": {
@@ -56,8 +58,8 @@ TILES = {
     },
     "general": {
         "sm_90": {
-            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 16, 4, 2)]},
-            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(64, 16, 4, 2)]},
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2), (32, 32, 8, 2)], "bwd_dq": [(64, 16, 4, 2)]},
             256: _HEAD_256,
         },
         "sm_80": {
@@ -72,9 +74,9 @@ TILES = {
 # tile is one MMA's 16 rows by the longest key tile the registers allow: shared-memory traffic
 # bounds its main loop, and a longer key tile issues fewer instructions per key (sm_90, head
 # dim 128: 16x128 models 9.9k LSU cycles per 1000 keys, 16x64 11.1k, 16x32 13.9k; 16x256
-# spills at head dim 64). What the prior computes per score matters little at 16 rows, so
-# every kind shares it.
-_DECODE = {64: [(16, 128, 4, 3)], 128: [(16, 128, 4, 2)], 256: [(16, 64, 4, 2)]}
+# spills at head dim 64; three stages there cap a table prior's registers and spill 8 bytes).
+# What the prior computes per score matters little at 16 rows, so every kind shares it.
+_DECODE = {64: [(16, 128, 4, 2)], 128: [(16, 128, 4, 2)], 256: [(16, 64, 4, 2)]}
 for _families in TILES.values():
     for _by_dim in _families.values():
         for _dim, _kernels in _by_dim.items():
