@@ -1,8 +1,9 @@
 """GPU readiness without a GPU: compile every shipped prior's kernels for sm_80 and sm_90 and
 print a markdown table of registers, spills, the main loop's instruction mix and the modelled
-cost, with ratios against the NoPE (uniform) kernel of the same target. Tiles differ between
-kinds of prior (bamgen/tiles.py), so costs compare per 1000 scores: the model's cycles per
-K/V tile of the main loop divided by the tile's scores.
+cost, with ratios against the NoPE (uniform) kernel of the same target, then the whole backward
+(dK/dV + dQ) of each prior against NoPE's. Tiles differ between kinds of prior
+(bamgen/tiles.py), so costs compare per 1000 scores: the model's cycles per K/V tile of the
+main loop divided by the tile's scores.
 
     python benchmarks/aot_report.py [--head-dim 128] [--dtype bf16] [--arch sm_90 ...]
 """
@@ -35,6 +36,7 @@ def main(argv=None):
               "| vs NoPE |")
         print("|" + "---|" * 20)
         baseline = {}
+        backward = {}   # prior -> {kernel: modelled cycles per 1000 scores} of dK/dV and dQ
         for path in paths:
             module = load_prior(path)
             for k in compile_module(module, arch=arch, dtype=args.dtype, head_dim=args.head_dim):
@@ -51,6 +53,22 @@ def main(argv=None):
                       f"{loop['total']} | {loop['mma']} | {loop['mufu']} | {loop['fp32']} | "
                       f"{loop['ld_global']} | {loop['ld_shared']} | {units} | {cost:.0f} | "
                       f"{model['bound']} | {cost / baseline[k.name]:.2f}x |", flush=True)
+                if k.name in ("attn_bwd_dkdv", "attn_bwd_dq"):
+                    backward.setdefault(path.stem, {})[k.name] = cost
+        print_backward(backward)
+
+
+def print_backward(backward: dict) -> None:
+    """The whole backward (dK/dV + dQ, parameter gradients included) per prior against NoPE's,
+    in modelled cycles per 1000 scores: the table behind the backward's bar."""
+    if "uniform" not in backward:
+        return
+    nope = sum(backward["uniform"].values())
+    print("\n| prior | dK/dV | dQ | backward | vs NoPE |\n|---|---|---|---|---|")
+    for name, kernels in backward.items():
+        total = sum(kernels.values())
+        print(f"| {name} | {kernels['attn_bwd_dkdv']:.0f} | {kernels['attn_bwd_dq']:.0f} | "
+              f"{total:.0f} | {total / nope:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
