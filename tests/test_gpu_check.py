@@ -96,7 +96,8 @@ def test_the_property_step_runs_the_triton_tests_on_cuda():
     ids = _collected(*props.argv[props.argv.index("tests/test_properties.py"):])
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert names == {"test_triton_backend_matches_reference", "test_hard_case",
-                     "test_hard_case_float_params", "test_module_initialisation_forward_backward"}, names
+                     "test_hard_case_float_params", "test_module_initialisation_forward_backward",
+                     "test_triton_gradients_are_bit_identical_run_to_run"}, names
     assert not any("test_torch_backend_matches_reference" in i for i in ids)
 
 
