@@ -184,8 +184,14 @@ def _print(rows, args):
           "| peak MiB per rank | / one process | sent MiB per rank |")
     print("|---|---|---|---|---|---|---|---|")
     for config, (t, held, peak, sent) in rows.items():
-        print(f"| {config} | {t * 1e3:.0f} | {t / base_t:.2f} | {held / 2**20:.1f} | {held / base_held:.2f} | "
-              f"{peak / 2**20:.1f} | {peak / base_peak:.2f} | {sent / 2**20:.1f} |")
+        print(f"| {config} | {t * 1e3:.0f} | {_ratio(t, base_t)} | {held / 2**20:.1f} | {_ratio(held, base_held)} | "
+              f"{peak / 2**20:.1f} | {_ratio(peak, base_peak)} | {sent / 2**20:.1f} |")
+
+
+def _ratio(value, base) -> str:
+    """value / base, or "-" where the base measured nothing: an RSS delta is 0 when the
+    allocator serves a small problem (--quick) from memory it already holds."""
+    return f"{value / base:.2f}" if base > 0 else "-"
 
 
 def main(argv=None) -> int:
