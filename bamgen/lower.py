@@ -85,6 +85,29 @@ class DistanceTable:
 
 
 @dataclass(frozen=True)
+class RowFactors:
+    """A score other than s + log_prior whose derivatives factor into a part that is constant
+    along a query row and a per-score part: SSMax's (s + log_prior) * ssmax * log(n) has
+    d logit / d s = ssmax * log(n), d logit / d ta = ssmax * log(n) * tab_ta and
+    d logit / d ssmax = log(n) * (s + tab_v). The dQ kernel then accumulates the per-score
+    parts only and multiplies each row's sums by its row factors once, after the key loop, and
+    the dK/dV kernel folds d logit / d s into the row's softmax term: the main loops lose a
+    multiply, a compare and a select per score and per parameter (sympy's as_independent
+    finds the split, so any such prior gets it)."""
+    row: CodeBlock     # over pos_i, pos_n: d logit / d s, then each learnable parameter's row factor
+    score: CodeBlock   # per score: each learnable parameter's remaining factor
+    # The logit as u * r, r the row's (SSMax's ssmax * log(n)) and u per score (s + tab_v):
+    # every kernel computes r * log2(e) once per row and z = u * that, one multiply per score;
+    # where u = s + v, u = fma(q.k, scale, v). logit_score's output is v where logit_fma, else u.
+    logit_row: CodeBlock | None = None
+    logit_score: CodeBlock | None = None
+    logit_fma: bool = False
+    # parameters whose per-score factor is u (SSMax's ssmax): finite wherever P > 0 (a P > 0
+    # needs a finite logit), so the dQ kernel takes u as it is, unclamped
+    logit_factor: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     """Everything the templates need about one prior."""
     ir: PriorIR
@@ -106,6 +129,7 @@ class KernelPlan:
     # Block skipping (table strategy): key tiles whose table entries (log_prior) are all <= skip
     # are not visited; -inf skips exactly where the prior is -oo, a finite bound is skip_below.
     skip: float | None = None
+    row_factors: RowFactors | None = None   # for a score other than s + log_prior, see RowFactors
 
     @property
     def has_bias_hook(self) -> bool:
@@ -192,6 +216,9 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
             logit=_code_block([split.logit], table_names, "torch"),
             backward=_code_block([split.logit, split.dlogit_ds] + [g for _, g in split.grads],
                                  table_names, "torch"))
+    row_factors = None
+    if not ir.score_is_identity:
+        row_factors = _row_factors(ir, split if strategy == "table" else None, names)
     skip = None
     if strategy == "table" and skippable:
         skip = -ir.spec.skip_below if ir.spec.skip_below else -math.inf
@@ -200,7 +227,40 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
                       positions_used=ir.positions_used, score_is_identity=ir.score_is_identity,
                       triton_fwd=blocks["triton", "fwd"], triton_bwd=blocks["triton", "bwd"],
                       torch_fwd=blocks["torch", "fwd"], torch_bwd=blocks["torch", "bwd"],
-                      table=table, distance_table=distance_table, cost=cost)
+                      table=table, distance_table=distance_table, cost=cost,
+                      row_factors=row_factors)
+
+
+def _row_factors(ir: PriorIR, split: TableIR | None, names: dict) -> RowFactors | None:
+    """Split d logit / d s and each parameter derivative into (row part) * (per-score part), the
+    row part a function of i, n and the parameters alone; None unless d logit / d s is all row
+    part (then dS times it reaches dQ and dK as a per-row scale)."""
+    pos = position_symbols()
+    if split is not None:
+        names = dict(names)
+        names[TABLE_VALUE] = "tab_v"
+        names.update({table_grad_symbol(n): f"tab_{n}" for n, _ in split.value_grads})
+        dlogit_ds, grads = split.dlogit_ds, split.grads
+        table_symbols = [TABLE_VALUE, *(table_grad_symbol(n) for n, _ in split.value_grads)]
+    else:
+        dlogit_ds, grads, table_symbols = ir.dlogit_ds, ir.grads, []
+    per_score = [S, pos["d"], pos["j"], *table_symbols]
+    row_s, rest = dlogit_ds.as_independent(*per_score, as_Add=False)
+    if rest != 1:
+        return None
+    parts = [g.as_independent(*per_score, as_Add=False) for _, g in grads]
+    logit = split.logit if split is not None else ir.logit
+    logit_row, logit_score = logit.as_independent(*per_score, as_Add=False)
+    rest = sp.expand(logit_score - S)
+    logit_fma = not rest.has(S)
+    return RowFactors(row=_code_block([row_s] + [row for row, _ in parts], names, "triton", prefix="w"),
+                      score=_code_block([score for _, score in parts], names, "triton", prefix="g"),
+                      logit_row=_code_block([logit_row], names, "triton", prefix="f"),
+                      logit_score=_code_block([rest if logit_fma else logit_score], names, "triton",
+                                              prefix="h"),
+                      logit_fma=logit_fma,
+                      logit_factor=tuple(name for (name, _), (_, score) in zip(grads, parts)
+                                         if score == logit_score and score.has(S)))
 
 
 def _skippable(ir: PriorIR, split: TableIR | None) -> bool:
