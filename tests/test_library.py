@@ -46,6 +46,20 @@ def test_library_is_all_shipped():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", sorted(LIBRARY))
 def test_shipped_prior_matches_reference(name, backend):
+    _check_against_reference(name, backend)
+
+
+@pytest.mark.parametrize("dq_tile", [(64, 32, 4, 1), (64, 64, 4, 1)])
+def test_ssmax_dq_with_per_tile_parameter_sums(dq_tile, monkeypatch):
+    """SSMax's dQ kernel reduces the parameters' sums per key tile where a tile has 2048 scores
+    or more (TILE_GRAD_SUMS: sm_90's 64x32), and per score below (the interpreter's default
+    32x16 tile, which the other tests run): both paths against the reference."""
+    module = importlib.import_module("generated.bam_ssmax")
+    monkeypatch.setitem(module.TRITON_INTERPRET_CONFIG, "bwd_dq", dq_tile)
+    _check_against_reference("bam_ssmax", "triton")
+
+
+def _check_against_reference(name, backend):
     log_prior, score, values, learnable, kink = LIBRARY[name]
     module = importlib.import_module(f"generated.{name}")
     assert module.LEARNABLE == learnable
