@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/bamgen build --all -o generated
 	$(PY) examples/demo.py
 
-# The whole suite but the aot_full part of the AOT compile matrix (about 14 minutes on 2 cores);
+# The whole suite but the aot_full part of the AOT compile matrix (about 10 minutes on 2 cores);
 # test-full adds it (the other priors' compiles at head dim 64 and on sm_80, and their decode
 # kernels: about 5 more minutes).
 test: $(STAMP)
