@@ -36,8 +36,9 @@ clean:
 
 # On a CUDA machine, in an environment that already has torch, triton, pytest and hypothesis
 # (pytest-xdist used if present; no venv: a GPU user keeps their own CUDA build of torch): the
-# property tests with CUDA tensors, the AOT checks for the local GPU family and benchmarks/gpu.py,
-# whose table goes to docs/results/gpu/<device>-<date>.md; under 10 minutes. Without a GPU it
+# property tests and the shipped priors' Triton checks with CUDA tensors, the AOT checks for the
+# local GPU family and benchmarks/gpu.py, whose table goes to docs/results/gpu/<device>-<date>.md;
+# under 10 minutes. Without a GPU it
 # says so in one line and exits 0. GPU_BENCH_ARGS replaces the benchmark's sizes
 # (benchmarks/gpu_check.py says which).
 GPU_BENCH_ARGS ?=

@@ -97,8 +97,12 @@ def test_the_property_step_runs_the_triton_tests_on_cuda():
     names = {i.split("::")[1].split("[")[0] for i in ids}
     assert names == {"test_triton_backend_matches_reference", "test_hard_case",
                      "test_hard_case_float_params", "test_module_initialisation_forward_backward",
-                     "test_triton_gradients_are_bit_identical_run_to_run"}, names
+                     "test_triton_gradients_are_bit_identical_run_to_run",
+                     "test_shipped_prior_matches_reference"}, names
     assert not any("test_torch_backend_matches_reference" in i for i in ids)
+    library = {i for i in ids if "test_shipped_prior_matches_reference" in i}
+    assert all(i.endswith("-triton]") for i in library), library
+    assert any("[bam_ssmax-triton]" in i for i in library), library   # (the properties draw no SSMax)
 
 
 def test_the_compile_step_selects_the_triton_compile_tests():

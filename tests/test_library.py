@@ -3,6 +3,7 @@ plain torch (independent of the compiler), on both paths, output and every learn
 (uniform, laplace and generalized_gaussian are covered in depth by test_properties.py.)"""
 import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -59,8 +60,14 @@ def test_ssmax_dq_with_per_tile_parameter_sums(dq_tile, monkeypatch):
     _check_against_reference("bam_ssmax", "triton")
 
 
+# BAMGEN_TEST_DEVICE=cuda (make gpu-check) runs the Triton checks on a GPU, as in
+# tests/test_properties.py; the reference stays float64 on the CPU
+DEVICE = torch.device(os.environ.get("BAMGEN_TEST_DEVICE", "cpu"))
+
+
 def _check_against_reference(name, backend):
     log_prior, score, values, learnable, kink = LIBRARY[name]
+    dev = DEVICE if backend == "triton" else torch.device("cpu")
     module = importlib.import_module(f"generated.{name}")
     assert module.LEARNABLE == learnable
     torch.manual_seed(11)
@@ -68,11 +75,11 @@ def _check_against_reference(name, backend):
     q, k, v = torch.randn(B, Hq, Nq, D), torch.randn(B, Hk, Nk, D), torch.randn(B, Hk, Nk, D)
     dout = torch.randn(B, Hq, Nq, D)
     params = {n: torch.tensor(vals) for n, vals in values.items()}
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    p_leaves = {n: t.clone().requires_grad_(n in learnable) for n, t in params.items()}
+    leaves = [t.clone().to(dev).requires_grad_() for t in (q, k, v)]
+    p_leaves = {n: t.clone().to(dev).requires_grad_(n in learnable) for n, t in params.items()}
     out = module.attention(*leaves, **p_leaves, causal=True, q_offset=Nk - Nq, backend=backend)
     wrt = leaves + [p_leaves[n] for n in learnable]
-    grads = torch.autograd.grad(out, wrt, dout)
+    out, *grads = (t.cpu() for t in (out, *torch.autograd.grad(out, wrt, dout.to(dev))))
     kw = dict(causal=True, q_offset=Nk - Nq, score=score, kink=kink, dout=dout)
     ref = reference_attention(q, k, v, params, log_prior, **kw)
     pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
