@@ -284,6 +284,26 @@ def test_nan_in_padding_reaches_nothing(backend):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("prior", ["generalized_gaussian", "bam_ssmax"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_that_see_no_key_stay_zero_beside_an_infinite_value(prior, backend):
+    """Rows before the first key see nothing: their output and dQ are exactly 0, also when a
+    key they do not see holds inf in V (the kernels' P @ V multiplies it by a P of 0, and
+    0 * inf is NaN). Rows that do see that key are non-finite, as the input makes them."""
+    mod = load(prior)
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Nq, Nk, D, first_key = 1, 2, 17, 40, 16, 5
+    params = params_for(mod, Hq, g)
+    q, dout = (torch.randn(B, Hq, Nq, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, Hq, Nk, D, generator=g) for _ in range(2))
+    v[:, :, 2] = float("inf")   # key position first_key + 2: rows 7.. see it
+    out, grads = run(mod, q, k, v, dout, params, backend, causal=True, k_offset=first_key)
+    dead = slice(0, first_key)
+    assert bool((out[:, :, dead] == 0).all()), out[:, :, dead]
+    assert bool((grads[0][:, :, dead] == 0).all()), grads[0][:, :, dead]
+    assert not bool(torch.isfinite(out[:, :, first_key + 2:]).all())
+
+
 def test_n_counts_the_keys_a_query_sees():
     """SSMax's n after the causal rule, the document and key_mask, against a plain count: a
     query that sees 3 keys has logit (s + log_prior) * ssmax * log 3."""
