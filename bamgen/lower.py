@@ -126,6 +126,9 @@ class KernelPlan:
     # other score, triton_fwd holds the logit and triton_bwd (logit, d logit / d s, derivatives).
     cost: tuple[tuple[str, int], ...] = ()   # the cost model's figures, for `bamgen show`
     ramp: CodeBlock | None = None   # a causal-side linear bias, see _causal_ramp
+    # the ramp's prior is even in d (ALiBi's -|d|/b): without the causal mask too, a row's
+    # scores are measured from its nearest key, slope * (|d| - |d_ref|) (_ramp_nearest_key)
+    ramp_symmetric: bool = False
     # Block skipping (table strategy): key tiles whose table entries (log_prior) are all <= skip
     # are not visited; -inf skips exactly where the prior is -oo, a finite bound is skip_below.
     skip: float | None = None
@@ -224,6 +227,7 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
         skip = -ir.spec.skip_below if ir.spec.skip_below else -math.inf
     return KernelPlan(ir=ir, strategy=strategy, params=params, skip=skip,
                       ramp=ramp if strategy == "inline" else None,
+                      ramp_symmetric=ramp is not None and strategy == "inline" and _is_even_in_d(ir),
                       positions_used=ir.positions_used, score_is_identity=ir.score_is_identity,
                       triton_fwd=blocks["triton", "fwd"], triton_bwd=blocks["triton", "bwd"],
                       torch_fwd=blocks["torch", "fwd"], torch_bwd=blocks["torch", "bwd"],
@@ -296,6 +300,13 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
     symbols = {p.name: p.symbol() for p in ir.spec.params}
     slope_grads = [sp.log(2) * sp.diff(slope, symbols[name]) for name, _ in ir.grads]
     return _code_block([slope, intercept, *slope_grads], names, "triton", prefix="r")
+
+
+def _is_even_in_d(ir: PriorIR) -> bool:
+    """The log-prior is the same at d and -d (a function of |d|)."""
+    d = position_symbols()["d"]
+    bias = ir.logit.xreplace({S: sp.S.Zero})
+    return sp.simplify(bias.xreplace({d: -d}) - bias) == 0
 
 
 def _table_blocks(split: TableIR, names: dict, ir: PriorIR) -> tuple[TablePlan, CodeBlock, CodeBlock]:

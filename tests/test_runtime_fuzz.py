@@ -339,6 +339,15 @@ FOUND = [
          causal=False, q_offset=0, k_offset=0, layouts=("contiguous", "contiguous", "contiguous"),
          params={"ta": [1.0, 1.0], "tb": [300.0, 300.0], "tm": [1.0, 1.0], "ssmax": [1.0, 1.0]},
          poison=None, seed=0, use_module=False),
+    # ALiBi without the causal mask, queries at 2**23 against keys at 2**24 - 64, b = 0.08: the
+    # logits -|d|/b are near -1e8, which float32 rounds in steps of 8, and the Triton path
+    # evaluated them per score (output 1.8 off). An even ramp is now measured from each row's
+    # nearest key there too (_ramp_logit2).
+    Case(prior="laplace", backend="triton", dtype="bf16", B=2, Hq=2, Hk=2, Nq=17, Nk=3, D=16,
+         causal=False, q_offset=2 ** 23, k_offset=2 ** 24 - 64,
+         layouts=("narrow", "strided_slice", "contiguous"),
+         params={"b": [0.0805374449538, 0.0805374449538]}, poison=None, seed=705220625,
+         use_module=False),
     # The same range for a logit s + log_prior (GGD, beta = 300, mu = -2.35): row 1's key is
     # 1e157 below the head's best, -inf in the kernels' table; the row sees no key (0).
     Case(prior="generalized_gaussian", backend="torch", dtype="fp32", B=1, Hq=2, Hk=1, Nq=2, Nk=1,
