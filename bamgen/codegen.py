@@ -153,8 +153,9 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         # logits in every kernel; see triton_common.py.jinja)
         logit_block=plan.triton_fwd if plan.score_is_identity else plan.triton_bwd,
         logit_args=_scalar_args(plan, plan.triton_fwd if plan.score_is_identity else plan.triton_bwd),
-        prm_args="".join(f", prm_{p.name}" for p in plan.params), row_cache=_row_cache(plan),
-        row_args=_scalar_args(plan, plan.row_factors.row) if plan.row_factors else "",
+        prm_args="".join(f", prm_{p.name}" for p in plan.params),
+        # the backward's preprocess kernel evaluates the row factors for dK/dV (_bwd_preprocess)
+        row_cache=plan.row_factors is not None and not plan.row_factors.reads_i,
         score_args=_scalar_args(plan, plan.row_factors.score) if plan.row_factors else "",
         table=plan.table, distance_table=plan.distance_table, fwd_tab=_table_args(plan, grads=False), bwd_tab=_table_args(plan, grads=True),
         distance_value_first=(_first_output_first(plan.distance_table.code)
@@ -231,19 +232,6 @@ def _clamp_free(plan: KernelPlan) -> tuple[str, ...]:
     else:
         outputs = plan.triton_bwd.outputs[0 if plan.score_is_identity else 2:]
     return tuple(p.name for p, out in zip(plan.learnable, outputs) if out == f"tab_{p.name}")
-
-
-def _row_cache(plan: KernelPlan) -> bool:
-    """The backward's preprocess kernel evaluates the row factors (RowFactors) once per row for
-    the dK/dV kernel: possible where they read the key count n and the parameters alone (a
-    factor in i would need each layout's positions there)."""
-    factors = plan.row_factors
-    if factors is None:
-        return False
-    blocks = (factors.row, factors.logit_row)
-    code = " ".join(c for b in blocks for _, c in b.hoisted + b.body) + " " + \
-        " ".join(o for b in blocks for o in b.outputs)
-    return re.search(r"\bpos_i\b", code) is None
 
 
 def _tidy(text: str) -> str:

@@ -105,6 +105,9 @@ class RowFactors:
     # parameters whose per-score factor is u (SSMax's ssmax): finite wherever P > 0 (a P > 0
     # needs a finite logit), so the dQ kernel takes u as it is, unclamped
     logit_factor: tuple[str, ...] = ()
+    # the row factors read the query position i (not only n and the parameters): the backward's
+    # preprocess kernel, which knows no layout's positions, cannot evaluate them for dK/dV
+    reads_i: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,8 @@ def _row_factors(ir: PriorIR, split: TableIR | None, names: dict) -> RowFactors 
                                               prefix="h"),
                       logit_fma=logit_fma,
                       logit_factor=tuple(name for (name, _), (_, score) in zip(grads, parts)
-                                         if score == logit_score and score.has(S)))
+                                         if score == logit_score and score.has(S)),
+                      reads_i=any(e.has(pos["i"]) for e in [row_s, logit_row, *(r for r, _ in parts)]))
 
 
 def _skippable(ir: PriorIR, split: TableIR | None) -> bool:
