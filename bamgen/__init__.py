@@ -6,7 +6,7 @@
 """
 __version__ = "0.1.0"
 
-from .cache import install_import_hook as _install_import_hook  # noqa: E402
+from .driver.cache import install_import_hook as _install_import_hook  # noqa: E402
 from .errors import SpecError  # noqa: E402
 
 __all__ = ["SpecError", "build", "load", "param_groups", "__version__"]
@@ -18,16 +18,16 @@ _install_import_hook()
 
 def build(path, out_dir="generated", *, strategy=None, check=False):
     """Build one prior file (or shipped prior, by name) into ``out_dir``; see
-    :func:`bamgen.codegen.build_file`."""
-    from .codegen import build_file
+    :func:`bamgen.driver.build.build_file`."""
+    from .driver.build import build_file
     return build_file(path, out_dir, strategy=strategy, check=check)
 
 
 def load(path, *, strategy=None, cache_dir=None):
     """Build a prior file, or a shipped prior by the name ``bamgen list`` prints, into a cache
     keyed by everything that decides its bytes, and import the module (picklable: see
-    bamgen/cache.py). ``cache_dir`` defaults to $BAMGEN_CACHE_DIR, else ~/.cache/bamgen."""
-    from .loader import load_prior
+    bamgen/driver/cache.py). ``cache_dir`` defaults to $BAMGEN_CACHE_DIR, else ~/.cache/bamgen."""
+    from .driver.loader import load_prior
     return load_prior(path, strategy=strategy, cache_dir=cache_dir)
 
 

@@ -188,12 +188,13 @@ def _alignment_hints(fn, signature: dict) -> dict:
     return hints
 
 
-def _fp_fusion(module: ModuleType, kernel: str) -> bool:
-    """The kernel's FMA-contraction setting as the module launches it: its attention kernels
+def _fp_fusion(kernel: str) -> bool:
+    """The kernel's FMA-contraction setting as the runtime launches it: the attention kernels
     run with FP_FUSION (off: the backward must recompute the forward's logits bit for bit),
     the other kernels with Triton's default (on)."""
+    from .runtime.triton.launch import FP_FUSION
     if kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_decode"):
-        return getattr(module, "FP_FUSION", True)
+        return FP_FUSION
     return True
 
 
@@ -222,7 +223,7 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
                            attrs=_alignment_hints(fn, signature))
         kernel = triton.compile(source,
                                 target=target, options={"num_warps": warps, "num_stages": stages,
-                                                        "enable_fp_fusion": _fp_fusion(module, name)})
+                                                        "enable_fp_fusion": _fp_fusion(name)})
         cubin = kernel.asm["cubin"]
         usage = resource_usage(cubin)
         instructions = disassemble(cubin)
@@ -281,10 +282,11 @@ def decode_step_model(module: ModuleType, kernels: dict[str, dict], arch: str, h
                       dtype_bytes: int = 2, shapes=DECODE_SHAPES) -> list[DecodeStep]:
     """The decode step at each shape, from the compiled kernels' loop models (``kernels``: name ->
     {"block": (BLOCK_M, BLOCK_N), "cycles_per_tile": ...}, as `bamgen inspect` reports them) and
-    the module's own split rule (``_decode_splits``). The prefill kernel gives one row a whole
+    the runtime's split rule (``decode_splits``). The prefill kernel gives one row a whole
     query tile and one program per (batch, head) that walks every key; the decode kernel splits
     the keys over programs, then the combine kernel merges the splits' partials (float32,
     written and read once: its DRAM traffic; its arithmetic is negligible)."""
+    from .runtime.triton.launch import decode_splits
     fwd, dec = kernels["attn_fwd"], kernels["attn_decode"]
     steps = []
     for shape in shapes:
@@ -292,7 +294,7 @@ def decode_step_model(module: ModuleType, kernels: dict[str, dict], arch: str, h
         kv_bytes = batch * hk * keys * head_dim * 2 * dtype_bytes   # K and V, read once from DRAM
         prefill = _kernel_us(arch, batch * hq, -(-keys // fwd["block"][1]), fwd["cycles_per_tile"],
                              kv_bytes) + LAUNCH_US
-        per_split, splits = module._decode_splits(keys, batch * hq, dec["block"][1], GPU[arch]["sms"])
+        per_split, splits = decode_splits(keys, batch * hq, dec["block"][1], GPU[arch]["sms"])
         partial_bytes = splits * batch * hq * (head_dim + 2) * 4
         decode = (_kernel_us(arch, batch * hq * splits, -(-per_split // dec["block"][1]),
                              dec["cycles_per_tile"], kv_bytes + partial_bytes)

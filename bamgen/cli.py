@@ -13,13 +13,14 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .codegen import Artifact, compile_spec
+from .compiler.codegen import Artifact
+from .driver.build import compile_spec
 from .errors import SpecError
-from .files import BuildLockTimeout, holds, write_if_different
-from .lower import STRATEGIES
+from .driver.files import BuildLockTimeout, holds, write_if_different
+from .compiler.lower import STRATEGIES
 from .resources import resolve_prior, shipped_priors
-from .spec import load_spec
-from .timeout import BuildTimeout, time_limit
+from .compiler.spec import load_spec
+from .compiler.timeout import BuildTimeout, time_limit
 
 BUILD_SECONDS = 120
 
@@ -47,15 +48,18 @@ def main() -> None:
               help="Write nothing; exit 1 if an output is missing or differs.")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default=None,
               help="Override the lowering strategy the cost model picks.")
+@click.option("--standalone", is_flag=True,
+              help="Inline bamgen's runtime: one file per prior that runs without bamgen "
+                   "installed (about 200 KB; it keeps the runtime of this build).")
 def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
-          strategy: str | None) -> None:
-    """Build prior FILES (paths, or shipped priors' names) into standalone Python modules."""
+          strategy: str | None, standalone: bool) -> None:
+    """Build prior FILES (paths, or shipped priors' names) into Python modules."""
     paths = list(files) + (shipped_priors() if build_all else [])
     if not paths:
         _fail("no prior files given; pass FILE... or --all")
     if out_dir.exists() and not out_dir.is_dir():
         _fail(f"--out {out_dir} exists and is not a folder")
-    artifacts = _compile_all(paths, strategy)
+    artifacts = _compile_all(paths, strategy, standalone)
     stale = []
     for path, artifact in zip(paths, artifacts):
         target = out_dir / artifact.filename
@@ -100,12 +104,12 @@ def _reported(path: Path, doing: str = "building"):
               f"{str(exc)[:200]}); please report it with the prior file")
 
 
-def _compile_all(paths: list[Path], strategy: str | None) -> list[Artifact]:
+def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = False) -> list[Artifact]:
     """Compile every file in memory first: one bad file means nothing is written."""
     artifacts, names = [], {}
     for path in paths:
         with _reported(path):
-            artifact = compile_spec(load_spec(resolve_prior(path)), strategy)
+            artifact = compile_spec(load_spec(resolve_prior(path)), strategy, standalone=standalone)
         if artifact.name in names:
             _fail(f"{path} and {names[artifact.name]} both define the prior '{artifact.name}'")
         names[artifact.name] = path
@@ -141,7 +145,7 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
     import os
     os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU, not the interpreter
     from .aot import compile_module, decode_step_model, loop_model
-    from .loader import import_module_file, load_prior
+    from .driver.loader import import_module_file, load_prior
     with _reported(file):
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
     with _reported(file, f"compiling for {arch}"):
@@ -222,7 +226,7 @@ def _mix(mix: dict) -> dict:
 
 
 def _load_ir(file: Path):
-    from .symbolic import analyse
+    from .compiler.symbolic import analyse
     with _reported(file, "analysing"):
         return analyse(load_spec(file))
 
@@ -233,8 +237,8 @@ def _load_ir(file: Path):
               help="Number of heads for the analysis at init.")
 def show(file: Path, heads: int) -> None:
     """Show the derived log-prior, its derivatives, the kernel plan and an analysis."""
-    from .analysis import analyse_prior
-    from .lower import plan as make_plan
+    from .compiler.analysis import analyse_prior
+    from .driver.build import plan_prior as make_plan
     ir = _load_ir(file)
     spec = ir.spec
     click.echo(f"prior '{spec.name}' ({file})" + (f": {spec.description}" if spec.description else ""))
@@ -304,7 +308,7 @@ def plot(file: Path, out_file: Path, heads: int, max_distance: int) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         _fail("bamgen plot needs matplotlib: pip install 'bamgen[plot]'")
-    from .analysis import init_values, log_prior_function
+    from .compiler.analysis import init_values, log_prior_function
     ir = _load_ir(file)
     if out_file.suffix.lower() != ".png":
         _fail(f"--out {out_file}: give a .png file name")

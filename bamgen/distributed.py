@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -136,35 +135,28 @@ def unshard(x, group=None, dim=2):
 # --------------------------------------------------------------------------------------------
 # what the prior needs from the ring
 # --------------------------------------------------------------------------------------------
-def _symbols(formula: str) -> set[str]:
-    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", formula))
-
-
 @dataclass(frozen=True)
-class _PriorTraits:
-    """What the ring must know about a prior, read from the module's PRIOR metadata.
+class _RingTraits:
+    """What the ring must know about a prior, from its module's TRAITS (bamgen.runtime.traits).
 
     uses_n: the logit uses n (the number of keys the query sees): every block is given the
         count over the whole row (the block API's `n`), not over its own keys.
-    window: the log-prior can be -oo (a window), or the file sets skip_below, and it depends on
-        positions through d alone with the default score, so a (query chunk, key chunk) pair
-        whose every distance is outside the window (or below the bound) can be skipped; the
-        ring finds those pairs by evaluating the log-prior per distance.
+    window: the log-prior can be -oo (a window), or the file sets skip_below, and the logit is
+        s + f(d), so a (query chunk, key chunk) pair whose every distance is outside the window
+        (or below the bound) can be skipped; the ring finds those pairs by evaluating the
+        log-prior per distance.
     skip_below: the file's skip_below (nats below the head's largest log-prior), else None."""
     uses_n: bool
     window: bool
     skip_below: Optional[float] = None
 
 
-def _traits(mod) -> _PriorTraits:
-    prior = mod.PRIOR
-    log_prior = _symbols(prior.get("log_prior_simplified", prior["log_prior"]))
-    score = _symbols(prior.get("score", "s + log_prior"))
-    uses_n = "n" in log_prior | score
-    d_only = not (log_prior & {"i", "j", "n"}) and prior.get("score", "s + log_prior") == "s + log_prior"
-    skip_below = prior.get("skip_below") if d_only else None
-    return _PriorTraits(uses_n=uses_n, window=d_only and ("oo" in log_prior or skip_below is not None),
-                        skip_below=skip_below)
+def _traits(mod) -> _RingTraits:
+    traits = mod.TRAITS
+    skip_below = traits.skip_below if traits.table_path else None
+    return _RingTraits(uses_n=traits.uses_n,
+                       window=traits.table_path and (traits.window or skip_below is not None),
+                       skip_below=skip_below)
 
 
 # --------------------------------------------------------------------------------------------
@@ -607,7 +599,7 @@ def _block_params(mod, fixed, learned):
 # --------------------------------------------------------------------------------------------
 def _check_module(mod):
     needed = ("forward_block", "backward_block", "finish_param_grads", "log_prior_at", "PARAM_NAMES",
-              "LEARNABLE", "PRIOR")
+              "LEARNABLE", "PRIOR", "TRAITS")
     missing = [name for name in needed if not hasattr(mod, name)]
     if isinstance(mod, torch.nn.Module):
         raise ValueError("mod must be the generated module (e.g. generated.generalized_gaussian), not "

@@ -2,7 +2,7 @@
 print a markdown table of registers, spills, the main loop's instruction mix and the modelled
 cost, with ratios against the NoPE (uniform) kernel of the same target, then the whole backward
 (dK/dV + dQ) of each prior against NoPE's. Tiles differ between kinds of prior
-(bamgen/tiles.py), so costs compare per 1000 scores: the model's cycles per K/V tile of the
+(bamgen/runtime/triton/tiles.py), so costs compare per 1000 scores: the model's cycles per K/V tile of the
 main loop divided by the tile's scores.
 
     python benchmarks/aot_report.py [--head-dim 128] [--dtype bf16] [--arch sm_90 ...]
@@ -16,7 +16,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bamgen.aot import compile_module, loop_model  # noqa: E402
-from bamgen.loader import load_prior  # noqa: E402
+from bamgen.driver.loader import load_prior  # noqa: E402
 from bamgen.resources import shipped_priors  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """CPU benchmark of the generated torch path against its peers.
 
     python benchmarks/cpu.py                      # N = 1024 2048 4096 8192, H=8, D=64, causal, fp32
-    python benchmarks/cpu.py --quick              # tiny smoke run (used by tests/test_cpu_path.py)
+    python benchmarks/cpu.py --quick              # tiny smoke run (used by tests/runtime/test_cpu_path.py)
     python benchmarks/cpu.py --memory-scaling     # peak memory of fwd+bwd up to N=16384
     python benchmarks/cpu.py --decode             # one decode step (1 query, N cached keys)
 
@@ -81,9 +81,9 @@ class Problem:
         self.dout = torch.randn(1, heads, n, dim, generator=g).to(dtype)
         self.ggd = _load_generated("generalized_gaussian", module_dir)
         self.laplace = _load_generated("laplace", module_dir)
-        for module in (self.ggd, self.laplace):
-            for name, value in (overrides or {}).items():
-                setattr(module, name, value)
+        for name, value in (overrides or {}).items():   # the CPU path's constants: the runtime's
+            from bamgen.runtime.cpu import common
+            setattr(common, name, value)
         self.ggd_params = {k: t.clone().requires_grad_() for k, t in self.ggd.default_params(heads).items()}
         self.laplace_params = {k: t.clone().requires_grad_()
                                for k, t in self.laplace.default_params(heads).items()}
@@ -206,7 +206,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _overrides(args) -> dict:
-    """--set NAME=INT: module constants such as TORCH_TABLE_BLOCK_N, for sweeps."""
+    """--set NAME=INT: the CPU path's constants (bamgen/runtime/cpu/common.py) such as
+    TORCH_TABLE_BLOCK_N, for sweeps."""
     out = {}
     for item in args.set or []:
         name, _, value = item.partition("=")
@@ -332,6 +333,10 @@ def decode_benchmark(args) -> None:
     gradient, as generation runs it; against SDPA on the same shape (no bias). "kernel" is the
     fused kernel bamgen's step calls, alone, with GGD's bias mask made beforehand: what a step
     would cost with no Python around it. Alternating repeats, medians (microseconds)."""
+    sys.path.insert(0, str(ROOT))
+    from bamgen.runtime.cpu.common import FLASH_CPU
+    from bamgen.runtime.cpu.decode import decode_mask
+    from bamgen.runtime.params import theta as make_theta
     ns = args.n or [1024, 4096, 16384]
     peers = ["sdpa", "kernel", "bamgen-ggd", "bamgen-laplace"]
     modules = {"bamgen-ggd": _load_generated("generalized_gaussian", args.module_dir),
@@ -350,10 +355,10 @@ def decode_benchmark(args) -> None:
         k, v = (torch.randn(1, args.heads, n, args.dim, generator=gen) for _ in range(2))
         params = {p: m.default_params(args.heads) for p, m in modules.items()}
         ggd = modules["bamgen-ggd"]
-        theta = ggd._theta(q, params["bamgen-ggd"], grad=False)
-        mask = ggd._torch_decode_mask(theta, args.heads, 1, 1, n, n - 1, 0, True)[0]
+        theta = make_theta(ggd.TRAITS, q, params["bamgen-ggd"], grad=False)
+        mask = decode_mask(ggd._prior, theta, args.heads, 1, 1, n, n - 1, 0, True)[0]
         calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
-                 "kernel": lambda: ggd._FLASH_CPU(q, k, v, attn_mask=mask, scale=args.dim ** -0.5)}
+                 "kernel": lambda: FLASH_CPU(q, k, v, attn_mask=mask, scale=args.dim ** -0.5)}
         for p, m in modules.items():
             calls[p] = (lambda m=m, prm=params[p]: m.attention(q, k, v, **prm, causal=True,
                                                                  q_offset=n - 1, backend="torch"))
@@ -395,7 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     ap.add_argument("--module-dir", default=None, help="load the generated modules from this folder")
     ap.add_argument("--set", action="append", metavar="NAME=INT",
-                    help="override a constant of the generated modules (e.g. TORCH_TABLE_BLOCK_N=1024)")
+                    help="override a constant of the CPU path (e.g. TORCH_TABLE_BLOCK_N=1024)")
     # internal: one memory measurement in a subprocess
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-peer", help=argparse.SUPPRESS)

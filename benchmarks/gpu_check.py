@@ -9,13 +9,13 @@ minutes in all; a step killed at its limit counts as failed):
 
 1. ``properties``: the Triton backend's property tests and hard cases, and the module tests, with
    CUDA tensors against the float64 reference on the CPU (``BAMGEN_TEST_DEVICE=cuda`` switches
-   tests/test_properties.py to the GPU; same cases, seeds and tolerances as under the
-   interpreter), and every shipped prior's Triton check of tests/test_library.py (BAM-SSMax
+   tests/runtime/test_properties.py to the GPU; same cases, seeds and tolerances as under the
+   interpreter), and every shipped prior's Triton check of tests/runtime/test_library.py (BAM-SSMax
    included, which the property tests do not draw);
-2. ``aot``: tests/test_aot.py for this GPU's family only (``-k sm_90`` on Hopper and newer,
+2. ``aot``: tests/gpu/test_aot.py for this GPU's family only (``-k sm_90`` on Hopper and newer,
    ``-k sm_80`` on Ampere and Ada, the keys of the tile tables): every shipped prior's kernels
    compile with no register spills;
-3. ``compile``: the Triton path under torch.compile (tests/test_compile.py -k triton, with
+3. ``compile``: the Triton path under torch.compile (tests/runtime/test_compile.py -k triton, with
    ``BAMGEN_TEST_DEVICE=cuda`` and ``TRITON_DEFAULT_FP_FUSION=0``, which the triton ops need): inductor compiles the triton ops' kernel launches, fullgraph and
    dynamic, a training step over three lengths and decode steps over a growing cache, equal to
    eager with no recompile;
@@ -111,11 +111,11 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
     bench = (python, "benchmarks/gpu.py", *shlex.split(bench_args),
              "--markdown", str(report), "--json", str(report.with_suffix(".json")))
     return (
-        Step("properties", pytest + ("tests/test_properties.py", "tests/test_library.py", "-k",
+        Step("properties", pytest + ("tests/runtime/test_properties.py", "tests/runtime/test_library.py", "-k",
                                      PROPERTY_SELECTION),
              (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")), LIMITS_S["properties"]),
-        Step("aot", pytest + ("tests/test_aot.py", "-k", arch), (), LIMITS_S["aot"]),
-        Step("compile", pytest + ("tests/test_compile.py", "-k", "triton"),
+        Step("aot", pytest + ("tests/gpu/test_aot.py", "-k", arch), (), LIMITS_S["aot"]),
+        Step("compile", pytest + ("tests/runtime/test_compile.py", "-k", "triton"),
              (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0"),
               ("TRITON_DEFAULT_FP_FUSION", "0")), LIMITS_S["compile"]),
         Step("benchmark", bench, (), TOTAL_S - sum(LIMITS_S.values())),
@@ -218,9 +218,9 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
                   "torch is a CUDA build (make gpu-check PYTHON=...)")
             return 1
         print(f"gpu-check: no GPU here ({why}; nvidia-smi lists none), nothing run; with CUDA it "
-              f"runs tests/test_properties.py tests/test_library.py -k \"{PROPERTY_SELECTION}\" "
+              f"runs tests/runtime/test_properties.py tests/runtime/test_library.py -k \"{PROPERTY_SELECTION}\" "
               f"on CUDA tensors, "
-              f"tests/test_aot.py -k <the GPU's sm_80|sm_90>, tests/test_compile.py -k triton on "
+              f"tests/gpu/test_aot.py -k <the GPU's sm_80|sm_90>, tests/runtime/test_compile.py -k triton on "
               f"CUDA tensors and benchmarks/gpu.py "
               f"{args.bench_args}, and writes docs/results/gpu/<device>-<date>.md")
         return 0

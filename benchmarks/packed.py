@@ -5,7 +5,7 @@ same documents as separate calls and against one causal call over the whole pack
     python benchmarks/packed.py --docs 16 --length 256
     python benchmarks/packed.py --docs 115 --min-length 16 --length 64 --heads 4 --dim 16
                                                  # many short documents of random lengths
-    python benchmarks/packed.py --quick          # tiny smoke run (tests/test_masks.py)
+    python benchmarks/packed.py --quick          # tiny smoke run (tests/runtime/test_masks.py)
 
 Peers (forward + backward, learnable prior parameters; one process, run alternately, medians):
 

@@ -13,7 +13,7 @@ with the prior parameters as leaves, and reports the largest absolute error agai
 reference of tests/reference.py (the same float32 inputs, every step in float64), for the
 output and every gradient. Beside each backend, `naive-fp32` is that reference's math run in
 float32 (the logits materialised, the prior evaluated in float32 from float32 positions, as a
-hand-written bias would be): the yardstick of DESIGN.md section 6. Also reported: entries that
+hand-written bias would be): the yardstick of docs/architecture.md, "Testing". Also reported: entries that
 are not finite where the reference is ("nonfinite"), rows that came out all zero against the
 reference's, and the largest parameter gradient of the reference (where it is 0, the error is
 the whole value). The markdown tables go to stdout, one line per row to stderr as it is

@@ -6,7 +6,7 @@
 For each shipped prior and (BLOCK_M, BLOCK_N, num_warps, num_stages) it compiles one kernel for
 the target and prints registers, stack (spills), shared memory and the main-loop model of
 bamgen.aot, per 1000 scores, so tiles of different sizes compare. This is how the candidate
-lists in bamgen/tiles.py (TRITON_CONFIG of the generated modules) were chosen: the largest tiles with
+lists in bamgen/runtime/triton/tiles.py (per kind of prior) were chosen: the largest tiles with
 no stack on every shipped prior, then the lowest modelled cost.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ KERNEL_NAMES = {"fwd": "attn_fwd", "bwd_dkdv": "attn_bwd_dkdv", "bwd_dq": "attn_
 def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple) -> dict:
     """Compile `kernel` of `module` with `config` for `arch`; its resources and model."""
     from bamgen import aot
-    table = module.TRITON_CONFIG[arch]
+    from bamgen.runtime.triton.tiles import TILES
+    table = TILES[module.TRAITS.tile_kind][arch]
     bucket = min(b for b in table if b >= head_dim)
     saved = table[bucket][kernel]
     table[bucket][kernel] = [config]
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", nargs="+", required=True, help="BLOCK_M,BLOCK_N,warps,stages")
     parser.add_argument("--priors", nargs="+", default=None, help="default: every shipped prior")
     args = parser.parse_args(argv)
-    from bamgen.loader import load_prior
+    from bamgen.driver.loader import load_prior
     from bamgen.resources import shipped_priors
     paths = {p.stem: p for p in shipped_priors()}
     names = args.priors or sorted(paths)

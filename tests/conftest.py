@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-# BAMGEN_TEST_DEVICE=cuda (make gpu-check) runs tests/test_properties.py on a real GPU instead.
+# BAMGEN_TEST_DEVICE=cuda (make gpu-check) runs tests/runtime/test_properties.py on a real GPU instead.
 if os.environ.get("BAMGEN_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -1,11 +1,11 @@
-"""Naive attention-with-a-positional-prior reference (DESIGN.md §6).
+"""Naive attention-with-a-positional-prior reference (docs/architecture.md, "Testing").
 
 This module is deliberately independent of the compiler: it imports nothing from ``bamgen`` or
 ``generated``, and the prior reaches it only as plain torch callables written by the test that
 uses it.  Everything is materialised (the full ``[B, Hq, Nq, Nk]`` logit tensor), so it is only
 meant for the small shapes of the tests.
 
-Math (the contract of DESIGN.md §4)::
+Math (the contract of docs/architecture.md, "The generated module")::
 
     i_abs = i + q_offset, j_abs = j + k_offset, d = i_abs - j_abs
     s     = scale * q_i . k_j                      (scale defaults to 1 / sqrt(D))

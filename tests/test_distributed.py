@@ -10,7 +10,7 @@ with that rank's traceback.
 Every case draws the whole sequence on every rank, runs the one-process `mod.attention` on it,
 then `shard` -> `ring_attention` -> `unshard` with backward through it, and gathers the
 gradients of the shards: the output, dq, dk, dv and every prior-parameter gradient must match
-the float64 reference to the tolerance of DESIGN.md §6 (as the one-process run does) and the
+the float64 reference to the tolerance of docs/architecture.md, "Testing" (as the one-process run does) and the
 one-process run itself to float32 rounding.
 """
 from __future__ import annotations
@@ -279,7 +279,7 @@ def test_packed_documents_skip_chunk_pairs_that_share_none(causal):
 def _count_work(rank, group_name, module_path, causal, chunk, window):
     """Run one ring (forward and backward) counting block calls and the chunks of K/V each
     rank sends; returns them with the positions-only expectation."""
-    from bamgen.loader import import_module_file
+    from bamgen.driver.loader import import_module_file
     group = GROUPS[group_name]
     world = dist.get_world_size(group)
     mod = import_module_file(module_path) if module_path else importlib.import_module("generated.laplace")
@@ -521,7 +521,7 @@ def test_ssmax_n_counts_the_whole_row():
     q, k, v, _ = _inputs(1, 4, 2, 16, 16, seed=3)
     params = {n: torch.tensor(vals) for n, vals in PRIORS["bam_ssmax"][3].items()}
     whole = mod.attention(q, k, v, **params, causal=True)
-    from tests.test_blocks import merge
+    from tests.runtime.test_blocks import merge
     parts = [mod.forward_block(q, k[:, :, a:b], v[:, :, a:b], **params, k_offset=a) for a, b in ((0, 8), (8, 16))]
     assert (merge(parts)[0] - whole).abs().max() > 1e-3         # per-block n: not the whole row's
     ring = ring_attention(mod, q, k, v, causal=True, **params)

@@ -1,4 +1,4 @@
-"""The tolerance check of DESIGN.md §6 (FlashAttention's scheme).
+"""The tolerance check of docs/architecture.md, "Testing" (FlashAttention's scheme).
 
 Inputs are rounded to the test dtype first; ``ref`` is the float64 reference on those rounded
 inputs, ``pt`` the same naive math in the test dtype (``tests/reference.py``).  A kernel result
@@ -40,7 +40,7 @@ A gradient can also cancel: dS = P * (dP - rowsum(P * dP)) is exactly 0 with a s
 key, and a parameter gradient sum_ij dS_ij * dlogit_ij/dtheta can be ~0 while its terms are
 large (dlogit/db = |d|/b**2 is up to ~500 for b = 0.5).  Naive torch (``pt``) then happens to be
 exact — its softmax backward subtracts two identical products — while the design's backward
-(DESIGN.md §3: delta = rowsum(dO * O), dS = P * (dP - delta), dP and delta summed in another
+(docs/architecture.md, "Kernels": delta = rowsum(dO * O), dS = P * (dP - delta), dP and delta summed in another
 order) carries float32 rounding error proportional to the *terms*, not to the result.  So the floor
 has a second part, ``ACCUM_EPS * gross``, element by element (per head for a parameter
 gradient): ``gross`` is the reference's result recomputed with every product and sum replaced by

@@ -1,0 +1,37 @@
+"""The inits of a prior's parameters, computed as the module's default_params computes them,
+for every head of every head count a user can ask for (the compiler's spec stage checks their
+syntax; this runs them, in float64 arithmetic kept as float32, on numeric.py's grids)."""
+from __future__ import annotations
+
+from ..compiler.spec import PriorSpec
+from ..compiler.timeout import cpu_budget, working_on
+from ..errors import SpecError
+from . import numeric
+
+
+def check_inits(spec: PriorSpec) -> None:
+    """Every init for every head of every head count a user can ask for (up to
+    numeric.MAX_HEADS), as the module's default_params computes and stores it (float64
+    arithmetic, kept as float32), within a CPU budget."""
+    params = [p for p in spec.params if not p.is_constant]
+    if not params:
+        return
+    work = 0
+    for p in params:
+        work += numeric.grid_operations(p.init_expr)
+        if work > numeric.MAX_INIT_OPERATIONS:
+            raise SpecError(f"the inits up to this one have {work} operations in h and H; the "
+                            f"limit is {numeric.MAX_INIT_OPERATIONS} in all (each is computed for "
+                            f"every head of every head count up to {numeric.MAX_HEADS})",
+                            field=f"params.{p.name}.init", line=p.line,
+                            hint="simplify the inits, or give numbers")
+    with cpu_budget("params", "checking the inits"):
+        for p in params:
+            field = f"params.{p.name}.init"
+            with working_on(field, "checking the init"):
+                problem = numeric.init_problem(p.init_expr, p.domain.inside, str(p.domain))
+            if problem:
+                raise SpecError(f"the init {problem}", field=field, line=p.line,
+                                hint=f"inits are checked for every head count up to "
+                                     f"{numeric.MAX_HEADS}; init may use h (head index, "
+                                     f"0-based) and H (number of heads)")

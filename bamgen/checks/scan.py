@@ -1,0 +1,487 @@
+"""The printed kernel code, run over the whole domain before a module is written.
+
+A formula can be fine at a few check points and NaN between them (``log(50 - Abs(d))`` beyond
+d = 50), have a pole at one distance (``1/(d - 10)``), be complex for some parameter values
+(``sqrt(b - 1)`` for b < 1), or leave float32's range in an intermediate value that the exact
+result does not (``exp(100) * Abs(d)`` is inf * 0 at d = 0 in float32). Each of these builds,
+then gives NaN or silently wrong rows at run time. So the build runs the code the module will
+run, as the module runs it: the distance table (a log-prior in d alone) in float64, the CPU
+path's per-score torch expressions in float32 where the module uses them, and the GPU kernels'
+Triton expressions in float32 (through :class:`_TritonShim`, the ``tl`` functions on torch
+tensors), per score or over the table's float32 entries, over
+
+* positions: every distance |d| <= 4096, then distances up to 2**25 (what two positions of at
+  most 2**24 can give) on a log scale, the integers next to every root of a linear or quadratic
+  denominator, log argument or power base (where a pole or branch point can sit), and for priors
+  in i, j or n, grids of absolute positions down to -2**24 (negative offsets: left padding);
+* parameters: the initial values and, one parameter at a time and in seeded random mixes,
+  :func:`parameter_samples` across each domain (0.01 to 64 in magnitude);
+* content scores s from -1e4 to 1e4, where the score uses them,
+
+and refuses, naming the field, where
+
+1. in float64 the log-prior or the logit is NaN or +inf (a complex branch, a pole): the formula
+   itself is broken there; -inf is a legitimate value (a zero of the prior);
+2. a derivative the kernels use is NaN where the logit is finite (in float64: the formula; in
+   float32: the printed code);
+3. the float32 code gives NaN or +inf where the float64 code does not, or -inf where the exact
+   value is a moderate number (above -MODERATE nats): an intermediate overflow that turns a
+   near key into an impossible one.
+
+Evaluating the printed code is evaluating compiler output: every string comes from
+:mod:`bamgen.compiler.printers` over a whitelisted SymPy expression, with identifiers from the
+validated parameter names, never from prior-file text.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy as sp
+import torch
+
+from ..errors import SpecError
+from ..compiler.formula import unique_nodes
+from .numeric import FLOAT32_MAX, evaluate_tensor, init_grid
+from ..compiler.printers import prepare, print_expr
+from ..compiler.spec import POSITION_SYMBOLS, ParamSpec, position_symbols
+from ..compiler.symbolic import guarded
+
+DENSE = 4096                 # every distance up to this is scanned
+MAX_POSITION = 2 ** 24       # positions (offsets included) the module accepts
+MODERATE = 1e4               # nats: a float32 -inf where the exact value is above -MODERATE is refused
+ORDINARY = 1e30              # |log-prior| up to which the score and derivatives must be finite in float64
+SCORES = (0.0, 0.5, -0.5, 1.0, -1.0, 10.0, -10.0, 1e-3, -1e-3, 100.0, -100.0, 1e4, -1e4)
+MAX_COMBINATIONS = 48        # parameter combinations per scan
+CHUNK = 1 << 18              # elements per evaluation (memory stays ~ a few MB per temporary)
+
+
+def parameter_samples(param: ParamSpec) -> list[float]:
+    """Values across the domain that a trained parameter may reach."""
+    domain = param.domain
+    positive = [0.01, 0.1, 0.5, 1.0, 2.0, 4.0, 16.0, 64.0]
+    if domain.kind == "positive":
+        return positive
+    if domain.kind == "nonnegative":
+        return [0.0] + positive
+    if domain.kind == "interval":
+        lo, hi = domain.lo, domain.hi
+        return [lo + (hi - lo) * f for f in (1e-3, 0.1, 0.5, 0.9, 0.999)]
+    return [0.0] + [s * x for x in (0.1, 0.5, 1.0, 2.0, 4.0, 16.0) for s in (1.0, -1.0)]
+
+
+# --------------------------------------------------------------------------------------------
+# evaluating printed code
+
+class _TorchShim:
+    """``torch`` for printed torch code in one dtype: Python numbers become tensors of that
+    dtype (the module's own code runs in float32, where torch.where(c, 1.0, 0.0) is float32)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def _t(self, x):
+        return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=self.dtype)
+
+    def as_tensor(self, x):
+        return self._t(x)
+
+    def where(self, c, a, b):
+        return torch.where(self._t(c).bool(), self._t(a), self._t(b))
+
+    def __getattr__(self, name):
+        fn = getattr(torch, name)
+        return lambda *args: fn(*[self._t(a) for a in args])
+
+
+class _TritonShim(_TorchShim):
+    """``tl`` for printed Triton code (the functions the printer emits), on torch tensors."""
+
+    def ceil(self, x):
+        return torch.ceil(self._t(x))
+
+    def __getattr__(self, name):
+        fn = {"exp2": torch.exp2, "log2": torch.log2, "rsqrt": torch.rsqrt}.get(name) \
+            or getattr(torch, name)
+        return lambda *args: fn(*[self._t(a) for a in args])
+
+
+def run_block(block, inputs: dict, dtype, target: str) -> list[torch.Tensor]:
+    """The outputs of a printed CodeBlock at ``inputs`` ({kernel name: tensor})."""
+    shim = _TorchShim(dtype) if target == "torch" else _TritonShim(dtype)
+    # (the standard builtins: torch imports itself from C code in the eval frame now and then)
+    scope = {"torch": shim, "tl": shim, "_atan": torch.atan}
+    env = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+           for k, v in inputs.items()}
+    for name, code in tuple(block.hoisted) + tuple(block.body):
+        env[name] = eval(code, scope, env)   # noqa: S307 - compiler-printed code, see module doc
+    return [shim._t(eval(code, scope, env)) for code in block.outputs]   # noqa: S307
+
+
+# --------------------------------------------------------------------------------------------
+# the grid
+
+@dataclass(frozen=True)
+class Point:
+    """Where a problem was found, for the message."""
+    values: tuple[tuple[str, float], ...]
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} = {_fmt(v)}" for k, v in self.values)
+
+
+def _fmt(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else f"{v:.6g}"
+
+
+def _far(limit: int) -> list[int]:
+    """Integers from DENSE to ``limit`` on a log scale, and the ones next to powers of two."""
+    out = set()
+    k = 12
+    while 2 ** k <= limit:
+        for f in (1.0, 1.25, 1.5, 1.75):
+            for o in (-2, -1, 0, 1, 2):
+                x = int(2 ** k * f) + o
+                if DENSE < x <= limit:
+                    out.add(x)
+        k += 1
+    out.add(limit)
+    return sorted(out)
+
+
+def _distances(extra: set[int]) -> torch.Tensor:
+    far = _far(2 * MAX_POSITION)
+    values = set(range(-DENSE, DENSE + 1)) | set(far) | {-x for x in far}
+    values |= {x for x in extra if abs(x) <= 2 * MAX_POSITION}
+    return torch.tensor(sorted(values), dtype=torch.float64)
+
+
+def _absolute_positions() -> list[int]:
+    far = [2 ** k + o for k in range(7, 25) for o in (-1, 0, 1) if 2 ** k + o <= MAX_POSITION]
+    return sorted(set(range(-64, 65)) | set(far) | {-x for x in far})
+
+
+def _counts() -> list[int]:
+    """Numbers of visible keys n: every n <= 64, then powers of two to 2**24."""
+    return sorted(set(range(1, 65)) | {2 ** k + o for k in range(6, 25) for o in (-1, 0, 1)
+                                       if 2 ** k + o <= MAX_POSITION})
+
+
+def _position_grid(used: set[str], extra: set[int]) -> dict[str, torch.Tensor]:
+    """Float64 position tensors (1-D, one entry per point) for the positions a formula uses.
+    d-only: every distance of _distances. With i, j or n: i and j on _absolute_positions
+    (d = i - j), and n on _counts, taken in turn so every value meets many positions, plus a
+    full block of small i, j and every n."""
+    if not used & {"i", "j", "n"}:
+        d = _distances(extra)
+        return {"d": d}
+    absolute = torch.tensor(_absolute_positions(), dtype=torch.float64)
+    i, j = torch.meshgrid(absolute, absolute, indexing="ij")
+    i, j = i.reshape(-1), j.reshape(-1)
+    if "i" not in used and "j" not in used:     # d and n: distances instead of position pairs
+        d = _distances(extra)
+        i, j = d, torch.zeros_like(d)
+    counts = torch.tensor(_counts(), dtype=torch.float64)
+    n = counts[torch.arange(i.numel()) % counts.numel()]
+    small = torch.arange(-8, 9, dtype=torch.float64)
+    si, sj, sn = torch.meshgrid(small, small, counts, indexing="ij")
+    i, j, n = torch.cat([i, si.reshape(-1)]), torch.cat([j, sj.reshape(-1)]), torch.cat([n, sn.reshape(-1)])
+    return {"d": i - j, "i": i, "j": j, "n": n}
+
+
+def _combinations(params: list[ParamSpec]) -> list[dict[str, float]]:
+    """Parameter values to scan: the init (head 0 of 8), each parameter alone across its samples
+    and its inits for other heads and head counts, then seeded random mixes."""
+    base = {p.name: _init_at(p, 0, 8) for p in params}
+    choices = {}
+    for p in params:
+        inits, _, _ = init_grid(p.init_expr)
+        quantiles = torch.quantile(inits.float(), torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0])) \
+            if inits.numel() > 1 else inits.float()
+        choices[p.name] = sorted(set(parameter_samples(p)) | {float(x) for x in quantiles})
+    combos = [base]
+    per_param = max(4, 2 * MAX_COMBINATIONS // max(len(params), 1))   # many parameters: fewer each
+    for p in params:
+        combos += [{**base, p.name: v} for v in _spread(choices[p.name], per_param)
+                   if v != base[p.name]]
+    generator = torch.Generator().manual_seed(0)
+    while len(combos) < MAX_COMBINATIONS and len(params) > 1:
+        pick = {p.name: choices[p.name][int(torch.randint(len(choices[p.name]), (1,),
+                                                           generator=generator))]
+                for p in params}
+        combos.append(pick)
+    return _unique(combos)[:max(MAX_COMBINATIONS, 1 + sum(len(c) for c in choices.values()))]
+
+
+def _spread(values: list[float], count: int) -> list[float]:
+    """At most ``count`` of the sorted ``values``, evenly spaced, both ends included."""
+    if len(values) <= count:
+        return values
+    step = (len(values) - 1) / (count - 1)
+    return [values[round(k * step)] for k in range(count)]
+
+
+def _init_at(p: ParamSpec, head: int, heads: int) -> float:
+    h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
+    value = evaluate_tensor(p.init_expr, {h: torch.tensor(float(head), dtype=torch.float64),
+                                          H: torch.tensor(float(heads), dtype=torch.float64)})
+    return float(value)
+
+
+def _unique(combos):
+    seen, out = set(), []
+    for c in combos:
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _roots(exprs: list[sp.Expr], params: list[ParamSpec], combos) -> set[int]:
+    """Integers next to the real roots in d of the linear and quadratic arguments where a
+    formula can break: denominators and other powers' bases, log arguments, and the sides of
+    Piecewise conditions (one set of roots per parameter combination)."""
+    d = position_symbols()["d"]
+    arguments = set()
+    for expr in exprs:
+        for node in unique_nodes(expr):
+            if isinstance(node, sp.Pow) and not (node.exp.is_Integer and node.exp > 0):
+                arguments.add(node.base)
+            elif isinstance(node, sp.log):
+                arguments.add(node.args[0])
+            elif isinstance(node, sp.core.relational.Relational):
+                arguments.add(node.lhs - node.rhs)
+    symbols = {p.name: p.symbol() for p in params}
+    out: set[int] = set()
+    for u in arguments:
+        if not u.has(d) or u.free_symbols - {d} - set(symbols.values()):
+            continue
+        try:
+            poly = sp.Poly(u, d)
+        except sp.PolynomialError:
+            continue
+        if poly.degree() > 2:
+            continue
+        coefficients = [sp.lambdify(list(symbols.values()), c, modules="math")
+                        for c in poly.all_coeffs()]
+        for combo in combos:
+            try:
+                coeffs = [float(c(*[combo[name] for name in symbols])) for c in coefficients]
+            except (ValueError, ZeroDivisionError, OverflowError, TypeError):
+                continue
+            for root in _real_roots(coeffs):
+                if math.isfinite(root) and abs(root) <= 4 * MAX_POSITION:
+                    base = math.floor(root)
+                    out.update(base + o for o in (-1, 0, 1, 2))
+    return out
+
+
+def _real_roots(coeffs: list[float]) -> list[float]:
+    if len(coeffs) == 2:
+        a, b = coeffs
+        return [-b / a] if a else []
+    if len(coeffs) == 3:
+        a, b, c = coeffs
+        if not a:
+            return [-c / b] if b else []
+        disc = b * b - 4 * a * c
+        if disc < 0:
+            return []
+        r = math.sqrt(disc)
+        return [(-b - r) / (2 * a), (-b + r) / (2 * a)]
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# the check
+
+@dataclass(frozen=True)
+class _Code:
+    """One printed expression as a CodeBlock-like object (no hoisting, no temporaries)."""
+    outputs: tuple[str, ...]
+    hoisted: tuple = ()
+    body: tuple = ()
+
+
+def check_plan(plan, names: dict) -> None:
+    """Raise a SpecError where the plan's printed code breaks somewhere in the domain (the
+    rules are in the module docstring)."""
+    ir, spec = plan.ir, plan.ir.spec
+    params = [p for p in spec.params if not p.is_constant]
+    combos = _combinations(params)
+    log_prior = guarded(ir.log_prior, "the log-prior")
+    exprs = [log_prior, ir.logit, *(g for _, g in ir.grads)]
+    pos = position_symbols()
+    used = {n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs)}
+    grid = _position_grid(used, _roots(exprs, params, combos))
+    points = next(iter(grid.values())).numel()
+    s = torch.tensor(SCORES, dtype=torch.float64)[torch.arange(points) % len(SCORES)]
+    lp_code = _Code((print_expr(prepare(log_prior, target="torch"), names, target="torch"),))
+    checker = _Checker(plan, spec, lp_code)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # small tensors: one thread beats an OpenMP team on a busy machine
+    try:
+        _scan_chunks(checker, combos, params, grid, s, points)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _scan_chunks(checker, combos, params, grid, s, points):
+    step = max(1, CHUNK // max(points, 1))
+    for start in range(0, len(combos), step):
+        chunk = combos[start:start + step]
+        inputs = {"s": s[None, :], **{f"pos_{k}": v[None, :] for k, v in grid.items()}}
+        for k in POSITION_SYMBOLS:
+            inputs.setdefault(f"pos_{k}", None)
+        inputs.update({f"prm_{p.name}": torch.tensor([c[p.name] for c in chunk],
+                                                     dtype=torch.float64)[:, None]
+                       for p in params})
+        checker.run(inputs, grid, s, chunk, init=start == 0)
+
+
+class _Checker:
+    """Evaluates every printed block of a plan on one chunk of the grid and applies the rules."""
+
+    def __init__(self, plan, spec, lp_code):
+        self.plan, self.spec, self.lp_code = plan, spec, lp_code
+        self.lp_field = "density" if spec.from_density else "log_prior"
+        self.score_field = "score" if spec.score is not None else self.lp_field
+        self.learnable = [name for name, _ in plan.ir.grads]
+        symbols = {p.name: p.symbol() for p in spec.params}
+        self.param_field = {name: self.lp_field if plan.ir.log_prior.has(symbols[name]) else "score"
+                            for name in self.learnable}
+
+    def run(self, inputs, grid, s, chunk, init: bool):
+        lp64 = run_block(self.lp_code, inputs, torch.float64, "torch")[0]
+        lp32 = run_block(self.lp_code, inputs, torch.float32, "torch")[0]
+        bwd64 = run_block(self.plan.torch_bwd, inputs, torch.float64, "torch")
+        shape = torch.broadcast_shapes(lp64.shape, *(t.shape for t in bwd64),
+                                       (len(chunk), next(iter(grid.values())).numel()))
+        lp64, lp32 = lp64.expand(shape), lp32.expand(shape)
+        z64, dlds64, *grads64 = (t.expand(shape) for t in bwd64)
+        where = _Where(grid, s, chunk, self.plan.score_is_identity)
+
+        # 1. the formula itself, in float64
+        self._fail_if(torch.isnan(lp64), where, self.lp_field, "the log-prior is nan",
+                      _NAN_HINT)
+        self._fail_if(lp64 == math.inf, where, self.lp_field, "the log-prior is +inf",
+                      _INF_HINT)
+        if init and bool((lp64[0] == -math.inf).all()):
+            raise SpecError("the prior is zero (log-prior -oo) at every position with the "
+                            "initial parameters", field=self.lp_field,
+                            hint="a prior must give some key a finite log-prior")
+        # the score and the derivatives where the log-prior is an ordinary number: beyond
+        # ORDINARY a score such as (s + log_prior) * t with t < 0 overflows float64 itself
+        prior_ok = torch.isfinite(lp64) & (lp64.abs() <= ORDINARY)
+        self._fail_if(prior_ok & (torch.isnan(z64) | (z64 == math.inf)), where,
+                      self.score_field, "the logit is " + "nan or +inf", _NAN_HINT)
+        logit_ok = prior_ok & torch.isfinite(z64)
+        self._fail_if(logit_ok & ~torch.isfinite(dlds64), where, self.score_field,
+                      "d logit / d s is not finite", _NAN_HINT)
+        for name, g in zip(self.learnable, grads64):
+            self._fail_if(logit_ok & torch.isnan(g), where, self.param_field[name],
+                          f"the derivative in {name} is nan", _NAN_HINT)
+
+        # 2. what the kernels compute, in float32, against the float64 values
+        moderate = logit_ok & (z64 > -MODERATE) & (lp64 > -MODERATE)
+        if not (self.plan.ir.distance_only and self.plan.score_is_identity):
+            self._compare32(lp32.expand(shape), lp64, where, self.lp_field, "the log-prior",
+                            "the CPU path (float32)")
+        for target, blocks in self._float32_blocks(inputs):
+            for label, value in blocks:
+                value = value.expand(shape)
+                if label == "log_prior":
+                    self._compare32(value, lp64, where, self.lp_field, "the log-prior", target)
+                elif label == "logit":
+                    # where the float32 log-prior is -inf the key has no weight whatever the
+                    # score makes of it (the log-prior itself was compared above)
+                    self._compare32(value, z64, where, self.score_field, "the logit", target,
+                                    mask=prior_ok & torch.isfinite(lp32))
+                elif label == "ramp":
+                    self._fail_if(moderate & torch.isnan(value), where, self.lp_field,
+                                  f"in {target} the causal ramp of the log-prior is nan", _F32_HINT)
+                elif label == "dlogit_ds":
+                    self._fail_if(moderate & ~torch.isfinite(value), where, self.score_field,
+                                  f"in {target} d logit / d s is not finite",
+                                  _F32_HINT)
+                else:
+                    self._fail_if(moderate & torch.isnan(value), where, self.param_field[label],
+                                  f"in {target} the derivative in {label} is nan",
+                                  _F32_HINT)
+
+    def _float32_blocks(self, inputs):
+        """(where, [(label, value)]) for every printed block the module runs, as it runs it:
+        the CPU path's per-score code in float32 (unless the logit is s + f(d), which it reads
+        from the distance table); the distance table in float64 on the host; the GPU kernels'
+        code in float32, per score (inline) or over the table's float32 entries (table)."""
+        plan = self.plan
+        f32 = torch.float32
+        labels_bwd = ["logit", "dlogit_ds"] + self.learnable
+        if not (plan.ir.distance_only and plan.score_is_identity):
+            yield "the CPU path (float32)", list(zip(["logit"], run_block(plan.torch_fwd, inputs, f32, "torch")))
+            yield "the CPU path (float32)", list(zip(labels_bwd, run_block(plan.torch_bwd, inputs, f32, "torch")))
+        gpu_inputs = dict(inputs)
+        if plan.distance_table is not None:
+            entries = run_block(plan.distance_table.code, inputs, torch.float64, "torch")
+            value, grads = entries[0], entries[1:]
+            live = value > -math.inf
+            gpu_inputs["tab_v"] = value.to(f32)
+            for name, g in zip(plan.distance_table.grads, grads):
+                g = torch.where(live, g, torch.zeros((), dtype=g.dtype))
+                gpu_inputs[f"tab_{name}"] = g.clamp(-FLOAT32_MAX, FLOAT32_MAX).to(f32)
+            yield "the distance table (float64)", ([("log_prior", value)]
+                                                   + list(zip(plan.distance_table.grads, grads)))
+        if plan.ramp is not None:
+            slope, intercept, *slope_grads = run_block(plan.ramp, inputs, f32, "triton")
+            yield "the GPU kernels (float32)", ([("ramp", slope), ("ramp", intercept)]
+                                                + list(zip(self.learnable, slope_grads)))
+        fwd = run_block(plan.triton_fwd, gpu_inputs, f32, "triton")
+        bwd = run_block(plan.triton_bwd, gpu_inputs, f32, "triton")
+        if plan.score_is_identity:
+            yield "the GPU kernels (float32)", list(zip(["log_prior"] if plan.table is None else [], fwd))
+            yield "the GPU kernels (float32)", list(zip(self.learnable, bwd))
+        else:
+            yield "the GPU kernels (float32)", list(zip(["logit"], fwd)) + list(zip(labels_bwd, bwd))
+
+    def _compare32(self, v32, v64, where, field, what, target, mask=None):
+        """Rule 3: NaN or +inf where float64 is not, -inf where it is moderate."""
+        ok = ~torch.isnan(v64) if mask is None else mask & ~torch.isnan(v64)
+        self._fail_if(ok & torch.isnan(v32), where, field,
+                      f"in {target} {what} is nan", _F32_HINT, v64)
+        self._fail_if(ok & (v32 == math.inf) & (v64 < math.inf), where, field,
+                      f"in {target} {what} is +inf", _F32_HINT, v64)
+        self._fail_if(ok & (v32 == -math.inf) & (v64 > -MODERATE), where, field,
+                      f"in {target} {what} is -inf", _F32_HINT, v64)
+
+    @staticmethod
+    def _fail_if(bad, where, field, message, hint, exact=None):
+        if not bool(bad.any()):
+            return
+        c, k = (int(x) for x in torch.nonzero(bad)[0])
+        detail = "" if exact is None else f" where its value is {float(exact[c, k]):.6g}"
+        raise SpecError(f"{message} at {where.point(c, k)}{detail}", field=field, hint=hint)
+
+
+class _Where:
+    """Names the grid point (c, k): combination c of the parameters, position k."""
+
+    def __init__(self, grid, s, chunk, identity):
+        self.grid, self.s, self.chunk, self.identity = grid, s, chunk, identity
+
+    def point(self, c: int, k: int) -> Point:
+        values = [(name, float(v[k])) for name, v in self.grid.items()]
+        if not self.identity:
+            values.append(("s", float(self.s[k])))
+        values += list(self.chunk[c].items())
+        return Point(tuple(values))
+
+
+_NAN_HINT = ("the formula must be a real number for every distance |d| <= 2**25, position "
+             "|i|, |j| <= 2**24 and parameter value in its domain: guard logs and fractional "
+             "powers (log(1 + Abs(x)), Abs(x)**b), avoid poles, or split the cases with Piecewise")
+_INF_HINT = ("a log-prior may be -oo (a zero of the prior) but never +inf: a pole, or a "
+             "growth without bound; bound it, e.g. Min(..., 1e4)")
+_F32_HINT = ("the kernels compute in float32 (1.2e-38 to 3.4e38): an intermediate value leaves "
+             "that range where the result does not; rewrite the formula so it does not, e.g. "
+             "-log(1 + exp(x)) as -Max(x, 0) - log(1 + exp(-Abs(x)))")

@@ -1,0 +1,287 @@
+"""Stage 2: the prior as SymPy mathematics (:class:`PriorIR`).
+
+From a :class:`PriorSpec` this builds the full logit over the content score ``s`` and the
+positions, its derivative with respect to ``s`` (the chain factor of dq and dk) and with respect
+to every learnable parameter, and makes every one of them safe to evaluate in floating point:
+
+* derivatives of ``sign``/``floor``/``ceiling`` (Dirac deltas) are 0 almost everywhere;
+* at a kink ``|u| = 0`` where an expression is 0·log 0, 0/0 or 0·∞, the expression is guarded by
+  ``Piecewise((limit, Eq(u, 0)), (expr, True))``. The limit is taken from ``|u| → 0+`` with the
+  convention that the derivative of ``|u|`` at 0 is 0 (torch's subgradient), so a factor
+  ``sign(u)`` is 0 there whatever it multiplies;
+* where that limit is infinite, the kink is clamped to ``|u| = KINK_EPSILON`` and a note says so.
+
+Every expression is bounded in size (:data:`MAX_TREE` nodes, counted as the tree SymPy's own
+walks visit) after each step that can grow it, and the whole stage in CPU time
+(:func:`bamgen.compiler.timeout.cpu_budget`), so that no prior file can make it run or grow for long.
+Whether the results are finite over the domain is checked on the printed code
+(:mod:`bamgen.checks.scan`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from ..errors import SpecError
+from .formula import MAX_TREE, tree_size
+from .spec import POSITION_SYMBOLS, PriorSpec, position_symbols
+from .timeout import cpu_budget, working_on
+
+KINK_EPSILON = 1e-5   # the BAM authors' own epsilon, used only where a limit is infinite
+MAX_KINKS = 8         # distinct Abs(u) kinks per expression; each costs a symbolic limit
+MAX_LIMIT_TREE = 500   # nodes of an expression whose limit at a kink is taken (limits are slow,
+                       # and a kink without a finite limit doubles the expression)
+
+class InternalSymbol(sp.Symbol):
+    """A symbol of the compiler's own (a gathered table entry). Being of another type, it never
+    equals a parameter's Symbol of the same name (a parameter may be called tab_v), while it
+    sorts, and so prints in the same order, as a Symbol would."""
+
+    @classmethod
+    def class_key(cls):
+        return sp.Symbol.class_key()
+
+
+S = sp.Symbol("s", real=True)
+LOG_PRIOR = sp.Symbol("log_prior", real=True)
+TABLE_VALUE = InternalSymbol("tab_v", real=True)   # a gathered table entry: log_prior(d)
+
+
+@dataclass(frozen=True)
+class PriorIR:
+    """The prior's mathematics, ready for lowering."""
+    spec: PriorSpec
+    log_prior: sp.Expr                        # over positions and runtime parameters
+    logit: sp.Expr                            # over s, positions, runtime parameters
+    dlogit_ds: sp.Expr
+    grads: tuple[tuple[str, sp.Expr], ...]    # (learnable parameter, d logit / d parameter)
+    runtime_params: tuple[str, ...]           # parameters passed to kernels, in order
+    positions_used: tuple[str, ...]           # which of d, i, j, n the kernels must provide
+    notes: tuple[str, ...]                    # build-time remarks (kinks, clamps)
+
+    @property
+    def distance_only(self) -> bool:
+        """True when the logit depends on (i, j) only through d (a Toeplitz prior)."""
+        return set(self.positions_used) <= {"d"}
+
+    @property
+    def score_is_identity(self) -> bool:
+        return self.dlogit_ds == 1
+
+
+def table_grad_symbol(param: str) -> sp.Symbol:
+    """The gathered table entry d log_prior(d) / d param."""
+    return InternalSymbol(f"tab_{param}", real=True)
+
+
+@dataclass(frozen=True)
+class TableIR:
+    """A prior split for the table strategy: what is tabulated once per (head, distance), and
+    the per-score remainder that reads the gathered entries.
+
+    Possible when the log-prior depends on positions through d = i - j alone (the score may
+    still use s, n, i, j: SSMax's log(n) stays per score). The per-score expressions are the
+    score with ``log_prior`` replaced by :data:`TABLE_VALUE`, and the chain rule through it:
+    d logit / d p = (d score / d p) + (d score / d log_prior) * tab_p.
+    """
+    value: sp.Expr                              # log_prior over d and runtime parameters
+    value_grads: tuple[tuple[str, sp.Expr], ...]  # (param, d log_prior / d param), guarded
+    logit: sp.Expr                              # over s, tab_v, positions, parameters
+    dlogit_ds: sp.Expr
+    grads: tuple[tuple[str, sp.Expr], ...]      # (learnable param, d logit / d param)
+
+
+def split_for_table(ir: PriorIR) -> TableIR | None:
+    """The table form of ``ir``, or None when the log-prior is not a function of d alone."""
+    pos = position_symbols()
+    spec = ir.spec
+    if ir.log_prior.free_symbols & {pos["i"], pos["j"], pos["n"]} or not ir.log_prior.has(pos["d"]):
+        return None
+    score = S + LOG_PRIOR if spec.score is None else _canonical_positions(spec.score)
+    if not score.has(LOG_PRIOR):
+        return None
+    symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
+    notes: list[str] = []    # the kinks are already reported by the inline analysis
+    value = _guard(ir.log_prior, "the log-prior", notes)
+    tabulated = [p.name for p in spec.params
+                 if p.learnable and ir.log_prior.has(symbols[p.name])]
+    value_grads = tuple(
+        (name, _guard(_clean_derivative(sp.diff(ir.log_prior, symbols[name]), name),
+                      f"d log_prior / d {name}", notes))
+        for name in tabulated)
+    logit = score.xreplace({LOG_PRIOR: TABLE_VALUE})
+    dlds = _clean_derivative(sp.diff(logit, S), "s")
+    chain = sp.diff(logit, TABLE_VALUE)
+    grads = []
+    for p in spec.params:
+        if p.learnable:
+            g = sp.diff(logit, symbols[p.name])
+            if p.name in tabulated:
+                g = g + chain * table_grad_symbol(p.name)
+            grads.append((p.name, _guard(_clean_derivative(g, p.name), f"d logit / d {p.name}", notes)))
+    return TableIR(value=value, value_grads=value_grads, logit=_guard(logit, "the logit", notes),
+                   dlogit_ds=_guard(dlds, "d logit / d s", notes), grads=tuple(grads))
+
+
+def analyse(spec: PriorSpec) -> PriorIR:
+    """Build the PriorIR of a validated spec (within a CPU budget: see bamgen/compiler/timeout.py)."""
+    field = formula_field(spec)
+    with cpu_budget(field, "deriving the formula"):
+        return _analyse(spec)
+
+
+def formula_field(spec: PriorSpec) -> str:
+    """The field that holds the log-prior: 'log_prior' or 'density'."""
+    return "density" if spec.from_density else "log_prior"
+
+
+def _analyse(spec: PriorSpec) -> PriorIR:
+    notes: list[str] = []
+    field = formula_field(spec)
+    log_prior = _simplify_log_prior(spec)
+    check_size(log_prior, field, "the log-prior")
+    if spec.score is None:
+        logit = S + log_prior
+    else:
+        logit = _canonical_positions(spec.score).xreplace({LOG_PRIOR: log_prior})
+        check_size(logit, "score", "the score")
+    runtime = tuple(p.name for p in spec.params if not p.is_constant)
+    symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
+    kinks = _kink_arguments(logit)   # before differentiating: each kink costs a limit later
+    if len(kinks) > MAX_KINKS:
+        raise SpecError(f"the logit has {len(kinks)} distinct kinks Abs(...); the limit is "
+                        f"{MAX_KINKS}", field=field, hint="combine the Abs terms or use fewer of them")
+
+    with working_on("score" if spec.score is not None else field, "differentiating the score"):
+        dlds = _clean_derivative(sp.diff(logit, S), "s")
+        check_size(dlds, "score", "d logit / d s")
+    grads = []
+    for p in spec.params:
+        if p.learnable:
+            with working_on(field, f"differentiating the formula in {p.name}"):
+                grad = _clean_derivative(sp.diff(logit, symbols[p.name]), p.name)
+                check_size(grad, field, f"d logit / d {p.name}")
+            grads.append((p.name, grad))
+    with working_on(field, "guarding the kinks of the formula"):
+        logit = _guard(logit, "the logit", notes, field)
+        dlds = _guard(dlds, "d logit / d s", notes, field)
+        grads = tuple((name, _guard(g, f"d logit / d {name}", notes, field)) for name, g in grads)
+    for what, expr in [("the logit", logit), ("d logit / d s", dlds)] + [
+            (f"d logit / d {name}", g) for name, g in grads]:
+        _check_real_constants(expr, field, what)
+
+    exprs = [logit, dlds] + [g for _, g in grads]
+    pos = position_symbols()
+    used = tuple(n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs))
+    return PriorIR(spec=spec, log_prior=log_prior, logit=logit, dlogit_ds=dlds, grads=grads,
+                   runtime_params=runtime, positions_used=used, notes=tuple(notes))
+
+
+def check_size(expr: sp.Basic, field: str, what: str) -> None:
+    """Refuse an expression whose tree has more than MAX_TREE nodes (SymPy's walks visit the
+    tree, so a shared sub-expression counts at every use; counted here once per node)."""
+    if tree_size(expr, {}) > MAX_TREE:
+        raise SpecError(f"{what} grows to more than {MAX_TREE} terms", field=field,
+                        hint="simplify the formula: fewer nested functions, products of "
+                             "parameters or Min/Max arguments")
+
+
+def _check_real_constants(expr: sp.Basic, field: str, what: str) -> None:
+    """No constant that is not a real number (I, zoo, nan) may reach the kernels."""
+    if expr.has(sp.I, sp.zoo, sp.nan):
+        raise SpecError(f"{what} is not a real number (the log or a fractional power of a "
+                        f"negative constant, or a division by zero)", field=field,
+                        hint="the formula must be real for every position and parameter value")
+
+
+def guarded(expr: sp.Expr, what: str) -> sp.Expr:
+    """``expr`` with its removable singularities at kinks replaced by their limits."""
+    return _guard(expr, what, [])
+
+
+def _canonical_positions(expr: sp.Expr) -> sp.Expr:
+    """Write i as d + j, so a formula in j - i (BAM's own form) is seen to depend on d alone."""
+    pos = position_symbols()
+    return expr.xreplace({pos["i"]: pos["d"] + pos["j"]})
+
+
+def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
+    expr = _canonical_positions(spec.log_prior)
+    if spec.from_density:
+        # log of an unnormalised density: split products and powers so log(exp(x)) -> x.
+        expr = sp.expand_log(expr, force=True)
+        expr = sp.powsimp(sp.expand_log(sp.logcombine(expr, force=True), force=True))
+    if expr.has(sp.zoo, sp.nan) or expr == sp.oo:
+        field = "density" if spec.from_density else "log_prior"
+        raise SpecError("the formula is not finite (division by zero or log of zero)",
+                        field=field, hint="check constants; use Abs(...) + eps under logs")
+    return expr
+
+
+def _clean_derivative(expr: sp.Expr, wrt: str) -> sp.Expr:
+    """Drop Dirac deltas (derivatives of sign/steps, zero almost everywhere)."""
+    expr = expr.replace(lambda e: isinstance(e, (sp.DiracDelta,)), lambda e: sp.S.Zero)
+    derivs = expr.atoms(sp.Derivative)
+    for der in derivs:
+        if isinstance(der.expr, (sp.floor, sp.ceiling, sp.sign)):
+            expr = expr.xreplace({der: sp.S.Zero})
+        else:
+            raise SpecError(f"cannot differentiate {der.expr} with respect to {wrt}",
+                            field="log_prior", hint="rewrite it with differentiable functions")
+    return expr
+
+
+def _kink_arguments(expr: sp.Expr) -> list[sp.Expr]:
+    """Arguments u of Abs(u) that move with position: candidate kinks of the expression."""
+    pos = set(position_symbols().values())
+    args = {a.args[0] for a in expr.atoms(sp.Abs) if a.args[0].free_symbols & pos}
+    return sorted(args, key=sp.default_sort_key)
+
+
+def _at_kink(expr: sp.Expr, u: sp.Expr, value: sp.Expr) -> sp.Expr:
+    """expr with |u| replaced by value and sign(u) by 0 (the subgradient convention)."""
+    return expr.xreplace({sp.sign(u): sp.S.Zero, sp.sign(-u): sp.S.Zero}).xreplace(
+        {sp.Abs(u): value, sp.Abs(-u): value})
+
+
+def _ill_defined(expr: sp.Expr) -> bool:
+    # (an infinity on its own is a legitimate value: a window's -oo outside it)
+    if expr.has(sp.zoo, sp.nan):
+        return True
+    return any(p.base == 0 for p in expr.atoms(sp.Pow)) or any(
+        a.args[0] == 0 for a in expr.atoms(sp.log))
+
+
+def _guard(expr: sp.Expr, what: str, notes: list[str], field: str = "log_prior") -> sp.Expr:
+    """Replace removable singularities at kinks by their limits (see the module docstring)."""
+    kinks = _kink_arguments(expr)
+    if len(kinks) > MAX_KINKS:
+        raise SpecError(f"{what} has {len(kinks)} distinct kinks Abs(...); the limit is {MAX_KINKS}",
+                        field="log_prior", hint="combine the Abs terms or use fewer of them")
+    for u in kinks:
+        # Judge the raw expression as floating point would evaluate it: |u| = 0 but sign(u)
+        # kept symbolic, so sign(u)/|u| reads as 0/0 rather than being cancelled to 0.
+        if not _ill_defined(expr.xreplace({sp.Abs(u): sp.S.Zero, sp.Abs(-u): sp.S.Zero})):
+            continue
+        if tree_size(expr, {}) > MAX_LIMIT_TREE:
+            raise SpecError(f"{what} has grown to more than {MAX_LIMIT_TREE} terms before its "
+                            f"limit at {u} = 0 could be taken (each kink without a finite limit "
+                            f"doubles it)", field=field,
+                            hint="use fewer Abs kinks, or an epsilon: (Abs(x) + 1e-5)**b")
+        r = sp.Dummy("r", positive=True)
+        try:
+            limit = sp.limit(_at_kink(expr, u, r), r, 0, "+")
+        except (NotImplementedError, ValueError, TypeError, ArithmeticError, RecursionError):
+            limit = sp.nan
+        # SymPy calls 0**beta finite for a real beta; it is not for beta < 0, nor defined
+        # in floating point for beta = 0 (exp2(0 * log2(0)) on the GPU): clamp those too
+        if limit.is_finite and not limit.free_symbols & {r} and not _ill_defined(limit):
+            notes.append(f"{what}: at {u} = 0 the value is its limit {limit}")
+        else:
+            limit = _at_kink(expr, u, sp.Float(KINK_EPSILON))
+            notes.append(f"{what}: the limit at {u} = 0 is not finite; "
+                         f"clamped to |{u}| = {KINK_EPSILON:g} there")
+        expr = sp.Piecewise((limit, sp.Eq(u, 0)), (expr, True))
+        check_size(expr, field, what)   # a clamped kink doubles the expression
+    return expr

@@ -1,0 +1,61 @@
+"""Build a prior: run the compiler's stages, then the checks of its printed code, then render
+(and write) the module. The compiler writes nothing and imports no torch; the checks run the
+printed code (bamgen/checks); this module is the only one that does both, in order."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..compiler import lower
+from ..compiler.codegen import Artifact, render
+from ..compiler.spec import PriorSpec, load_spec
+from ..compiler.symbolic import analyse, formula_field
+from ..compiler.timeout import cpu_budget, working_on
+from ..checks.inits import check_inits
+from ..errors import SpecError
+from ..resources import resolve_prior
+from .files import holds, write_if_different
+from .standalone import inline_runtime
+
+
+def plan_prior(ir, strategy: str | None = None) -> lower.KernelPlan:
+    """The kernel plan of ``ir`` (bamgen/compiler/lower.py), its printed code then run over the
+    prior's whole domain (bamgen/checks/scan.py), both within one CPU budget."""
+    from ..checks import scan   # imports torch: before the CPU budget starts
+    field = formula_field(ir.spec)
+    with cpu_budget(field, "lowering the formula"):
+        kernel_plan = lower.plan(ir, strategy)
+        with working_on(field, "checking the formula over its domain"):
+            scan.check_plan(kernel_plan, lower.kernel_names(ir))
+    return kernel_plan
+
+
+def compile_spec(spec: PriorSpec, strategy: str | None = None, *, standalone: bool = False) -> Artifact:
+    """A validated prior file -> its module (no file is touched); standalone: the runtime
+    inlined (bamgen/driver/standalone.py)."""
+    try:
+        check_inits(spec)
+    except SpecError as err:
+        raise err.located(spec.path) from None
+    artifact = render(spec, plan_prior(analyse(spec), strategy))
+    if standalone:
+        return Artifact(name=artifact.name, filename=artifact.filename,
+                        text=inline_runtime(artifact.text), build_hash=artifact.build_hash,
+                        notes=artifact.notes, strategy=artifact.strategy)
+    return artifact
+
+
+def build_file(path: str | os.PathLike, out_dir: str | os.PathLike = "generated", *,
+               strategy: str | None = None, check: bool = False,
+               standalone: bool = False) -> tuple[Path, str]:
+    """Build ``path`` (a prior file or a shipped prior's name) into ``out_dir``. Returns
+    (target, status) with status one of "written", "unchanged", "stale" (check mode, differs)
+    or "fresh" (check mode, same)."""
+    try:
+        artifact = compile_spec(load_spec(resolve_prior(path)), strategy, standalone=standalone)
+    except SpecError as err:
+        raise err.located(str(path)) from None
+    target = Path(out_dir) / artifact.filename
+    if check:
+        return target, "fresh" if holds(target, artifact.text) else "stale"
+    return target, "written" if write_if_different(target, artifact.text) else "unchanged"

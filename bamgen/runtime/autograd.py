@@ -1,0 +1,91 @@
+"""The two backends behind one call, and the autograd Function of an eager call: the forward
+dispatch (Triton on CUDA, the torch path on the CPU, each backend's decode step where a call is
+one), and the backward that routes to the same backend with what its forward saved."""
+from __future__ import annotations
+
+import torch
+
+from .cpu import backward as cpu_backward
+from .cpu import decode as cpu_decode
+from .cpu import forward as cpu_forward
+from .triton import interpreting
+
+
+def use_triton(q, backend) -> bool:
+    """Whether a call runs the Triton kernels (CUDA tensors, or backend="triton" under
+    TRITON_INTERPRET=1), naming the argument where the request cannot be met."""
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not (q.is_cuda or interpreting()):
+            raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
+                             "debugging on the CPU); use backend='torch' or 'auto' on the CPU")
+        if q.dtype == torch.float64:
+            raise ValueError("backend='triton' has no float64 kernels: q, k, v are float64; use "
+                             "backend='torch' (float64 end to end) or float32")
+        return True
+    return q.is_cuda and q.dtype != torch.float64   # float64 runs on the torch path
+
+
+def forward(prior, q, k, v, theta, causal, scale, layout, use_triton, for_backward, stats=True):
+    """(out, then what the backend's backward needs) of one call: Triton's (stats, out32,
+    table) or the torch path's (stats,). A call with no backward to follow takes the backend's
+    decode step where it is one (a few rows: the split-KV kernels, cpu.decode). stats=False:
+    the caller keeps only out, and a CPU decode step may return (out,)."""
+    if use_triton:
+        from .triton import launch
+        return launch.forward(prior, q, k, v, theta, causal, scale, layout.q_offset, layout.k_offset,
+                              for_backward=for_backward, **layout.masks())
+    step = None if for_backward else cpu_decode.decode(prior, q, k, v, theta, causal, scale, layout,
+                                                       stats)
+    return step if step is not None else cpu_forward.forward(
+        prior, q, k, v, theta, causal, scale, layout.q_offset, layout.k_offset, **layout.masks())
+
+
+def backward(prior, use_triton, dout, q, k, v, out, saved, theta, causal, scale, layout):
+    """(dq, dk, dv, dparams) of one forward, from what it saved."""
+    if use_triton:
+        from .triton import launch
+        return launch.backward(prior, dout, q, k, v, out, *saved, theta, causal, scale,
+                               layout.q_offset, layout.k_offset, **layout.masks())
+    return cpu_backward.backward(prior, dout, q, k, v, out, *saved, theta, causal, scale,
+                                 layout.q_offset, layout.k_offset, **layout.masks())
+
+
+class PriorAttention(torch.autograd.Function):
+    """Attention with a prior's logit; gradients for q, k, v and the parameter tensor theta."""
+
+    @staticmethod
+    def forward(ctx, prior, q, k, v, theta, causal, scale, layout, use_triton, grad_mode):
+        if q.numel() == 0 or k.shape[2] == 0:   # no query, or no key: every row is 0
+            ctx.empty = True
+            ctx.save_for_backward(q, k, v, theta)
+            return torch.zeros_like(q, memory_format=torch.contiguous_format)
+        ctx.empty = False
+        # Each backend saves what its own backward needs after `out` (the softmax statistics,
+        # and for Triton a float32 copy of O when training in fp16/bf16 and the prior's table).
+        # grad_mode: the caller's torch.is_grad_enabled() (always False in here); under no_grad
+        # the inputs may still require grad, but no backward follows
+        for_backward = grad_mode and any(ctx.needs_input_grad[1:5])
+        out, *saved = forward(prior, q, k, v, theta.detach(), causal, scale, layout, use_triton,
+                              for_backward)
+        ctx.save_for_backward(q, k, v, theta, out, *saved)
+        ctx.settings = (prior, causal, scale, layout, use_triton)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if ctx.empty:
+            return (None, *(torch.zeros_like(t) for t in ctx.saved_tensors), None, None, None, None,
+                    None)
+        q, k, v, theta, out, *saved = ctx.saved_tensors
+        prior, causal, scale, layout, use_triton = ctx.settings
+        dq, dk, dv, dparams = backward(prior, use_triton, dout, q, k, v, out, saved,
+                                       theta.detach(), causal, scale, layout)
+        dtheta = None
+        if ctx.needs_input_grad[4]:
+            dtheta = torch.zeros_like(theta)
+            for p in prior.traits.params:
+                if p.learnable:
+                    dtheta[:, p.slot] = dparams[:, p.grad_slot]
+        return None, dq, dk, dv, dtheta, None, None, None, None, None

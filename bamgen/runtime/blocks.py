@@ -1,0 +1,101 @@
+"""Blocks: attention over one block of keys without autograd, for libraries that combine blocks
+(ring attention in bamgen.distributed, split-KV decoding). The row statistics of two blocks of
+keys merge exactly: m = max(m1, m2), l = l1 * 2**(m1 - m) + l2 * 2**(m2 - m), and
+out = (out1 * l1 * 2**(m1 - m) + out2 * l2 * 2**(m2 - m)) / l. The backward of a block, given
+the merged out and statistics of the whole row, gives that block's share of dq and its keys'
+dk, dv and parameter gradients; the shares add up to the gradients of the whole.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import checks
+from .autograd import use_triton
+from .cpu import backward as cpu_backward
+from .cpu import forward as cpu_forward
+from .params import param_column, theta as make_theta
+from .tables import distance_prior
+
+
+def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_offset=0,
+                  backend="auto", n=None):
+    """(out, stats): out float32 [B, Hq, Nq, D] (0 where a row sees no key of this block) and
+    stats float32 [B, Hq, Nq, 2], per row m (the base-2 max of z = logit * log2(e), -inf for a
+    row that sees no key) and l = sum_j exp2(z_j - m) (0 for such a row). No autograd.
+    n: for a prior that reads n, the number of keys each row sees over all blocks, a tensor
+    [B, Nq] or [Nq] (default: the keys of this block it sees)."""
+    checks.check_inputs(q, k, v, causal, scale, backend)
+    checks.check_block_offsets(q, k, q_offset, k_offset)
+    theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    with torch.no_grad():
+        if use_triton(q, backend):
+            from .triton import launch
+            out, stats, out32, _table = launch.forward(prior, q, k, v, theta, causal, scale,
+                                                       q_offset, k_offset, for_backward=True,
+                                                       shifted=False, n=n)
+            return out32.float(), stats.permute(1, 2, 3, 0).contiguous()
+        out, stats = cpu_forward.forward_f32(prior, q, k, v, theta, causal, scale, q_offset, k_offset,
+                                             shifted=False, n=n)
+        return out, stats
+
+
+def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=None, q_offset=0,
+                   k_offset=0, backend="auto", n=None):
+    """(dq, dk, dv, dparams, row_sums) of one block of keys, given dout and the merged out
+    (float32) and stats [B, Hq, Nq, 2] of the rows over all blocks: dq is this block's share;
+    dparams {learnable name: float32 [Hq]} and row_sums (float32 [B, Hq, Nq, 1 + learnable])
+    add up over the blocks, and finish_param_grads(sum of dparams, sum of row_sums) gives the
+    parameters' gradients. n: as forward_block's. No autograd."""
+    checks.check_inputs(q, k, v, causal, scale, backend)
+    checks.check_block_offsets(q, k, q_offset, k_offset)
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape:
+            raise ValueError(f"{name} must be a tensor of q's shape {tuple(q.shape)}")
+    if not isinstance(stats, torch.Tensor) or stats.shape != (*q.shape[:3], 2):
+        raise ValueError(f"stats must be a float32 tensor of shape {(*q.shape[:3], 2)}")
+    theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    out, stats = out.to(theta.dtype), stats.to(theta.dtype)
+    learnable = prior.traits.learnable
+    with torch.no_grad():
+        if use_triton(q, backend):
+            from .triton import launch
+            dq, dk, dv, dparams, rows = launch.backward(
+                prior, dout, q, k, v, out, stats.permute(3, 0, 1, 2).contiguous(), out, None, theta,
+                causal, scale, q_offset, k_offset, row_sums=True, shifted=False, n=n)
+        else:   # (the table path sums dS per distance and leaves the rows 0)
+            rows = torch.zeros(*q.shape[:3], 1 + len(learnable), device=q.device, dtype=theta.dtype)
+            dq, dk, dv, dparams = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal,
+                                                        scale, q_offset, k_offset, shifted=False,
+                                                        rows=rows, n=n)
+    return dq, dk, dv, {name: dparams[:, g] for g, name in enumerate(learnable)}, rows
+
+
+def log_prior_at(prior, d, values, num_heads=None):
+    """The log-prior at distances d = i - j (integers, a 1-D tensor or list), float64
+    [num_heads, len(d)], for a prior that depends on the positions through d alone: what a
+    library needs to know where a prior's window (-inf) lies, to skip blocks it hides.
+    num_heads defaults to the parameters' length. ValueError for a prior that reads i, j or n."""
+    if not (prior.traits.distance_table or not prior.traits.params):
+        raise ValueError(f"the {prior.traits.name!r} prior reads positions other than d = i - j")
+    d = torch.as_tensor(d)
+    if d.dim() != 1 or d.is_floating_point() and not bool((d == d.round()).all()):
+        raise ValueError("d must be a 1-D tensor of integer distances")
+    heads = num_heads or max([1] + [torch.as_tensor(x).numel() for x in values.values()])
+    prm = [param_column(name, values[name], heads, d.device, torch.float64).reshape(heads, 1)
+           for name in prior.traits.param_names]
+    value = distance_prior(prior, d.to(torch.float64)[None], prm)[0]
+    return torch.as_tensor(value, dtype=torch.float64).expand(heads, d.shape[0]).clone()
+
+
+def finish_param_grads(prior, dparams, row_sums):
+    """The parameters' gradients from backward_block's dparams and row_sums, each summed over
+    all blocks of keys: sum_j dS_ij g_ij minus, per row, (sum_j dS_ij)(sum_j P_ij g_ij), which is
+    0 in exact arithmetic and removes the error of dS computed from a rounded P (see the dQ
+    kernel). Returns {learnable name: float32 [Hq]}."""
+    correction = row_sums[..., :1] * row_sums[..., 1:]          # [B, Hq, Nq, learnable]
+    correction = correction.sum(dim=(0, 2))                      # [Hq, learnable]
+    return {name: dparams[name] - correction[:, g] for g, name in enumerate(prior.traits.learnable)}

@@ -1,0 +1,162 @@
+"""Checks of attention()'s arguments that hold for every prior, and the layout they describe:
+shapes, dtypes, devices, offsets (ints or per-row int tensors), key_mask and packed documents
+(cu_seqlens). Each error is a ValueError that names the argument and how to fix it."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def check_inputs(q, k, v, causal, scale, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [B, H, N, D], got {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; use float16, bfloat16, float32 or float64 "
+                             f"(float64 on backend='torch')")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch size {k.shape[0]} but q has {q.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k has head dim {k.shape[3]} but q has {q.shape[3]}")
+    if q.shape[3] < 1 or q.shape[3] > 256:
+        raise ValueError(f"head dim (q.shape[3]) must be in 1..256, got {q.shape[3]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"the number of query heads (q.shape[1] = {q.shape[1]}) must be a multiple "
+                         f"of the number of key/value heads (k.shape[1] = {k.shape[1]})")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+
+
+MAX_POSITION = 2 ** 24   # positions and distances are exact integers in float32 up to here
+
+
+def check_positions(Nq, Nk, q_lo, q_hi, k_lo, k_hi):
+    """Query positions q_offset .. q_offset + Nq - 1, key positions k_offset .. k_offset + Nk - 1
+    and every distance between them must lie within +-2**24 (for every batch row: the offsets'
+    smallest and largest values q_lo .. q_hi, k_lo .. k_hi)."""
+    for name, lo, hi, n in (("q_offset", q_lo, q_hi, Nq), ("k_offset", k_lo, k_hi, Nk)):
+        for off in (lo, hi):
+            if off < -MAX_POSITION or off + max(n, 1) - 1 > MAX_POSITION:
+                raise ValueError(f"{name} = {off}: positions {off} .. {off + max(n, 1) - 1} leave "
+                                 f"[-2**24, 2**24], where positions are exact integers in float32")
+    if Nq and Nk:
+        far = max(abs(q_hi + Nq - 1 - k_lo), abs(k_hi + Nk - 1 - q_lo))
+        if far > MAX_POSITION:
+            raise ValueError(f"q_offset and k_offset ({q_lo}..{q_hi}, {k_lo}..{k_hi}): distances "
+                             f"between queries and keys reach {far}, beyond 2**24, where they are "
+                             f"exact integers in float32; bring the offsets closer")
+
+
+class Layout:
+    """What decides which keys a query row sees and at which positions, besides the causal rule,
+    checked and normalised by layout(): q_offset, k_offset (ints, or int64 tensors [B] on q's
+    device), key_mask (bool [B, Nk] on q's device, or None) and packed documents (cu_seqlens_q,
+    cu_seqlens_k: int64 tensors on q's device, or None)."""
+    __slots__ = ("q_offset", "k_offset", "key_mask", "cu_seqlens_q", "cu_seqlens_k")
+
+    def __init__(self, q_offset=0, k_offset=0, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+        self.q_offset, self.k_offset, self.key_mask = q_offset, k_offset, key_mask
+        self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+
+    @property
+    def plain(self):
+        """Int offsets, no mask, no documents: one call of the kernels as they always were."""
+        return (isinstance(self.q_offset, int) and isinstance(self.k_offset, int)
+                and self.key_mask is None and self.cu_seqlens_q is None)
+
+    def masks(self):
+        """The keyword arguments the backends take for key_mask and documents."""
+        return dict(key_mask=self.key_mask, cu_seqlens_q=self.cu_seqlens_q,
+                    cu_seqlens_k=self.cu_seqlens_k)
+
+
+def offset(name, value, B, device):
+    """An offset as an int, or as an int64 tensor [B] on device; with its smallest and largest."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an int or an integer tensor [B], got a {value.dtype} tensor")
+        if value.dim() == 0:
+            value = int(value)
+        elif value.shape != (B,):
+            raise ValueError(f"{name} must be an int or an integer tensor of shape [B] = [{B}] (one "
+                             f"start position per batch row), got shape {tuple(value.shape)}")
+        else:
+            value = value.to(device=device, dtype=torch.int64)
+            if B == 0:
+                return value, 0, 0
+            return value, int(value.min()), int(value.max())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int or an integer tensor [B], got {value!r}")
+    return value, value, value
+
+
+def _cu_seqlens(name, value, total, device):
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D int32 tensor [docs + 1] of cumulative document "
+                         f"lengths (FlashAttention's varlen convention), got {value!r}")
+    if value.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32 tensor (cumulative document lengths), got {value.dtype}")
+    cpu = value.detach().to("cpu", torch.int64)
+    if int(cpu[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(cpu[0])}")
+    if bool((cpu[1:] < cpu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got {cpu.tolist()}")
+    if int(cpu[-1]) != total:
+        raise ValueError(f"{name} must end at the packed length {total} (the size of dim 2), got "
+                         f"{int(cpu[-1])}")
+    return value.to(device=device, dtype=torch.int64)
+
+
+def layout(q, k, q_offset, k_offset, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Check and normalise the layout arguments of attention(), naming the wrong one."""
+    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2]
+    q_offset, q_lo, q_hi = offset("q_offset", q_offset, B, q.device)
+    k_offset, k_lo, k_hi = offset("k_offset", k_offset, B, q.device)
+    check_positions(Nq, Nk, q_lo, q_hi, k_lo, k_hi)
+    if key_mask is not None:
+        if not isinstance(key_mask, torch.Tensor) or key_mask.shape != (B, Nk):
+            raise ValueError(f"key_mask must be a bool tensor of shape [B, Nk] = [{B}, {Nk}] (False: a "
+                             f"padding key), got {tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else key_mask!r}")
+        if key_mask.is_floating_point() or key_mask.is_complex():
+            raise ValueError(f"key_mask must be a bool tensor (or integer 0/1), got {key_mask.dtype}")
+        key_mask = key_mask.to(device=q.device, dtype=torch.bool).contiguous()
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together (packed documents): give both or neither")
+    if cu_seqlens_q is not None:
+        if B != 1:
+            raise ValueError(f"packed documents (cu_seqlens_q/k) take B = 1: the documents lie one after "
+                             f"another in dim 2; q has B = {B}")
+        if (q_lo, q_hi, k_lo, k_hi) != (0, 0, 0, 0):
+            raise ValueError("q_offset and k_offset must be 0 with packed documents: positions restart "
+                             "at 0 in each document")
+        cu_seqlens_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Nq, q.device)
+        cu_seqlens_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Nk, q.device)
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of documents, "
+                             f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    return Layout(q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
+
+
+def check_block_offsets(q, k, q_offset, k_offset):
+    """The block API takes int offsets (a block is one slice of keys of every batch row)."""
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if isinstance(off, bool) or not isinstance(off, int):
+            raise ValueError(f"{name} must be an int in the block API, got {off!r}")
+    check_positions(q.shape[2], k.shape[2], q_offset, q_offset, k_offset, k_offset)

@@ -1,0 +1,39 @@
+"""attention(): the functional form of every prior's attention (each generated module binds it
+with its parameters' names, docs/architecture.md "The generated module")."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import autograd, checks, ops
+from .params import theta as make_theta
+
+
+def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_offset=0,
+              key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, backend="auto"):
+    """softmax_j(logit_ij) @ v with the prior's logit; values: {parameter name: float or tensor
+    [Hq]}. The arguments and the result are the generated module's attention()'s."""
+    checks.check_inputs(q, k, v, causal, scale, backend)
+    if ops.tracing(q):   # torch.compile, torch.export, torch.func: the custom ops check at run time
+        theta = make_theta(prior.traits, q, values, grad=True)
+        return ops.attend(prior, q, k, v, theta, causal, scale, backend, q_offset, k_offset,
+                          key_mask, cu_seqlens_q, cu_seqlens_k, check=True)
+    layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
+    theta = make_theta(prior.traits, q, values, grad=True, check=prior.domain_check)
+    return attend(prior, q, k, v, theta, causal, scale, layout, backend)
+
+
+def attend(prior, q, k, v, theta, causal, scale, layout, backend):
+    """attention() after its checks, theta built: the autograd Function on the chosen backend."""
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    use_triton = autograd.use_triton(q, backend)
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, theta)):
+        # no graph to record (inference, a decode step): the forward alone, without the autograd
+        # Function's bookkeeping, which costs a decode step of a small model a tenth of its time
+        if q.numel() == 0 or k.shape[2] == 0:
+            return torch.zeros_like(q, memory_format=torch.contiguous_format)
+        return autograd.forward(prior, q, k, v, theta, causal, scale, layout, use_triton, False,
+                                stats=False)[0]
+    return autograd.PriorAttention.apply(prior, q, k, v, theta, causal, scale, layout, use_triton,
+                                         True)

@@ -1,0 +1,426 @@
+"""Custom ops: what torch.compile, torch.export and torch.func see (docs/architecture.md, "Custom
+ops").
+
+Each prior's forward and backward are torch.library custom ops in the namespace bamgen, named
+after the prior (op_name: two builds of one prior in a process do not collide; importing the
+same build again shares the first import's ops: shared_ops). Their fake implementations give
+the output shapes without running anything, so a trace has no graph break and a new sequence
+length is one more value of a symbolic size, not a recompile. Everything that reads tensor
+values (the parameters' domains, tensor offsets, cu_seqlens, key counts, the CPU path's
+threads) runs inside the ops, at run time. Eager calls keep the autograd Function (the same
+kernels, less dispatch).
+
+Triton ops: the GPU path under torch.compile, in the open. A traced GPU call with int offsets
+and no packed documents runs three ops instead of the opaque _fwd: _prepare (a custom op: the
+checks that read values, the prior's table, window and key counts, all host work that reads
+tensors) and _fwd_triton / _bwd_triton (torch.library.triton_ops: their host code reads no
+tensor value, so torch.compile traces through them and inductor sees every kernel launch, the
+launches wrapped by torch.library.wrap_triton). Their own backward (register_autograd on
+_fwd_triton) takes the forward's table. Per-row tensor offsets and packed documents, whose
+table size and work lists depend on values, stay in the opaque _fwd / _bwd; so does torch.func.
+The ops are registered where they can run exactly: under TRITON_INTERPRET=1, or with CUDA and
+TRITON_DEFAULT_FP_FUSION=0 (TritonOps.wanted says why).
+
+(No `from __future__ import annotations` here: torch.library reads the ops' annotations.)
+"""
+import functools
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import autograd, checks
+from .constants import TABLE_PAD
+from .params import dtheta
+from .tables import acc_dtype
+from .triton import interpreting
+
+
+def op_name(meta) -> str:
+    """The ops' name: the prior's, torch.ops.bamgen.<name>_fwd / _bwd (docs/architecture.md,
+    "Custom ops"). The first build of a prior imported in a process owns that name (importing it
+    again shares its ops); a different build of a prior of the same name (an edited file,
+    another strategy) takes <name>_<first 8 hex of its build hash>, so neither replaces the
+    other's ops. The owners live in a dict on torch.library, the one place every generated
+    module shares."""
+    owners = torch.library.__dict__.setdefault("_bamgen_op_owners", {})
+    if owners.setdefault(meta["name"], meta["build_hash"]) == meta["build_hash"]:
+        return meta["name"]
+    return f"{meta['name']}_{meta['build_hash'][:8]}"
+
+
+def shared_ops(prior, kind, make):
+    """The ops of this build, registered by the first import of it in the process: a second
+    import (another module name, `generated.x` beside `bamgen.generated.x`, a reload) shares
+    them. Registering a name again would replace the first import's registration under the
+    op objects it still calls: a dangling operator handle in C++ (crashes seen: a segmentation
+    fault and a std::bad_alloc in a fake-tensor call, with two imports in one process)."""
+    registry = torch.library.__dict__.setdefault("_bamgen_ops", {})
+    key = (prior.op_name, prior.meta["build_hash"], kind)
+    if key not in registry:
+        registry[key] = make(prior)
+    return registry[key]
+
+
+def tracing(q) -> bool:
+    """Whether this call is being traced (torch.compile, torch.export, make_fx) or runs under a
+    torch.func transform: then attention() calls the custom ops."""
+    return (torch.compiler.is_compiling() or torch.compiler._is_non_strict_tracing()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or isinstance(q, torch._subclasses.FakeTensor))
+
+
+def attend(prior, q, k, v, theta, causal, scale, backend, q_offset, k_offset, key_mask,
+           cu_seqlens_q, cu_seqlens_k, check):
+    """attention() through the custom ops: offsets split into an int and an optional tensor, the
+    masks passed as they came; checks.layout() checks them inside the op."""
+    B = q.shape[0]
+    offsets = []
+    for name, value in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if isinstance(value, torch.Tensor):
+            offsets += [0, value]
+        else:
+            offsets += [checks.offset(name, value, B, q.device)[0], None]
+    for name, value in (("key_mask", key_mask), ("cu_seqlens_q", cu_seqlens_q),
+                        ("cu_seqlens_k", cu_seqlens_k)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor or None, got {value!r}")
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    use_triton = autograd.use_triton(q, backend)
+    for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, theta))
+    args = (q, k, v, theta, causal, scale, offsets[0], offsets[2], offsets[1], offsets[3], key_mask,
+            cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check)
+    if torch._C._functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling():
+        return FuncAttention.apply(prior, *args)[0]   # torch.func.grad, vmap, jacrev
+    if (use_triton and prior.triton_ops is not None and offsets[1] is None and offsets[3] is None
+            and cu_seqlens_q is None and cu_seqlens_k is None and q.numel() != 0 and k.shape[2] != 0):
+        return _attend_triton_op(prior, q, k, v, theta, causal, scale, offsets[0], offsets[2],
+                                 key_mask, for_backward, check)
+    return prior.ops.fwd(*args)[0]
+
+
+# ----------------------------------------------------------------------------------------
+# The opaque ops: _fwd and _bwd, either backend inside
+# ----------------------------------------------------------------------------------------
+def _op_layout(q, k, q_offset, k_offset, q_offsets, k_offsets, key_mask, cu_seqlens_q, cu_seqlens_k):
+    """Inside an op: the layout arguments checked and normalised by checks.layout() (its
+    errors)."""
+    return checks.layout(q, k, q_offset if q_offsets is None else q_offsets,
+                         k_offset if k_offsets is None else k_offsets, key_mask, cu_seqlens_q,
+                         cu_seqlens_k)
+
+
+def _op_fwd(prior, q, k, v, theta, causal, scale, q_offset, k_offset, q_offsets, k_offsets, key_mask,
+            cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check):
+    """(out, stats, extra): out contiguous in q's dtype; stats the softmax statistics of the
+    backend ([B, Hq, Nq, 2] in the compute dtype on the torch path, float32 [2, B, Hq, Nq] on
+    Triton); extra the float32 O of a low-precision Triton forward that a backward will follow,
+    else an empty tensor. check: refuse parameters outside their domains (attention())."""
+    layout = _op_layout(q, k, q_offset, k_offset, q_offsets, k_offsets, key_mask, cu_seqlens_q,
+                        cu_seqlens_k)
+    if check:
+        prior.domain_check(theta)
+    if q.numel() == 0 or k.shape[2] == 0:   # no query, or no key: every row is 0
+        return tuple(t.zero_() for t in _op_fwd_fake(q, k, v, theta, causal, scale, q_offset, k_offset,
+                                                     q_offsets, k_offsets, key_mask, cu_seqlens_q,
+                                                     cu_seqlens_k, use_triton, for_backward, check))
+    out, stats, *rest = autograd.forward(prior, q, k, v, theta, causal, scale, layout, use_triton,
+                                         for_backward)
+    if use_triton:   # rest: out32 (out itself unless a backward follows a low-precision input), table
+        extra = rest[0] if rest[0] is not out else q.new_empty((0,), dtype=torch.float32)
+    else:
+        extra = q.new_empty((0,))
+    return out.contiguous(), stats.contiguous(), extra   # (the strides the fake gives)
+
+
+def _op_fwd_fake(q, k, v, theta, causal, scale, q_offset, k_offset, q_offsets, k_offsets, key_mask,
+                 cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check):
+    """The forward op's outputs, allocated and not computed (its fake implementation)."""
+    B, Hq, Nq, D = q.shape
+    out = q.new_empty((B, Hq, Nq, D))
+    if use_triton:
+        stats = q.new_empty((2, B, Hq, Nq), dtype=torch.float32)
+        o32 = for_backward and q.dtype != torch.float32
+        return out, stats, q.new_empty((B, Hq, Nq, D) if o32 else (0,), dtype=torch.float32)
+    return out, q.new_empty((B, Hq, Nq, 2), dtype=acc_dtype(q)), q.new_empty((0,))
+
+
+def _op_bwd(prior, dout, q, k, v, out, stats, extra, theta, causal, scale, q_offset, k_offset,
+            q_offsets, k_offsets, key_mask, cu_seqlens_q, cu_seqlens_k, use_triton):
+    """(dq, dk, dv, dparams [Hq, learnable] in theta's dtype) of one _op_fwd."""
+    layout = _op_layout(q, k, q_offset, k_offset, q_offsets, k_offsets, key_mask, cu_seqlens_q,
+                        cu_seqlens_k)
+    if q.numel() == 0 or k.shape[2] == 0:
+        return tuple(g.zero_() for g in _op_bwd_fake(prior, dout, q, k, v, out, stats, extra, theta))
+    saved = (stats, extra if extra.numel() else out, None) if use_triton else (stats,)
+    dq, dk, dv, dparams = autograd.backward(prior, use_triton, dout, q, k, v, out, saved, theta,
+                                            causal, scale, layout)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dparams.to(theta.dtype).contiguous()
+
+
+def _op_bwd_fake(prior, dout, q, k, v, out, stats, extra, theta, *_settings):
+    """The backward op's outputs, allocated and not computed (its fake implementation)."""
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            theta.new_empty((theta.shape[0], len(prior.traits.learnable))))
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, theta, causal, scale, q_offset, k_offset, *masks = inputs[:13]
+    use_triton = inputs[13]
+    out, stats, extra = output
+    ctx.save_for_backward(q, k, v, theta, out, stats, extra, *masks)
+    ctx.settings = (causal, scale, q_offset, k_offset, use_triton)
+
+
+def _op_backward(prior, ctx, dout, _dstats, _dextra):
+    q, k, v, theta, out, stats, extra, *masks = ctx.saved_tensors
+    causal, scale, q_offset, k_offset, use_triton = ctx.settings
+    dq, dk, dv, dparams = prior.ops.bwd(dout, q, k, v, out, stats, extra, theta, causal, scale,
+                                        q_offset, k_offset, *masks, use_triton)
+    return (dq, dk, dv, dtheta(prior.traits, theta, dparams)) + (None,) * 12
+
+
+class FuncAttention(torch.autograd.Function):
+    """The custom ops' autograd under torch.func transforms (grad, vmap, jacrev), which the ops'
+    own register_autograd does not support: the same forward and backward ops, and vmap runs
+    them once per vmapped element (torch's fallback loop). Second derivatives are not defined."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(prior, *args):
+        with torch.no_grad():   # (the op's own autograd would refuse the transform)
+            return prior.ops.fwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.prior = inputs[0]
+        _op_setup_context(ctx, inputs[1:], output)
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    @staticmethod
+    def backward(ctx, dout, _dstats, _dextra):
+        with torch.no_grad():
+            return (None,) + _op_backward(ctx.prior, ctx, dout, _dstats, _dextra)
+
+
+class Ops:
+    """A prior's two custom ops, registered on import of its module."""
+
+    def __init__(self, prior):
+        lib = "bamgen::" + prior.op_name
+
+        def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor, causal: bool,
+                scale: float, q_offset: int, k_offset: int, q_offsets: Optional[torch.Tensor],
+                k_offsets: Optional[torch.Tensor], key_mask: Optional[torch.Tensor],
+                cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                use_triton: bool, for_backward: bool, check: bool
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _op_fwd(prior, q, k, v, theta, causal, scale, q_offset, k_offset, q_offsets,
+                           k_offsets, key_mask, cu_seqlens_q, cu_seqlens_k, use_triton,
+                           for_backward, check)
+
+        def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor, stats: torch.Tensor, extra: torch.Tensor, theta: torch.Tensor,
+                causal: bool, scale: float, q_offset: int, k_offset: int,
+                q_offsets: Optional[torch.Tensor], k_offsets: Optional[torch.Tensor],
+                key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                cu_seqlens_k: Optional[torch.Tensor], use_triton: bool
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _op_bwd(prior, dout, q, k, v, out, stats, extra, theta, causal, scale, q_offset,
+                           k_offset, q_offsets, k_offsets, key_mask, cu_seqlens_q, cu_seqlens_k,
+                           use_triton)
+
+        self.fwd = torch.library.custom_op(lib + "_fwd", fwd, mutates_args=())
+        self.fwd.register_fake(_op_fwd_fake)
+        self.bwd = torch.library.custom_op(lib + "_bwd", bwd, mutates_args=())
+        self.bwd.register_fake(functools.partial(_op_bwd_fake, prior))
+        self.fwd.register_autograd(functools.partial(_op_backward, prior),
+                                   setup_context=_op_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# The triton ops (see the module's docstring)
+# ----------------------------------------------------------------------------------------
+def _op_prepare(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_backward, check):
+    """(table, window, counts) of a traced GPU call, after the eager checks: the distance table
+    (with its derivative slots when a backward follows; [1] for an inline prior), the block
+    skipping window ([1, 2] without skipping) and the key counts n ([1, 1] for a prior that
+    does not read n, [1, Nq] without key_mask, else [B, Nq]). Every output is new memory."""
+    from .triton import launch
+    layout = _op_layout(q, k, q_offset, k_offset, None, None, key_mask, None, None)
+    if check:
+        prior.domain_check(theta)
+    table, _, window, counts = launch.prior_inputs(prior, q, k, theta, q_offset, k_offset, causal,
+                                                   for_backward, True, key_mask=layout.key_mask)
+    counts_shape = _op_counts_shape(prior, q.shape[0], q.shape[2], key_mask)
+    if window is table:   # (no block skipping: a placeholder, never read)
+        window = torch.zeros(1, 2, dtype=torch.int32, device=q.device)
+    if table is theta:    # (the inline strategy: likewise)
+        table = theta.new_zeros(1)
+    return table, window, counts[:counts_shape[0], :counts_shape[1]].contiguous()
+
+
+def _op_counts_shape(prior, B, Nq, key_mask):
+    """The shape _op_prepare gives the key counts (expanded to [B, Nq] where they are read)."""
+    if not prior.traits.uses_n:
+        return (1, 1)
+    return (1, Nq) if key_mask is None else (B, Nq)
+
+
+def _op_prepare_fake(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_backward, check):
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if prior.traits.table:
+        slots = 1 + len(prior.traits.table_grads) * bool(for_backward)
+        table = theta.new_empty((Hq, slots, Nq + Nk - 1 + 2 * TABLE_PAD))   # (tables.prior_tables)
+    else:
+        table = theta.new_empty((1,))
+    if prior.traits.skip is not None:
+        window = q.new_empty((Hq, 2), dtype=torch.int32)
+    else:
+        window = q.new_empty((1, 2), dtype=torch.int32)
+    return table, window, q.new_empty(_op_counts_shape(prior, B, Nq, key_mask), dtype=torch.float32)
+
+
+def _op_kernel_inputs(q, counts, q_offset, k_offset, key_mask):
+    """What a triton op hands the kernels besides its tensors: the layout, d_top (the call's
+    largest distance plus TABLE_PAD, from shapes and int offsets) and the counts as [B, Nq]."""
+    from .triton import launch
+    B, _, Nq, _ = q.shape
+    lay = launch.KernelLayout(q, q_offset, k_offset, key_mask, None, None)
+    d_top = q_offset - k_offset + Nq - 1 + TABLE_PAD
+    return lay, d_top, counts.expand(B, Nq)
+
+
+def _fwd_triton_launches(prior, wrap, q, k, v, theta, table, window, counts, key_mask, causal, scale,
+                         q_offset, k_offset, for_backward):
+    from .triton import launch
+    lay, d_top, counts = _op_kernel_inputs(q, counts, q_offset, k_offset, key_mask)
+    out, stats, out32 = launch.forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top,
+                                               window, counts, lay, for_backward, True, wrap)
+    return out, stats, (out32 if out32 is not out else q.new_empty((0,), dtype=torch.float32))
+
+
+def _bwd_triton_launches(prior, wrap, dout, q, k, v, out32, stats, theta, table, window, counts,
+                         key_mask, causal, scale, q_offset, k_offset):
+    from .triton import launch
+    lay, d_top, counts = _op_kernel_inputs(q, counts, q_offset, k_offset, key_mask)
+    dq, dk, dv, dparams = launch.backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal,
+                                                  scale, table, d_top, window, counts, lay, False,
+                                                  True, wrap)
+    return dq, dk, dv, dparams.contiguous()
+
+
+def _traced_kernel(kernel):
+    """launch.traced_kernel (Triton imported on the first launch, not when the ops register)."""
+    from .triton import launch
+    return launch.traced_kernel(kernel)
+
+
+def _skipped_kernel(kernel):
+    """launch.skipped_kernel (likewise)."""
+    from .triton import launch
+    return launch.skipped_kernel(kernel)
+
+
+def _op_triton_setup_context(ctx, inputs, output):
+    q, k, v, theta, table, window, counts, key_mask, causal, scale, q_offset, k_offset, _ = inputs
+    out, stats, extra = output
+    ctx.save_for_backward(q, k, v, theta, table, window, counts, out, stats, extra,
+                          *([] if key_mask is None else [key_mask]))
+    ctx.settings = (causal, scale, q_offset, k_offset)
+
+
+def _op_triton_backward(prior, ctx, dout, _dstats, _dextra):
+    q, k, v, theta, table, window, counts, out, stats, extra, *mask = ctx.saved_tensors
+    causal, scale, q_offset, k_offset = ctx.settings
+    out32 = out if q.dtype == torch.float32 else extra
+    dq, dk, dv, dparams = prior.triton_ops.bwd(dout, q, k, v, out32, stats, theta, table, window,
+                                               counts, mask[0] if mask else None, causal, scale,
+                                               q_offset, k_offset)
+    return (dq, dk, dv, dtheta(prior.traits, theta, dparams)) + (None,) * 9
+
+
+def _attend_triton_op(prior, q, k, v, theta, causal, scale, q_offset, k_offset, key_mask,
+                      for_backward, check):
+    """attention() on the GPU under tracing, through the triton ops (int offsets, no packed
+    documents). key_mask goes to _prepare as given (checked there) and to the kernels as bool."""
+    ops = prior.triton_ops
+    table, window, counts = ops.prepare(q.detach(), k.detach(), theta.detach(), causal, q_offset,
+                                        k_offset, key_mask, for_backward, check)
+    if key_mask is not None:
+        key_mask = key_mask.to(device=q.device, dtype=torch.bool)
+    return ops.fwd(q, k, v, theta, table, window, counts, key_mask, causal, scale, q_offset,
+                   k_offset, for_backward)[0]
+
+
+class TritonOps:
+    """A prior's triton ops, registered on import where the GPU path can run. Under
+    TRITON_INTERPRET=1, whose kernels torch cannot trace, _fwd_triton and _bwd_triton are
+    opaque custom ops instead, their fake implementation the same host code with the launches
+    skipped: a compiled graph then runs what a GPU's would, its kernels interpreted."""
+
+    def __init__(self, prior):
+        lib = "bamgen::" + prior.op_name
+
+        def prepare(q: torch.Tensor, k: torch.Tensor, theta: torch.Tensor, causal: bool,
+                    q_offset: int, k_offset: int, key_mask: Optional[torch.Tensor],
+                    for_backward: bool, check: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _op_prepare(prior, q, k, theta, causal, q_offset, k_offset, key_mask,
+                               for_backward, check)
+
+        def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
+                table: torch.Tensor, window: torch.Tensor, counts: torch.Tensor,
+                key_mask: Optional[torch.Tensor], causal: bool, scale: float, q_offset: int,
+                k_offset: int, for_backward: bool
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """(out, stats, extra) of the Triton forward, as the _fwd op returns them; on a GPU
+            also its own fake implementation (torch.library.triton_op)."""
+            return _fwd_triton_launches(prior, _traced_kernel, q, k, v, theta, table, window,
+                                        counts, key_mask, causal, scale, q_offset, k_offset,
+                                        for_backward)
+
+        def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out32: torch.Tensor, stats: torch.Tensor, theta: torch.Tensor, table: torch.Tensor,
+                window: torch.Tensor, counts: torch.Tensor, key_mask: Optional[torch.Tensor],
+                causal: bool, scale: float, q_offset: int, k_offset: int
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            """(dq, dk, dv, dparams [Hq, learnable]) of one fwd (out32: O in float32)."""
+            return _bwd_triton_launches(prior, _traced_kernel, dout, q, k, v, out32, stats,
+                                        theta, table, window, counts, key_mask, causal, scale,
+                                        q_offset, k_offset)
+
+        self.prepare = torch.library.custom_op(lib + "_prepare", prepare, mutates_args=())
+        self.prepare.register_fake(functools.partial(_op_prepare_fake, prior))
+        if interpreting():
+            self.fwd = torch.library.custom_op(lib + "_fwd_triton", fwd, mutates_args=())
+            self.fwd.register_fake(functools.partial(_fwd_triton_launches, prior,
+                                                     _skipped_kernel))
+            self.bwd = torch.library.custom_op(lib + "_bwd_triton", bwd, mutates_args=())
+            self.bwd.register_fake(functools.partial(_bwd_triton_launches, prior,
+                                                     _skipped_kernel))
+        else:
+            self.fwd = torch.library.triton_op(lib + "_fwd_triton", fwd, mutates_args=())
+            self.bwd = torch.library.triton_op(lib + "_bwd_triton", bwd, mutates_args=())
+        self.fwd.register_autograd(functools.partial(_op_triton_backward, prior),
+                                   setup_context=_op_triton_setup_context)
+
+    @staticmethod
+    def wanted():
+        """Triton installed, and the interpreter, or CUDA with Triton's FP contraction off by
+        default (TRITON_DEFAULT_FP_FUSION=0 when the module is imported; importing Triton costs
+        ~0.3 s: a CPU user without CUDA never pays it).
+
+        Why the environment: the backward rebuilds P from the forward's row statistics, exact
+        only if every kernel rounds each logit alike, so every launch passes
+        enable_fp_fusion=FP_FUSION (see launch.FP_FUSION). Inductor compiles a traced kernel
+        launch with Triton's default options and drops that argument; with the default
+        contraction on, a sharp prior's dV was off by up to 0.6 on an H100. Without the
+        variable, traced GPU calls keep the opaque ops, which launch the kernels as eager does."""
+        import importlib.util
+        import os
+        if importlib.util.find_spec("triton") is None:
+            return False
+        fusion = os.environ.get("TRITON_DEFAULT_FP_FUSION", "1").strip().lower()
+        return interpreting() or (torch.cuda.is_available() and fusion in ("0", "false", "off"))

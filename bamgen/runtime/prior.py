@@ -1,0 +1,107 @@
+"""A generated module's prior, bound to the runtime: its traits, its printed hooks and the state
+the runtime keeps per prior (its custom ops, its instance of the Triton kernels, its decode
+tables, its autotuning choices). Every runtime function takes this object first; the
+generated module binds its public functions to it (docs/architecture.md, "The generated
+module")."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from . import blocks, functional
+from .cpu.decode import DecodeTables
+from .ops import Ops, TritonOps, op_name, shared_ops
+from .params import DomainCheck
+from .traits import RUNTIME_ABI, PriorTraits
+
+
+@dataclass(frozen=True)
+class TorchHooks:
+    """The prior printed for torch (the CPU path, and the host's distance tables):
+
+    logit(s, pos_d, pos_i, pos_j, pos_n, prm) and logit_grads(...) -> (logit, d logit / d s,
+    d logit / d p per learnable p) over a block of scores; distance_prior(pos_d, prm,
+    with_grads=True) -> (log_prior, d log_prior / d p per traits.table_grads) over distances,
+    for a prior in d alone (evaluated in float64 on the host); table_logit(s, tab_v, ...) and
+    table_logit_grads(s, tab_v, tabs, ...), the logit of a score other than s + log_prior with
+    the log-prior read from the distance table. prm: one tensor per parameter, in slot order."""
+    logit: Callable
+    logit_grads: Callable
+    distance_prior: Optional[Callable] = None
+    table_logit: Optional[Callable] = None
+    table_logit_grads: Optional[Callable] = None
+
+
+def triton_hook(fn):
+    """Marks a function of a generated module as one of its Triton hooks (runtime/triton/hooks.py
+    lists them). It stays a plain function until the GPU path first runs: Prior.kernels() then
+    compiles it with triton.jit."""
+    fn.__bamgen_triton_hook__ = True
+    return fn
+
+
+class Prior:
+    """One prior as the runtime sees it. meta: the module's PRIOR dictionary (name, formulas,
+    build hash); default_params(num_heads) -> {name: float32 tensor [num_heads]}; triton_hooks:
+    the module's @triton_hook functions."""
+
+    def __init__(self, traits: PriorTraits, meta: dict, default_params: Callable,
+                 torch_hooks: TorchHooks, triton_hooks=(), abi: int = RUNTIME_ABI):
+        if abi != RUNTIME_ABI:
+            raise ImportError(f"the module of the prior {traits.name!r} was built for bamgen's "
+                              f"runtime ABI {abi}, and this bamgen runs ABI {RUNTIME_ABI}: rebuild "
+                              f"it (bamgen build, or bamgen.load, which rebuilds on its own)")
+        self.traits = traits
+        self.meta = meta
+        self.default_params = default_params
+        self.torch = torch_hooks
+        self.triton_hooks = {fn.__name__: fn for fn in triton_hooks}
+        self.domain_check = DomainCheck(traits)
+        self.decode_tables = DecodeTables(self)
+        self.tuned = {}                  # autotuned tiles (triton/launch.py)
+        self._kernels = None
+        self._kernels_lock = threading.Lock()
+        self.op_name = op_name(meta)     # torch.ops.bamgen.<op_name>_fwd / _bwd
+        self.ops = shared_ops(self, "ops", Ops)
+        self.triton_ops = shared_ops(self, "triton", TritonOps) if TritonOps.wanted() else None
+
+    def __repr__(self):
+        return f"<bamgen prior {self.traits.name!r} ({self.traits.strategy}), ops {self.op_name!r}>"
+
+    def kernels(self):
+        """This prior's instance of the Triton kernels (triton/variant.py), made on first use:
+        its hooks compiled with triton.jit, `tl` and `_atan` bound in its module."""
+        with self._kernels_lock:
+            if self._kernels is None:
+                import triton.language as tl
+
+                from .triton import helpers, variant
+                for fn in self.triton_hooks.values():
+                    fn.__globals__.update(tl=tl, _atan=helpers._atan)
+                self._kernels = variant.instantiate(self.traits, self.triton_hooks)
+            return self._kernels
+
+    # ---- the generated module's functions, bound to this prior
+    def attention(self, q, k, v, values, *args):
+        return functional.attention(self, q, k, v, values, *args)
+
+    def forward_block(self, q, k, v, values, *args):
+        return blocks.forward_block(self, q, k, v, values, *args)
+
+    def backward_block(self, dout, q, k, v, out, stats, values, *args):
+        return blocks.backward_block(self, dout, q, k, v, out, stats, values, *args)
+
+    def finish_param_grads(self, dparams, row_sums):
+        return blocks.finish_param_grads(self, dparams, row_sums)
+
+    def log_prior_at(self, d, values, num_heads=None):
+        return blocks.log_prior_at(self, d, values, num_heads)
+
+    def triton_kernel_specs(self, dtype="bf16", head_dim=64, causal=True, arch="sm_90", candidate=0,
+                            layout="plain"):
+        """Each Triton kernel with the signature and constexprs of one specialisation, for
+        ahead-of-time compilation (``bamgen inspect`` and the AOT tests): a list of
+        (name, jit function, signature, constexprs, num_warps, num_stages)."""
+        from .triton import launch
+        return launch.kernel_specs(self, dtype, head_dim, causal, arch, candidate, layout)

@@ -1,0 +1,513 @@
+"""The backward kernels, written once for every prior (the prior enters through hooks.py):
+_bwd_preprocess (delta = rowsum(dO * O)), _attn_bwd_dkdv (one program per key tile, the query
+tiles in its loop) and _attn_bwd_dq (one program per query tile; also the parameters'
+gradients: one partial sum per program, summed on the host, no atomics).
+
+Constexpr flags of the launch:
+  NUM_PARAMS, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, D, DOT_PREC, UPCAST_DOT  as in the forward
+  NUM_GRADS    learnable parameters; the dQ kernel writes NUM_GRADS partial sums per program
+  HAS_KEY_MASK, ROW_OFFSETS, VARLEN  as in the forward; with VARLEN the dK/dV kernel's Work
+               lists (document, key tile) items and the dQ kernel's (document, query tile)
+  ROW_SUMS     (dQ) the keys are one block of the row's (backward_block): the per-row
+               correction of the parameter gradients is left to the caller, and the row sums
+               it needs are written to RowSums
+  TILE_GRAD_SUMS (dQ, with ROW_FACTORS; derived: BLOCK_M * BLOCK_N >= 2048) the parameters'
+               sums dS * g are reduced per key tile into [BLOCK_M] vectors instead of
+               [BLOCK_M, BLOCK_N] accumulators
+The prior's flags (hooks.py) decide the rest: with ROW_FACTORS dQ sums the per-score parts of
+the derivatives and applies each row's factors after its key loop, dK/dV folds d logit / d s
+into the row term, and every logit is _factored_logit2's; ROW_CACHE: _bwd_preprocess writes each
+row's (log2(e) * logit factor, d logit / d s) to RowF for dK/dV; TABLE_WIDTH: the dQ kernel's
+interleaved table (the log-prior and each derivative of a distance side by side, groups of four:
+one _table_load4 per group); TILE_ROW_SUMS: the correction's row sums are reduced per key tile
+into [BLOCK_M] vectors, which frees registers for wider tiles; otherwise they accumulate in
+[BLOCK_M, BLOCK_N] registers like the gradients.
+The backward kernels gather table entries with _table_load (PTX, in the MMA layout), the forward
+with tl.load (see helpers.py).
+Runtime: as in the forward, row_abs included (Mrow's reference, see forward.py): where the prior
+is a causal ramp, both kernels measure a row's scores from its own reference key
+(_ramp_reference) as the forward's statistics are, and the dQ kernel its parameter derivatives
+too (without ROW_SUMS).
+"""
+import triton
+import triton.language as tl
+
+from .helpers import (
+    TABLE_ROW_ARGS, _clamped, _dot, _factored_logit2, _kept_keys, _logit2, _logit_grads,
+    _logit_row2, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
+    _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
+    _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
+from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
+    GRAD_MODES, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, SCORE_IS_S, SKIP, TABLE, TABLE_WIDTH,
+    TILE_ROW_SUMS, prior_grads, prior_ramp, prior_scalars, prior_score_factors)
+
+GRAD_TABLE = tl.constexpr(1)          # (bamgen.runtime.traits: GRAD_TABLE, GRAD_LOGIT_FACTOR)
+GRAD_LOGIT_FACTOR = tl.constexpr(2)
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, Delta, Theta, NRow, RowF, stride_ob, stride_oh, stride_om,
+                    stride_dob, stride_doh, stride_dom, stride_nb, Hq, Nq,
+                    NUM_PARAMS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D: tl.constexpr):
+    """Delta = rowsum(dO * O), the softmax backward's row term; with ROW_CACHE also each row's
+    factors for the dK/dV kernel (RowF[b, h, row] = (log2(e) * the logit's row factor,
+    d logit / d s)): that kernel revisits every row once per key tile, where evaluating them
+    (SSMax's log(n), about 20 instructions per row) cost as much as the scores."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_m < Nq)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dom + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
+    if ROW_CACHE:
+        sc = prior_scalars(Theta + off_h * NUM_PARAMS)
+        n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + offs_m, mask=offs_m < Nq, other=0.0)
+        pos_i = offs_m.to(tl.float32)   # (unread: the cached row factors do not use i)
+        at = RowF + (pid_bh.to(tl.int64) * Nq + offs_m) * 2
+        # the same functions as the forward's and the dQ kernel's: the same bits
+        tl.store(at, _logit_row2(pos_i, n_rows, sc), mask=offs_m < Nq)
+        tl.store(at + 1, _row_factors(pos_i, n_rows, sc)[0], mask=offs_m < Nq)
+
+
+@triton.jit(do_not_specialize=TABLE_ROW_ARGS)
+def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, Window, NRow,
+                   KeyMask, QOff, KOff, CuSeqQ, CuSeqK, Work,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                   stride_dkb, stride_dkh, stride_dkn,
+                   Hq, Hk, GROUP, Nq, Nk, q_offset, k_offset, sm_scale, d_top_b, tab_slot, tab_stride_h, stride_nb,
+                   stride_mb, row_abs,
+                   NUM_PARAMS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
+                   DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                   ROW_OFFSETS: tl.constexpr, VARLEN: tl.constexpr):
+    """One program: one key tile of one (batch, kv head); loops over the GQA group's query
+    heads and every query tile that can see it, so dK and dV need no atomics."""
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // Hk
+    off_hk = pid_bh % Hk
+    rows_all = Nq   # the row stride of the statistics: every row of the call
+    # this program's key tile, and the rows and keys it lives in (a document's, VARLEN)
+    pid_n, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
+                                                    Nk, VARLEN)
+    q_offset, k_offset = _row_offsets(QOff, KOff, off_b, q_offset, k_offset, ROW_OFFSETS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < Nk
+    d_ok = offs_d < D
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+                + k_start.to(tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+                + k_start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    offs_n_abs = offs_n + k_offset
+    pos_j = offs_n_abs[:, None].to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+    m_lo = 0
+    if CAUSAL:  # the first query tile holding a row that sees this key tile
+        m_lo = tl.maximum(pid_n * BLOCK_N + k_offset - q_offset, 0) // BLOCK_M * BLOCK_M
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        off_bh = off_b * Hq + off_h
+        sc = prior_scalars(Theta + off_h * NUM_PARAMS)
+        if RAMP:
+            ramp = prior_ramp(sc)
+            ramp_slope = ramp[0]
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + q_start.to(tl.int64) * stride_dom
+        row_base = off_bh.to(tl.int64) * rows_all + q_start   # this head's rows in Mrow, Lrow, Delta
+        # this head's table, at d_top - (query position - key position)
+        # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
+        tab_cols = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 + offs_n_abs)[:, None]
+        m_start = m_lo
+        m_end = Nq
+        if SKIP:
+            # block skipping: the query tiles whose distances to this key tile meet the window
+            lo = tl.load(Window + off_h * 2)
+            hi = tl.load(Window + off_h * 2 + 1)
+            col0 = pid_n * BLOCK_N + k_offset - q_offset
+            m_end = tl.minimum(Nq, tl.maximum(col0 + BLOCK_N + hi, 0))
+            m_start = tl.maximum(m_lo, tl.minimum(tl.maximum(col0 + lo, 0), m_end) // BLOCK_M * BLOCK_M)
+        for start_m in range(m_start, m_end, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < Nq
+            qd_mask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=qd_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd_mask, other=0.0)
+            m_row, inv_l = _softmax_stats(Mrow, Lrow, row_base + offs_m, row_ok)
+            delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+            offs_m_abs = offs_m + q_offset
+            # Transposed tiles [BLOCK_N, BLOCK_M]: keys along rows, queries along columns.
+            qkT = _dot(k, tl.trans(q), None, DOT_PREC, UPCAST_DOT)
+            pos_i = offs_m_abs[None, :].to(tl.float32)
+            pos_d = (offs_m_abs[None, :] - offs_n_abs[:, None]).to(tl.float32)
+            visible = key_ok[:, None] & row_ok[None, :]
+            n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
+            pos_n = n_rows[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n_abs[:, None] <= offs_m_abs[None, :])
+            if RAMP:
+                if CAUSAL:   # scores and statistics from each row's reference (see the forward)
+                    row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
+                    zT = qkT * qk_scale + ramp_slope * (row_ref[None, :] - offs_n_abs[:, None]).to(tl.float32)
+                    m_row -= _ramp_row_term(offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
+                elif RAMP_SYMMETRIC:
+                    # from each row's nearest key (_ramp_logit2), as the forward's statistics are
+                    near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
+                    zT = _ramp_logit2(qkT, qk_scale, ramp_slope, offs_m_abs[None, :],
+                                      offs_n_abs[:, None], near[None, :])
+                    m_row -= _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
+                else:
+                    zT = _logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                                 tab_cols - offs_m_abs[None, :], sc)
+            elif SCORE_IS_S and TABLE:
+                zT = _table_logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                                   _table_load(tab_cols - offs_m_abs[None, :]), sc)
+            elif SCORE_IS_S:
+                zT = _logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                             tab_cols - offs_m_abs[None, :], sc)
+            else:
+                if TABLE:   # (derivative tables are not read here)
+                    tab = _value_entries(_table_load(tab_cols - offs_m_abs[None, :]))
+                else:
+                    tab = ()
+                if ROW_FACTORS:
+                    if ROW_CACHE:
+                        # the rows' factors, from _bwd_preprocess (bit for bit the forward's)
+                        logit_r2 = tl.load(RowF + (row_base + offs_m) * 2, mask=row_ok, other=0.0)[None, :]
+                    else:
+                        logit_r2 = _logit_row2(offs_m_abs.to(tl.float32), n_rows, sc)[None, :]
+                    zT = _factored_logit2(qkT, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
+                else:
+                    # (the parameter derivatives are unused here; the compiler drops them)
+                    grads = _logit_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                    dlogit_ds = grads[1]
+                    zT = grads[0] * 1.4426950408889634  # log2(e)
+            pT = tl.where(visible, tl.exp2(zT - m_row[None, :]) * inv_l[None, :], 0.0)
+            dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
+            dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
+            # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN
+            # query), as autograd through a mask gives; P * NaN would spread it to every key
+            if ROW_FACTORS:
+                # d logit / d s is the row's alone (ROW_FACTORS): dS = P (dP - delta) * ds_row is
+                # P * fma(dP, ds_row, -delta * ds_row), the row's two factors made once per tile
+                if ROW_CACHE:
+                    ds_row = tl.load(RowF + (row_base + offs_m) * 2 + 1, mask=row_ok, other=0.0)
+                else:
+                    ds_row = _row_factors(offs_m_abs.to(tl.float32), n_rows, sc)[0]
+                dsT = tl.where(visible, pT * tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :]), 0.0)
+            else:
+                dsT = tl.where(visible, pT * (dpT - delta[None, :]), 0.0)
+            if not SCORE_IS_S and not ROW_FACTORS:
+                # where(): d logit / d s may be infinite where P is 0 (SSMax's log(n) of a row
+                # that sees no key), and 0 * inf would be NaN
+                dsT = tl.where(pT > 0.0, dsT * dlogit_ds, 0.0)
+            dk = _dot(dsT.to(q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
+    dk = dk * sm_scale
+    if HAS_KEY_MASK:
+        # A padding key: no query sees it, so its dK and dV are 0. The loop above treats it as
+        # a key (its P and dS are wrong), but a key's scores only reach its own dK and dV
+        # rows (delta, m and l come from the forward, which hid it): zeroing them here is
+        # exact, keeps the main loop the plain one, and drops a NaN stored in the key.
+        kept = _kept_keys(KeyMask + off_b.to(tl.int64) * stride_mb + k_start, offs_n, Nk)
+        dk = tl.where(kept[:, None], dk, 0.0)
+        dv = tl.where(kept[:, None], dv, 0.0)
+    key_rows = off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dkn
+    tl.store(DK + key_rows + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(DV + key_rows + offs_n[:, None] * stride_dkn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
+
+
+@triton.jit
+def _grad_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_GRADS: tl.constexpr,
+               TILE_GRAD_SUMS: tl.constexpr):
+    """The dQ kernel's per-parameter accumulators, zero: (sum dS g, sum P g) for each learnable
+    parameter in turn, [BLOCK_M] where they are reduced per key tile (TILE_GRAD_SUMS, and
+    TILE_ROW_SUMS for sum P g), else [BLOCK_M, BLOCK_N]."""
+    sums = ()
+    for _ in tl.static_range(NUM_GRADS):
+        if TILE_GRAD_SUMS:
+            sums = sums + (tl.zeros([BLOCK_M], dtype=tl.float32),)
+        else:
+            sums = sums + (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),)
+        if TILE_ROW_SUMS:
+            sums = sums + (tl.zeros([BLOCK_M], dtype=tl.float32),)
+        else:
+            sums = sums + (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),)
+    return sums
+
+
+@triton.jit(do_not_specialize=TABLE_ROW_ARGS)
+def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Table, Window, NRow,
+                 KeyMask, QOff, KOff, CuSeqQ, CuSeqK, Work,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                 Hq, GROUP, Nq, Nk, q_offset, k_offset, sm_scale, d_top_b, tab_slot, tab_stride_h, stride_nb,
+                 stride_mb, row_abs,
+                 NUM_PARAMS: tl.constexpr, NUM_GRADS: tl.constexpr, CAUSAL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 ROW_SUMS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr,
+                 VARLEN: tl.constexpr):
+    """One program: one query tile of one (batch, head). Writes dQ and, for each learnable
+    parameter, one partial sum of dS * d logit / d param into DTheta[program, head, param]
+    (the host sums the programs: deterministic, no atomics, no N^2 tensor).
+    ROW_SUMS (backward_block): the keys are one block of the row's, so the correction below
+    cannot be applied here; the partial sums leave it out and RowSums[b, h, row] receives
+    the row's sum of dS and of P * d logit / d param over this block, for the caller to
+    apply it once over all blocks."""
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    off_hk = off_h // GROUP
+    rows_all = Nq   # the row stride of the statistics: every row of the call
+    # The parameters' sums dS * g reduced per key tile (into [BLOCK_M]) where a tile's
+    # [BLOCK_M, BLOCK_N] accumulators would take 16 registers a thread or more (64x32 with
+    # 4 warps: it frees them for that tile on sm_90), else accumulated per score (sm_80's
+    # 32x32: its row reductions go through shared memory and turn the loop LSU-bound).
+    # (ROW_FACTORS only: the other priors accumulate per score.)
+    TILE_GRAD_SUMS: tl.constexpr = ROW_FACTORS and BLOCK_M * BLOCK_N >= 2048
+    # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
+    pid_m, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
+                                                    Nk, VARLEN)
+    q_offset, k_offset = _row_offsets(QOff, KOff, off_b, q_offset, k_offset, ROW_OFFSETS)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Nq
+    d_ok = offs_d < D
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q_head = off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+    q = tl.load(Q + q_head + offs_m[:, None] * stride_qm + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                 + q_start.to(tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :],
+                 mask=qd_mask, other=0.0)
+    stats_rows = pid_bh.to(tl.int64) * rows_all + q_start   # this head's rows in Mrow, Lrow, Delta
+    m_row, inv_l = _softmax_stats(Mrow, Lrow, stats_rows + offs_m, row_ok)
+    delta = tl.load(Delta + stats_rows + offs_m, mask=row_ok, other=0.0)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    km_base = KeyMask + off_b.to(tl.int64) * stride_mb + k_start
+    sc = prior_scalars(Theta + off_h * NUM_PARAMS)
+    offs_m_abs = offs_m + q_offset
+    # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
+    if TABLE_WIDTH:
+        # the interleaved table: TABLE_WIDTH floats per distance (the log-prior, then its derivatives)
+        tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + ((d_top_b - 33554433 - offs_m_abs) * TABLE_WIDTH)[:, None]
+    else:
+        tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 - offs_m_abs)[:, None]
+    if RAMP:
+        ramp = prior_ramp(sc)
+        ramp_slope = ramp[0]
+        if CAUSAL:   # scores and statistics from each row's reference (see the forward)
+            row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
+            m_row -= _ramp_row_term(offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
+            row_ref_f = row_ref.to(tl.float32)
+        elif RAMP_SYMMETRIC:   # from each row's nearest key (_ramp_logit2), as the forward's statistics are
+            near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
+            m_row -= _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
+        # d logit / d p on the causal side is a per-head constant times ramp_d: the sums take
+        # ramp_d (exact, finite) and the constant multiplies them once, after the loop
+        ramp_factors = ()
+        for g in tl.static_range(NUM_GRADS):
+            if (RAMP_SYMMETRIC or CAUSAL) and not ROW_SUMS:
+                ramp_factors = ramp_factors + (ramp[2 + g],)
+            else:
+                ramp_factors = ramp_factors + (1.0,)
+    pos_i = offs_m_abs[:, None].to(tl.float32)
+    n_hi = Nk
+    n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
+    pos_n = n_rows[:, None]
+    if ROW_FACTORS:
+        # the derivatives' row factors: the loop sums their per-score parts
+        logit_r2 = _logit_row2(offs_m_abs.to(tl.float32), n_rows, sc)[:, None]
+        row_factors = _row_factors(offs_m_abs.to(tl.float32), n_rows, sc)
+        ds_row = row_factors[0]
+    if CAUSAL:
+        n_hi = tl.minimum(Nk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + q_offset - k_offset, 0))
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+    n_lo = 0
+    if SKIP:
+        n_lo, n_hi = _window_keys(Window, off_h, pid_m * BLOCK_M + q_offset - k_offset, BLOCK_M,
+                                  n_hi, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Parameter gradients, row by row: sum_j dS_ij g_ij - (sum_j dS_ij)(sum_j P_ij g_ij).
+    # The second term is 0 in exact arithmetic (a softmax's dS sums to 0 over its row); with
+    # Delta = rowsum(dO * O) from the P that was rounded for the P @ V product it is not, and
+    # for a derivative g that grows with |d| (ALiBi's |d|/b^2) the leftover, times g, would
+    # swamp the gradient. Subtracting it removes that error to first order.
+    # sum_j dS_ij g_ij accumulates elementwise in [BLOCK_M, BLOCK_N] registers (one FFMA per
+    # score), reduced over the row once, after the loop. The two row sums of the correction
+    # do too for a prior with one learnable parameter; with more (TILE_ROW_SUMS), where
+    # the registers would not hold a [BLOCK_M, 32] tile, they are reduced per key tile
+    # (in-thread adds and two warp shuffles per row: the MMA layout keeps a row in one warp).
+    # (sums[2 g], sums[2 g + 1]): parameter g's sum_j dS g and sum_j P g
+    if TILE_ROW_SUMS:
+        ds_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        ds_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sums = _grad_sums(BLOCK_M, BLOCK_N, NUM_GRADS, TILE_GRAD_SUMS)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < Nk
+        if HAS_KEY_MASK:   # padding keys: hidden, and read as 0 (a NaN there reaches nothing)
+            key_ok = _kept_keys(km_base, offs_n, Nk)
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
+        offs_n_abs = offs_n + k_offset
+        pos_j = offs_n_abs[None, :].to(tl.float32)
+        pos_d = (offs_m_abs[:, None] - offs_n_abs[None, :]).to(tl.float32)
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n_abs[None, :] <= offs_m_abs[:, None])
+        if TABLE_WIDTH:
+            # the tile's log-prior and derivative entries, four per vector load
+            tab_at = tab_rows + offs_n_abs[None, :] * TABLE_WIDTH
+            tab = ()
+            for group in tl.static_range(TABLE_WIDTH // 4):
+                tab = tab + _table_load4(tab_at + 4 * group)
+        else:
+            tab_at = tab_rows + offs_n_abs[None, :]
+        if RAMP:
+            if CAUSAL:
+                ramp_d = row_ref_f[:, None] - pos_j   # exact: positions stay within 2**24 (MAX_POSITION)
+                z = tl.fma(ramp_d, ramp_slope, qk * qk_scale)
+            elif RAMP_SYMMETRIC:
+                z = _ramp_logit2(qk, qk_scale, ramp_slope, offs_m_abs[:, None], offs_n_abs[None, :],
+                                 near[:, None])
+                # |d| - |d_ref|, exact (the derivative of an even ramp is a constant times |d|)
+                ramp_d = (tl.abs(offs_m_abs[:, None] - offs_n_abs[None, :])
+                          - tl.abs(offs_m_abs - near)[:, None]).to(tl.float32)
+            else:
+                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
+            if NUM_GRADS > 0:
+                if (RAMP_SYMMETRIC or CAUSAL) and not ROW_SUMS:
+                    # from the row's reference too: the derivative's part that is constant along
+                    # the row (ALiBi's |d_ref| / b^2, which grows with the positions) meets
+                    # sum_j dS = 0 (each times its ramp factor, after the loop)
+                    dlogit = ()
+                    for g in tl.static_range(NUM_GRADS):
+                        dlogit = dlogit + (ramp_d,)
+                else:
+                    dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, (), sc)   # (clamped below)
+        elif SCORE_IS_S:
+            if TABLE_WIDTH:
+                z = _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab[0], sc)
+            else:
+                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
+                tab = ()
+            if NUM_GRADS > 0:
+                dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, tab, sc)
+        else:
+            if TABLE and not TABLE_WIDTH:
+                tab = (_table_load(tab_at),)
+            elif not TABLE:
+                tab = ()
+            if ROW_FACTORS:
+                z, logit_u = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                if NUM_GRADS > 0:
+                    # each parameter's per-score factor (times its row factor, after the loop); a
+                    # parameter whose factor is the logit's own u takes u (GRAD_LOGIT_FACTOR)
+                    dlogit = prior_score_factors(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
+            else:
+                out = _logit_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                dlogit_ds = out[1]
+                dlogit = out[2:]
+                z = out[0] * 1.4426950408889634  # log2(e)
+        p = tl.where(visible, tl.exp2(z - m_row[:, None]) * inv_l[:, None], 0.0)
+        dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
+        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)   # (see the dK/dV kernel)
+        if NUM_GRADS > 0:
+            if TILE_ROW_SUMS:
+                ds_rows += tl.sum(ds, 1)
+            else:
+                ds_acc += ds
+        new_sums = ()
+        for g in tl.static_range(NUM_GRADS):
+            if RAMP:
+                seen = dlogit[g]
+                if not CAUSAL or ROW_SUMS:
+                    seen = tl.where(p > 0.0, _clamped(seen), 0.0)
+            elif GRAD_MODES[g] == GRAD_TABLE:
+                seen = dlogit[g]  # a table entry: clamped, 0 where P is
+            elif GRAD_MODES[g] == GRAD_LOGIT_FACTOR:
+                # the logit's own per-score factor: finite wherever P > 0
+                seen = tl.where(p > 0.0, logit_u, 0.0)
+            else:
+                seen = tl.where(p > 0.0, _clamped(dlogit[g]), 0.0)
+            if TILE_GRAD_SUMS:
+                grad = sums[2 * g] + _row_dot(ds, seen)
+            else:
+                # tl.fma: one FFMA each (the kernels compile with contraction off, see FP_FUSION)
+                grad = tl.fma(ds, seen, sums[2 * g])
+            if TILE_ROW_SUMS:
+                mean = sums[2 * g + 1] + _row_dot(p, seen)
+            else:
+                mean = tl.fma(p, seen, sums[2 * g + 1])
+            new_sums = new_sums + (grad, mean)
+        sums = new_sums
+        if not SCORE_IS_S and not ROW_FACTORS:
+            ds = tl.where(p > 0.0, ds * dlogit_ds, 0.0)   # (see the dK/dV kernel)
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST_DOT)
+    if ROW_FACTORS:
+        dq = dq * (sm_scale * ds_row)[:, None]   # d logit / d s, the row's alone
+    else:
+        dq = dq * sm_scale
+    # A row that sees no key (l = 0) has dQ = 0: its dS is P (dP - delta) with P = 0, but a
+    # hidden key whose V holds inf makes dP infinite there, and 0 * inf is NaN
+    dq = tl.where((inv_l == 0.0)[:, None], 0.0, dq)
+    tl.store(DQ + q_head + offs_m[:, None] * stride_qm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=qd_mask)
+    # one partial sum per program (tl.program_id(0): the tile, or with VARLEN the work item)
+    partial = DTheta + ((off_b * tl.num_programs(0) + tl.program_id(0)) * Hq + off_h) * NUM_GRADS
+    grads = ()
+    means = ()
+    for g in tl.static_range(NUM_GRADS):
+        grads = grads + (sums[2 * g],)
+        means = means + (sums[2 * g + 1],)
+    if NUM_GRADS > 0:
+        if not TILE_ROW_SUMS:
+            ds_rows = tl.sum(ds_acc, 1)
+            summed = ()
+            for g in tl.static_range(NUM_GRADS):
+                summed = summed + (tl.sum(means[g], 1),)
+            means = summed
+        if not TILE_GRAD_SUMS:
+            summed = ()
+            for g in tl.static_range(NUM_GRADS):
+                summed = summed + (tl.sum(grads[g], 1),)
+            grads = summed
+        # (ROW_FACTORS: each row's sums times its row factors, clamped as the per-score
+        # derivatives would be (_clamped): the factor multiplies the corrected row sum, not its
+        # two terms apart, whose products may overflow where their difference does not.)
+        row_at = RowSums + (stats_rows + offs_m) * (1 + NUM_GRADS)
+        if ROW_SUMS:
+            tl.store(row_at, ds_rows, mask=row_ok)
+    for g in tl.static_range(NUM_GRADS):
+        if ROW_SUMS:
+            if ROW_FACTORS:
+                tl.store(row_at + 1 + g, _clamped(row_factors[1 + g] * means[g]), mask=row_ok)
+                tl.store(partial + g, tl.sum(_clamped(row_factors[1 + g] * grads[g]), 0))
+            else:
+                tl.store(row_at + 1 + g, means[g], mask=row_ok)
+                tl.store(partial + g, tl.sum(grads[g], 0))
+        elif RAMP:
+            tl.store(partial + g, _clamped(ramp_factors[g] * tl.sum(grads[g] - ds_rows * means[g], 0)))
+        elif ROW_FACTORS:
+            tl.store(partial + g, tl.sum(_clamped(row_factors[1 + g] * (grads[g] - ds_rows * means[g])), 0))
+        else:
+            tl.store(partial + g, tl.sum(grads[g] - ds_rows * means[g], 0))

@@ -1,0 +1,212 @@
+"""The forward kernel (FlashAttention-2 style online softmax in base 2), written once for every
+prior; the prior enters through the hooks and flags of hooks.py (variant.py instantiates it).
+
+Constexpr flags of the launch:
+  NUM_PARAMS   columns of the [Hq, NUM_PARAMS] float32 parameter tensor Theta (0: no params)
+  CAUSAL       key j is visible to query i iff j + k_offset <= i + q_offset
+  BLOCK_M      query rows per tile;  BLOCK_N  keys per tile
+  HEAD_DIM     head dimension padded to a power of two >= 16;  D  the real head dimension
+  DOT_PREC, UPCAST_DOT  see helpers.py
+  STORE_O32    the forward also writes O in float32 (training in fp16/bf16): the backward's
+               rowsum(dO * O) from the rounded O skews every parameter gradient
+  STEADY       (_attn_fwd_inner) the key tiles are seen whole by every row: no causal or
+               bounds masks
+  HAS_KEY_MASK key_mask [B, Nk] (KeyMask, bytes, 0 = a padding key): every key tile, the
+               steady state's included, hides its padding keys (one byte load per key and a
+               where() per score) and reads them as 0; off, KeyMask is a placeholder never read
+  ROW_OFFSETS  q_offset / k_offset are int32 tensors [B] (QOff, KOff), read once per program
+               for its batch row, so the steady state's bounds are the row's; off, the scalar
+               arguments q_offset / k_offset hold them and the pointers are placeholders
+  VARLEN       packed documents (B = 1): program_id(0) indexes Work, the host's list of
+               (document, query tile) items, and the program's rows and keys are its
+               document's (CuSeqQ / CuSeqK: int32 cumulative lengths), positions local and
+               offsets 0; key tiles of other documents are never visited
+With the three flags off the kernel compiles to what it was without them (the same loops).
+The prior's flags (TABLE, RAMP, ROW_FACTORS, SKIP, ...) are hooks.py's.
+Runtime (never recompiles): Nq, Nk, q_offset, k_offset, sm_scale, strides, Hq, GROUP, the
+key_mask's row stride stride_mb, the per-row key counts NRow (n) and the table strategy's Table,
+d_top_b (d_top + TABLE_ROW_BIAS, 33554433: helpers.TABLE_ROW_ARGS), tab_slot, tab_stride_h (see
+launch.py); the inline strategy passes the table arguments and ignores them. row_abs (1.0 or
+0.0): whether Mrow holds the absolute row max (forward_block, whose blocks are merged) or, where
+a causal ramp measures scores from a reference key (see helpers._ramp_reference), the max
+relative to the row's reference: a softmax is blind to a row's constant, and left out it cannot
+round the scores that matter.
+"""
+import triton
+import triton.language as tl
+
+from .helpers import (
+    TABLE_ROW_ARGS, _dot, _factored_logit2, _kept_keys, _load_kept, _load_kv, _logit2, _logit_row2,
+    _program_span, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
+    _ramp_row_term, _row_offsets, _value_entries, _window_keys)
+from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
+    RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, prior_ramp, prior_scalars)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                    offs_m_abs, n_visible, row_ok, offs_d, n_lo, n_hi, Nk, k_offset, qk_scale,
+                    sm_scale, tab_rows, ramp_slope, ramp_ref, km_base, sc,
+                    CAUSAL: tl.constexpr, STEADY: tl.constexpr, BLOCK_N: tl.constexpr,
+                    D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+                    UPCAST_DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+    """Online softmax over the key tiles [n_lo, n_hi) of one query tile (base-2 exponent).
+
+    STEADY: every key of these tiles exists and is visible to every row of the tile (the
+    causal part strictly left of the diagonal tile), so nothing is masked. Where the prior
+    is a line in d on the causal side (RAMP), a causal logit is s + slope * (ref - j)
+    (log2 units): the tile's reference key ramp_ref, a broadcast vector per key tile
+    instead of a per-score evaluation."""
+    pos_i = offs_m_abs[:, None].to(tl.float32)
+    pos_n = n_visible[:, None]
+    if RAMP_SYMMETRIC:
+        near_ref = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)[:, None]
+    if ROW_FACTORS:
+        logit_r2 = _logit_row2(pos_i, pos_n, sc)   # the logit's row factor, once (ROW_FACTORS)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n_abs = offs_n + k_offset
+        k = _load_kv(k_base, offs_n, stride_kn, offs_d, Nk, not STEADY, D, HEAD_DIM)
+        if HAS_KEY_MASK:   # (a NaN in a padding key's k is hidden by the where() below)
+            kept = _kept_keys(km_base, offs_n, Nk)
+        qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
+        pos_j = offs_n_abs[None, :].to(tl.float32)
+        pos_d = (offs_m_abs[:, None] - offs_n_abs[None, :]).to(tl.float32)
+        if RAMP:
+            if CAUSAL:   # (a hidden score, d < 0, is off the line: the mask below drops it)
+                z = qk * qk_scale + (ramp_slope * (ramp_ref - offs_n_abs).to(tl.float32))[None, :]
+            elif RAMP_SYMMETRIC:
+                z = _ramp_logit2(qk, qk_scale, ramp_slope, offs_m_abs[:, None], offs_n_abs[None, :],
+                                 near_ref)
+            else:
+                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                            tab_rows + offs_n_abs[None, :], sc)
+        elif ROW_FACTORS:
+            if TABLE:
+                tab = _value_entries(tl.load(tab_rows + offs_n_abs[None, :]))   # (see _logit2)
+            else:
+                tab = ()
+            z = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
+        else:
+            z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                        tab_rows + offs_n_abs[None, :], sc)
+        if not STEADY:
+            visible = (offs_n < Nk)[None, :] & row_ok[:, None]
+            if CAUSAL:
+                visible = visible & (offs_n_abs[None, :] <= offs_m_abs[:, None])
+            z = tl.where(visible, z, -float("inf"))
+        if HAS_KEY_MASK:
+            z = tl.where(kept[None, :], z, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.exp2(z - m_safe[:, None])
+        correction = tl.exp2(m_i - m_safe)
+        l_i = l_i * correction + tl.sum(p, 1)
+        if HAS_KEY_MASK:   # a padding key's v reads as 0: P is 0 there, and 0 * NaN is NaN
+            v = _load_kept(v_base, offs_n, stride_vn, offs_d, kept, D)
+        else:
+            v = _load_kv(v_base, offs_n, stride_vn, offs_d, Nk, not STEADY, D, HEAD_DIM)
+        acc = _dot(p.to(v.dtype), v, acc * correction[:, None], DOT_PREC, UPCAST_DOT)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=TABLE_ROW_ARGS)
+def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, QOff, KOff,
+              CuSeqQ, CuSeqK, Work,
+              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+              Hq, GROUP, Nq, Nk, q_offset, k_offset, sm_scale, d_top_b, tab_slot, tab_stride_h, stride_nb,
+              stride_mb, row_abs,
+              NUM_PARAMS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
+              DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, STORE_O32: tl.constexpr,
+              HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, VARLEN: tl.constexpr):
+    """One program: one query tile of one (batch, head). Writes O and, per row, the running
+    max m (base 2) and sum l of the online softmax: the backward rebuilds P as
+    exp2(z - m) / l, exact where a rounded log-sum-exp m + log2(l) would cost eps * |z|."""
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    off_hk = off_h // GROUP
+    rows_all = Nq   # the row stride of the statistics: every row of the call
+    # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
+    pid_m, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
+                                                    Nk, VARLEN)
+    q_offset, k_offset = _row_offsets(QOff, KOff, off_b, q_offset, k_offset, ROW_OFFSETS)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Nq
+    d_ok = offs_d < D
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    km_base = KeyMask + off_b.to(tl.int64) * stride_mb + k_start
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # the prior's parameters for this head, and what depends on them alone
+    sc = prior_scalars(Theta + off_h * NUM_PARAMS)
+    offs_m_abs = offs_m + q_offset
+    # key tiles [0, n_full) are seen whole by every row (the steady state, no masks);
+    # [n_full, n_hi) hold the diagonal and the ragged end
+    n_hi = Nk
+    n_full = Nk // BLOCK_N * BLOCK_N
+    # n: the keys each row sees (counted on the host: over all blocks of the row's keys)
+    n_visible = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
+    if CAUSAL:
+        n_hi = tl.minimum(Nk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + q_offset - k_offset, 0))
+        first_row_keys = tl.minimum(tl.maximum(pid_m * BLOCK_M + q_offset - k_offset + 1, 0), Nk)
+        n_full = first_row_keys // BLOCK_N * BLOCK_N
+    n_lo = 0
+    if SKIP:
+        # block skipping: keys outside this head's window of distances [lo, hi] are skipped
+        n_lo, n_hi = _window_keys(Window, off_h, pid_m * BLOCK_M + q_offset - k_offset, BLOCK_M,
+                                  n_hi, BLOCK_N)
+        # the steady state ends at a whole tile inside [n_lo, n_full) (keys there exist and are
+        # visible, so a tile may reach past the window: those scores are computed exactly)
+        n_full = tl.maximum(n_lo, tl.minimum(n_full, tl.cdiv(n_hi, BLOCK_N) * BLOCK_N))
+    # distance d of this head sits at Table + h * tab_stride_h + d_top - d: a query's row of
+    # the Toeplitz table, indexed by the key's absolute position, starts here
+    # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
+    tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 - offs_m_abs)[:, None]
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+    if RAMP:
+        # the prior is a line in d on the causal side: log2(e) * log_prior = intercept + slope * d
+        ramp = prior_ramp(sc)
+        ramp_slope = ramp[0]
+        ramp_ref = _ramp_reference(pid_m * BLOCK_M + q_offset, Nk - 1 + k_offset, k_offset, ramp_slope)
+    else:
+        ramp_slope = 0.0
+        ramp_ref = 0
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                    offs_m_abs, n_visible, row_ok, offs_d, n_lo, n_full, Nk,
+                                    k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
+                                    ramp_ref, km_base, sc, CAUSAL, True, BLOCK_N,
+                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                    offs_m_abs, n_visible, row_ok, offs_d, n_full, n_hi, Nk,
+                                    k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
+                                    ramp_ref, km_base, sc, CAUSAL, False, BLOCK_N,
+                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
+    if RAMP:
+        if CAUSAL:   # m measured from each row's own reference (what the backward rebuilds)
+            row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
+            m_i += ramp_slope * (row_ref - ramp_ref).to(tl.float32) + _ramp_row_term(
+                offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
+        elif RAMP_SYMMETRIC:   # measured from each row's nearest key (_ramp_logit2)
+            near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
+            m_i += _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
+    empty = l_i == 0.0  # no visible key: output 0 (m stays -inf, l 0)
+    # where(): exactly 0 even when a hidden key's V holds inf or NaN (P @ V is 0 * inf there)
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    o_head = off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + q_start.to(tl.int64) * stride_om
+    if STORE_O32:
+        tl.store(O32 + o_head + offs_m[:, None] * stride_om + offs_d[None, :], out,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(O + o_head + offs_m[:, None] * stride_om + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Mrow + pid_bh.to(tl.int64) * rows_all + q_start + offs_m, m_i, mask=row_ok)
+    tl.store(Lrow + pid_bh.to(tl.int64) * rows_all + q_start + offs_m, l_i, mask=row_ok)

@@ -1,0 +1,125 @@
+"""Where a prior enters bamgen's Triton kernels: its flags and its hooks.
+
+The kernels (helpers.py, forward.py, backward.py, decode.py) are written once. They read the
+names below as globals; variant.py instantiates them per prior with that prior's values in
+their place (its flags, and the hooks its generated module printed from the formula), the way
+FlashInfer instantiates its attention templates with a variant struct and inductor's flex
+attention calls one `modification` hook. The defaults here are NoPE's: no prior term, no
+parameters. docs/architecture.md ("Hooks") says why the kernels find these by name rather
+than as tl.constexpr arguments: torch.compile's inductor re-emits a user kernel's source with
+what its globals name, and writes its constexpr arguments as literals.
+
+Flags (tl.constexpr; each prior's values come from its PriorTraits):
+  SCORE_IS_S      the logit is s + log_prior: the kernels compute (q.k * scale + bias) * log2(e),
+                  d logit / d s = 1 and prior_grads gives the parameter derivatives alone
+  HAS_BIAS        (SCORE_IS_S, inline strategy) prior_bias gives a log-prior that is not 0
+  TABLE           table strategy: the prior is gathered from a distance table built on the host
+                  (bamgen/runtime/tables.py); hooks read the entries in `tab`
+  TABLE_SLOTS     entries per distance in the table: the log-prior, then one per tabulated
+                  parameter derivative
+  TABLE_WIDTH     floats per distance of the dQ kernel's interleaved table (groups of four read
+                  with one vector load each); 0: dQ reads the forward's table
+  RAMP            (inline, SCORE_IS_S) the log-prior is a line in d on the causal side: a causal
+                  logit is s + slope * (ref - j) (prior_ramp gives the line)
+  RAMP_SYMMETRIC  the ramp is even in d (ALiBi's -|d|/b): without the causal mask too, a row's
+                  scores are measured from its nearest key
+  ROW_FACTORS     a score other than s + log_prior whose derivatives factor into a part constant
+                  along a row and a per-score part (SSMax): the prior_row_factors,
+                  prior_score_factors, prior_logit_row and prior_logit_score hooks
+  ROW_CACHE       (ROW_FACTORS) the backward's preprocess kernel stores each row's two factors
+                  for dK/dV (they read n and the parameters alone)
+  LOGIT_FMA       (ROW_FACTORS) the logit's per-score factor is u = s + v: one FFMA
+  SKIP            block skipping: key tiles outside each head's window of distances (Window,
+                  from the table) are not visited
+  GRAD_MODES      per learnable parameter, how dQ takes its per-score derivative: 0 printed
+                  (clamped to float32's range, 0 where P is 0), 1 a table entry (clamped on the
+                  host), 2 the logit's own factor u (finite wherever P > 0)
+  TILE_ROW_SUMS   (two or more learnable parameters) the dQ kernel reduces its correction's
+                  row sums per key tile, which frees registers for wider tiles
+
+Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
+tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
+pos_d = i - j, pos_i, pos_j, pos_n (the visible keys) are float32 tiles):
+  prior_scalars(Theta_h)          the head's parameters (Theta_h[slot]) and every value that
+                                  depends on them alone, computed once per program
+  prior_bias(pos_d, pos_i, pos_j, pos_n, sc)                  the log-prior (HAS_BIAS)
+  prior_grads(s, pos_d, pos_i, pos_j, pos_n, tab, sc)         SCORE_IS_S: the tuple of
+                                  d logit / d p for each learnable p (s unread); else (logit,
+                                  d logit / d s, then those)
+  prior_ramp(sc)                  (slope, intercept, then log(2) * d slope / d p per learnable
+                                  p) of log2(e) * log_prior on the causal side (RAMP)
+  prior_row_factors(pos_i, pos_n, sc)   (d logit / d s, then each learnable p's row factor)
+  prior_score_factors(s, pos_d, pos_i, pos_j, pos_n, tab, sc)  each learnable p's per-score
+                                  factor (d logit / d p over its row factor)
+  prior_logit_row(pos_i, pos_n, sc)     the logit's row factor r (the logit is u * r)
+  prior_logit_score(s, pos_d, pos_i, pos_j, pos_n, tab, sc)    u, or with LOGIT_FMA v (u = s + v)
+"""
+import triton
+import triton.language as tl
+
+SCORE_IS_S = tl.constexpr(True)
+HAS_BIAS = tl.constexpr(False)
+TABLE = tl.constexpr(False)
+TABLE_SLOTS = tl.constexpr(1)
+TABLE_WIDTH = tl.constexpr(0)
+RAMP = tl.constexpr(False)
+RAMP_SYMMETRIC = tl.constexpr(False)
+ROW_FACTORS = tl.constexpr(False)
+ROW_CACHE = tl.constexpr(False)
+LOGIT_FMA = tl.constexpr(False)
+SKIP = tl.constexpr(False)
+GRAD_MODES = tl.constexpr(())
+TILE_ROW_SUMS = tl.constexpr(False)
+
+FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
+         "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS")
+HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
+         "prior_score_factors", "prior_logit_row", "prior_logit_score")
+
+
+@triton.jit
+def prior_scalars(Theta_h):
+    """NoPE: no parameters."""
+    return ()
+
+
+@triton.jit
+def prior_bias(pos_d, pos_i, pos_j, pos_n, sc):
+    """NoPE: no log-prior term (not called: HAS_BIAS is off)."""
+    return 0.0
+
+
+@triton.jit
+def prior_grads(s, pos_d, pos_i, pos_j, pos_n, tab, sc):
+    """NoPE: no parameter derivatives."""
+    return ()
+
+
+@triton.jit
+def prior_ramp(sc):
+    """(not called: RAMP is off)"""
+    return (0.0, 0.0)
+
+
+@triton.jit
+def prior_row_factors(pos_i, pos_n, sc):
+    """(not called: ROW_FACTORS is off)"""
+    return (1.0,)
+
+
+@triton.jit
+def prior_score_factors(s, pos_d, pos_i, pos_j, pos_n, tab, sc):
+    """(not called: ROW_FACTORS is off)"""
+    return ()
+
+
+@triton.jit
+def prior_logit_row(pos_i, pos_n, sc):
+    """(not called: ROW_FACTORS is off)"""
+    return 1.0
+
+
+@triton.jit
+def prior_logit_score(s, pos_d, pos_i, pos_j, pos_n, tab, sc):
+    """(not called: ROW_FACTORS is off)"""
+    return s

@@ -1,0 +1,582 @@
+"""The GPU path's host side: tiles and autotuning, the layout arguments, the prior's inputs
+(distance table, block-skipping window, key counts), the launches of the forward, decode and
+backward kernels, and the kernels' specialisations for ahead-of-time compiles.
+
+The kernels themselves are library code (forward.py, backward.py, decode.py, helpers.py),
+instantiated per prior with its hooks and flags (variant.py: Prior.kernels()).
+
+Table arguments of the kernels (table strategy): the Table pointer, d_top (the largest distance
+in the call plus TABLE_PAD), tab_slot (entries per table: Nq + Nk - 1 + 2 TABLE_PAD) and
+tab_stride_h (floats per head); the kernels take d_top_b = d_top + TABLE_ROW_BIAS (TABLE_ROW_ARGS).
+Entry t of a table holds distance d_top - t: a query's entries, by increasing key position, are
+then consecutive in memory, and TABLE_PAD entries either side keep the masked-off corners of edge
+tiles inside the table, so the loads need no mask. The tables are filled on the host, in float64
+(bamgen/runtime/tables.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..constants import LOG2E, TABLE_PAD
+from ..tables import distance_span, prior_tables, row_key_counts
+from . import interpreting
+from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
+from .tiles import INTERPRET_TILES, TILES
+
+PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
+# No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
+# from the forward's row statistics, exact only if it recomputes every logit z bit for bit as
+# the forward did. With contraction on, the compiler fuses a multiply into the next add in one
+# kernel and not in another (it depends on the surrounding code), and at |z| ~ 1e4 (a sharp
+# prior far from its mode: every key of a row has a large log-prior) one rounding step of z
+# moves P by 0.1% or more on every such row, which dV sums up (seen on an H100: dV off by up to
+# 0.6 while O, dQ and dK were right). Explicit tl.fma calls are kept; only implicit fusion is off.
+FP_FUSION = False
+# The decode kernels (decode.py) take a call of at most DECODE_ROWS query rows
+# with no backward to follow (a generation step), its keys split over programs.
+DECODE_ROWS = 16
+DECODE_MIN_KEYS = 256         # keys per split at least: fewer, and merging costs what splitting saves
+DECODE_MAX_SPLITS = 64        # splits per row at most: the merge holds them all in registers
+DECODE_WAVES = 2              # aim for this many programs per SM
+DECODE_INTERPRET_KEYS = 32    # keys per split under TRITON_INTERPRET=1: tests cross split borders
+COMBINE_WARPS = 4
+DECODE_COMBINE_SPLITS = 32    # (the splits an ahead-of-time compile of the merge assumes)
+
+
+def gpu_family(device=None):
+    """"sm_90" for Hopper and newer, else "sm_80" (the config table's keys)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm_90" if major >= 9 else "sm_80"
+
+
+def candidates(prior, kernel, head_dim, arch, masked=False):
+    """The tile configs of a kernel; masked (key_mask, per-row offsets or packed documents): each
+    with half the tile's scores (_masked_tile)."""
+    table = TILES[prior.traits.tile_kind][arch]
+    bucket = min(b for b in table if b >= head_dim_padded(head_dim))
+    configs = table[bucket][kernel]
+    return [masked_tile(kernel, c) for c in configs] if masked else configs
+
+
+def masked_tile(kernel, config):
+    """The tile of a masked launch. The layout's state (the mask bytes of a key tile, the
+    document's bounds, the row's offsets) lives in registers through the main loop; with the
+    plain tiles, chosen at the edge of the register file, it would spill at head dim 128. The
+    rules below free what it needs (tests/gpu/test_aot_masks.py compiles them spill-free; the
+    figures are in docs/performance.md)."""
+    block_m, block_n, warps, stages = config
+    if kernel == "decode":    # a few rows: the tile has room for the layout's state
+        return config
+    if kernel == "fwd":       # half the key tile (down to 32)
+        return (block_m, max(32, block_n // 2), warps, stages)
+    if kernel == "bwd_dq":    # the same tile over 8 warps (fewer registers per thread)
+        return (block_m, block_n, 8, stages)
+    return (max(16, block_m // 2), block_n, warps, stages)   # dK/dV: half the query tile
+
+
+
+def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
+    """run(config) launches `kernel` with a tile config and returns what the caller needs.
+
+    The config is the family's default, the interpreter's small one, or with BAMGEN_AUTOTUNE=1
+    on a GPU the fastest candidate for this key (dtype, causal, head dim, length bucket): each
+    candidate runs twice (compile, then timed); one that does not fit the device's shared memory
+    (Triton raises) or that spills registers is dropped. Every kernel only overwrites its
+    outputs, so the timing runs leave nothing behind but the result of the last run. A traced
+    launch (the triton ops) takes a config an eager call tuned for its key, else the default: a
+    trace cannot time anything."""
+    if interpreting():
+        return run(INTERPRET_TILES[kernel])
+    arch = gpu_family(device)
+    options = candidates(prior, kernel, head_dim, arch, masked)
+    if os.environ.get("BAMGEN_AUTOTUNE", "0") != "1" or len(options) == 1:
+        return run(options[0])
+    if traced:
+        return run(prior.tuned.get((kernel, arch, head_dim, masked) + key, options[0]))
+    tuned_key = (kernel, arch, head_dim, masked) + key
+    if tuned_key not in prior.tuned:
+        prior.tuned[tuned_key] = _autotune(options, run)
+    return run(prior.tuned[tuned_key])
+
+
+def _autotune(candidates, run):
+    timings = []
+    for config in candidates:
+        try:
+            run(config)                      # compile (and check the resources)
+        except Exception as exc:             # Triton's OutOfResources: too much shared memory
+            if "OutOfResources" not in type(exc).__name__:
+                raise
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        compiled = run(config)
+        end.record()
+        torch.cuda.synchronize()
+        if getattr(compiled, "n_spills", 0):
+            continue
+        timings.append((start.elapsed_time(end), config))
+    if not timings:
+        raise RuntimeError("no tile configuration fits this GPU; please report it")
+    return min(timings)[1]
+
+
+def head_dim_padded(D):
+    return max(16, 1 << (D - 1).bit_length())
+
+
+def dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot(dtype):
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, with_grads, shifted, table=None, n=None,
+                 key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """What the kernels read of the prior, built on the host: (table, d_top, window, counts).
+    table: the call's distance table (_prior_tables, with its derivative slots if with_grads),
+    or the forward's when given; theta itself, a placeholder, for the inline strategy, whose
+    kernels take the table arguments and ignore them. window: _prior_window; counts:
+    _row_key_counts (n: its override)."""
+    B, _, Nq, _ = q.shape
+    Nk = k.shape[2]
+    spans = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if prior.traits.table:
+        bottom, top = distance_span(Nq, Nk, q_offset, k_offset, **spans)
+        if table is None:
+            table, d_top = prior_tables(prior, theta, bottom, top, causal, with_grads, shifted)
+            if prior.traits.score_is_s:
+                table = base2_log_prior(table)
+        else:
+            d_top = top + TABLE_PAD
+    else:
+        table, d_top = theta, 0
+    counts = row_key_counts(prior, B, Nq, Nk, q_offset, k_offset, causal, q.device, n, key_mask, **spans)
+    return table, d_top, prior_window(prior, table, d_top), counts
+
+
+def base2_log_prior(table):
+    """The table with its log-prior slot (0) in base-2 units, log2(e) * log_prior: the kernels'
+    softmax runs in base 2, so a logit is then one fused multiply-add, q.k * scale * log2(e) +
+    entry (_table_logit2). The derivative slots stay in nats (they meet dS, which is)."""
+    scaled = table.clone()
+    scaled[:, 0] = (table[:, 0].double() * LOG2E).to(table.dtype)
+    return scaled
+
+
+def prior_window(prior, table, d_top):
+    """Block skipping: per head, the smallest and largest distance whose log-prior (table slot
+    0) is above the skip bound, as int32 [Hq, 2]; (2**30, -2**30) when none is."""
+    if prior.traits.skip is None:
+        return table    # no skipping: the kernels take the argument and ignore it
+    # the bound in the table's unit: base 2 where the logit is s + log_prior (base2_log_prior)
+    unit = LOG2E if prior.traits.score_is_s else 1.0
+    values = table[:, 0, :]
+    distance = d_top - torch.arange(values.shape[1], device=values.device, dtype=torch.int64)
+    keep = values > prior.traits.skip * unit
+    lo = torch.where(keep, distance, 2 ** 30).amin(1)
+    hi = torch.where(keep, distance, -2 ** 30).amax(1)
+    return torch.stack([lo, hi], 1).to(torch.int32).contiguous()
+
+
+def row_abs_flag(shifted):
+    """The kernels' row_abs: the statistics absolute (1.0) for unshifted calls (forward_block and
+    backward_block, whose blocks are merged), else relative to each row's reference where the
+    prior is a causal ramp (0.0; see triton_forward.py.jinja)."""
+    return 0.0 if shifted else 1.0
+
+
+def tune_key(q, Nq, Nk, causal):
+    """The autotuner's key: dtype, causal and the length bucket (None for a traced call's
+    symbolic lengths, which a trace cannot tune for)."""
+    if not (isinstance(Nq, int) and isinstance(Nk, int)):
+        return (str(q.dtype), causal, None)
+    return (str(q.dtype), causal, 1 << (max(Nq, Nk) - 1).bit_length())
+
+
+class KernelLayout:
+    """The layout arguments as the kernels take them: the scalar offsets and the constexpr flags,
+    with the tensors behind them (placeholders, never read, where a flag is off): key_mask as
+    bytes [B, Nk], per-row offsets as int32 [B], cu_seqlens as int32, and for packed documents
+    the work lists of (document, tile) items, built per tile size on first use."""
+
+    def __init__(self, q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k):
+        placeholder = torch.zeros(2, device=q.device, dtype=torch.int32)
+        self.row_offsets = isinstance(q_offset, torch.Tensor) or isinstance(k_offset, torch.Tensor)
+        if self.row_offsets:
+            self.q_off = torch.as_tensor(q_offset, device=q.device).to(torch.int32).expand(q.shape[0]).contiguous()
+            self.k_off = torch.as_tensor(k_offset, device=q.device).to(torch.int32).expand(q.shape[0]).contiguous()
+            self.q_offset, self.k_offset = 0, 0
+        else:
+            self.q_off = self.k_off = placeholder
+            self.q_offset, self.k_offset = q_offset, k_offset
+        self.has_key_mask = key_mask is not None
+        self.key_mask = key_mask.contiguous().view(torch.uint8) if self.has_key_mask else placeholder
+        self.stride_mb = key_mask.shape[1] if self.has_key_mask else 0
+        self.varlen = cu_seqlens_q is not None
+        if self.varlen:
+            self.cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+            self.cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+            self._lengths = ((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).cpu(),
+                             (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).cpu())
+        else:
+            self.cu_q = self.cu_k = placeholder
+        self._work = {}
+        self._placeholder = placeholder
+
+    def work(self, side, block):
+        """int32 [items, 2] of (document, tile) for the documents' query (side 0) or key (side 1)
+        tiles of `block` rows; the placeholder without packed documents."""
+        if not self.varlen:
+            return self._placeholder
+        if (side, block) not in self._work:
+            tiles = (self._lengths[side] + block - 1) // block            # per document
+            doc = torch.repeat_interleave(torch.arange(tiles.numel()), tiles)
+            first = torch.cumsum(tiles, 0) - tiles                        # each document's first item
+            tile = torch.arange(int(tiles.sum())) - first[doc]
+            self._work[side, block] = torch.stack([doc, tile], 1).to(
+                device=self.cu_q.device, dtype=torch.int32).contiguous()
+        return self._work[side, block]
+
+    def grid0(self, side, block, count):
+        """Programs along the grid's first axis: the work items, or the tiles of count rows."""
+        return self.work(side, block).shape[0] if self.varlen else triton.cdiv(count, block)
+
+    def pointers(self, side, block):
+        return (self.key_mask, self.q_off, self.k_off, self.cu_q, self.cu_k, self.work(side, block))
+
+    @property
+    def masked(self):
+        return self.has_key_mask or self.row_offsets or self.varlen
+
+    def flags(self):
+        return dict(HAS_KEY_MASK=self.has_key_mask, ROW_OFFSETS=self.row_offsets, VARLEN=self.varlen)
+
+
+def eager_kernel(kernel):
+    """How an eager call launches a kernel: as it is."""
+    return kernel
+
+
+def traced_kernel(kernel):
+    """How a triton op (api: _TritonOps) launches a kernel: through torch.library.wrap_triton,
+    which under torch.compile records the launch in the graph, where inductor sees it, and
+    launches it as it is otherwise (and under TRITON_INTERPRET=1, whose kernels it cannot
+    trace)."""
+    return torch.library.wrap_triton(kernel)
+
+
+class SkippedLaunch:
+    """A launcher that launches nothing: the triton ops' fake implementation under
+    TRITON_INTERPRET=1 runs their host code (every shape, guard and allocation) without the
+    interpreted kernels, which cannot take fake tensors."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def skipped_kernel(kernel):
+    return SkippedLaunch()
+
+
+def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backward=False,
+            shifted=True, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Launch the forward kernel. Returns (out, stats, out32, table): stats [2, B, Hq, Nq]
+    float32 holds the softmax's per-row max (base 2) and sum; out32 is O in float32 when a
+    backward will follow a low-precision input, else out itself; table is the prior's table
+    (table strategy), built with its derivative slots when a backward will follow.
+
+    The backward reuses this table rather than building its own (the same values by
+    construction, one build per step). shifted: see _prior_tables; n: see _row_key_counts.
+    key_mask, cu_seqlens_q/k and tensor offsets: as _layout() normalised them."""
+    table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, for_backward,
+                                                shifted, None, n, key_mask, cu_seqlens_q, cu_seqlens_k)
+    lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
+    out, stats, out32 = forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window,
+                                        counts, lay, for_backward, shifted)
+    return out, stats, out32, table
+
+
+def table_args(prior, table, d_top):
+    """The kernels' (d_top_b, tab_slot, tab_stride_h) for a table (TABLE_ROW_ARGS)."""
+    if not prior.traits.table:
+        return 0, 0, 0   # (the inline strategy takes the arguments and ignores them)
+    return d_top + TABLE_ROW_BIAS, table.shape[2], table.shape[1] * table.shape[2]
+
+
+def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, counts, lay,
+                    for_backward, shifted, wrap=eager_kernel):
+    """The forward's launches, given the prior's table, window and key counts (out, stats,
+    out32 as _triton_forward returns them). wrap: how a kernel is launched (traced_kernel in
+    the triton ops: no host code here reads a tensor's values, so a trace goes through)."""
+    kernels = prior.kernels()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    D = int(D)   # (a constexpr: a traced call specialises on the head dim)
+    out = torch.empty_like(q)
+    store_o32 = for_backward and q.dtype != torch.float32
+    out32 = torch.empty(q.shape, device=q.device, dtype=torch.float32) if store_o32 else out
+    stats = torch.empty(2, B, Hq, Nq, device=q.device, dtype=torch.float32)
+    d_top_b, tab_slot, tab_stride_h = table_args(prior, table, d_top)
+    if not for_backward and not lay.varlen and Nq <= DECODE_ROWS:
+        decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab_slot,
+               tab_stride_h, window, counts, lay, shifted, wrap)
+        return out, stats, out32
+
+    def run(config):
+        block_m, block_n, warps, stages = config
+        return wrap(kernels["fwd"])[(lay.grid0(0, block_m, Nq), B * Hq)](
+            q, k, v, theta, out, out32, stats[0], stats[1], table, window, counts,
+            *lay.pointers(0, block_m),
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            Hq, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, tab_stride_h,
+            counts.stride(0), lay.stride_mb, row_abs_flag(shifted),
+            NUM_PARAMS=theta.shape[1], CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
+            HEAD_DIM=head_dim_padded(D), D=D, DOT_PREC=dot_precision(q.dtype),
+            UPCAST_DOT=upcast_dot(q.dtype), STORE_O32=store_o32, **lay.flags(),
+            num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+
+    launch(prior, "fwd", D, q.device, tune_key(q, Nq, Nk, causal), run, lay.masked, wrap is not eager_kernel)
+    return out, stats, out32
+
+
+def decode_splits(Nk, programs, block_n, sms):
+    """(keys per split, splits) of a decode call with `programs` (batch, head) pairs on a GPU of
+    `sms` SMs (None: the interpreter): enough splits for DECODE_WAVES programs per SM, each of
+    at least DECODE_MIN_KEYS keys (a multiple of block_n), at most DECODE_MAX_SPLITS splits.
+    (bamgen.aot's decode model calls it too, with the SMs of the GPU it models.) Sizes may be
+    symbolic (a traced call): torch.sym_max keeps a growing cache from adding guards."""
+    cdiv = lambda a, b: -(-a // b)   # noqa: E731
+    if sms is None:
+        keys = DECODE_INTERPRET_KEYS
+    else:
+        keys = torch.sym_max(DECODE_MIN_KEYS, cdiv(Nk, cdiv(DECODE_WAVES * sms, programs)))
+    keys = cdiv(torch.sym_max(keys, cdiv(Nk, DECODE_MAX_SPLITS)), block_n) * block_n
+    return keys, torch.sym_max(1, cdiv(Nk, keys))
+
+
+def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab_slot, tab_stride_h,
+           window, counts, lay, shifted, wrap=eager_kernel):
+    """The forward of a call with at most DECODE_ROWS query rows and no backward to follow
+    (flash-decoding): the keys split over programs (_attn_decode), the splits' partials merged
+    by log-sum-exp (_decode_combine) into out and stats, as _triton_forward documents them."""
+    kernels = prior.kernels()
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    D = int(D)
+    head_dim = head_dim_padded(D)
+    sms = None if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
+
+    def run(config):
+        block_m, block_n, warps, stages = config
+        keys, splits = decode_splits(Nk, B * Hq, block_n, sms)
+        # (a traced call: the merge's width is fixed, not a guard on the number of splits)
+        block_s = triton.next_power_of_2(splits) if isinstance(splits, int) else DECODE_MAX_SPLITS
+        part_o = torch.empty(splits, B * Hq, Nq, head_dim, device=q.device, dtype=torch.float32)
+        part_m = torch.empty(splits, B * Hq, Nq, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        compiled = wrap(kernels["decode"])[(splits, B * Hq)](
+            q, k, v, theta, part_o, part_m, part_l, table, window, counts, lay.key_mask,
+            lay.q_off, lay.k_off,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            Hq, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, tab_stride_h,
+            counts.stride(0), lay.stride_mb, row_abs_flag(shifted), keys,
+            NUM_PARAMS=theta.shape[1], CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
+            HEAD_DIM=head_dim, D=D, DOT_PREC=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
+            HAS_KEY_MASK=lay.has_key_mask, ROW_OFFSETS=lay.row_offsets,
+            num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+        wrap(kernels["combine"])[(Nq, B * Hq)](
+            part_o, part_m, part_l, out, stats[0], stats[1], out.stride(0), out.stride(1),
+            out.stride(2), Hq, Nq, splits, BLOCK_S=block_s,
+            HEAD_DIM=head_dim, D=D, num_warps=COMBINE_WARPS, num_stages=1)
+        return compiled
+
+    launch(prior, "decode", D, q.device, tune_key(q, Nq, Nk, causal), run, lay.masked, wrap is not eager_kernel)
+
+
+def backward(prior, dout, q, k, v, out, stats, out32, table, theta, causal, scale, q_offset,
+             k_offset, row_sums=False, shifted=True, n=None, key_mask=None, cu_seqlens_q=None,
+             cu_seqlens_k=None):
+    """Launch preprocess, dK/dV and dQ kernels. Returns dq, dk, dv, dparams [Hq, NUM_GRADS];
+    with row_sums (backward_block), dparams without the row correction and the row sums
+    [B, Hq, Nq, 1 + NUM_GRADS] that it needs."""
+    table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, True, shifted,
+                                                table, n, key_mask, cu_seqlens_q, cu_seqlens_k)
+    lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
+    return backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, table, d_top,
+                            window, counts, lay, row_sums, shifted)
+
+
+def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, table, d_top, window,
+                     counts, lay, row_sums, shifted, wrap=eager_kernel):
+    """The backward's launches, given the prior's table (with its derivative slots), window and
+    key counts; wrap: as _triton_forward_kernels'."""
+    kernels = prior.kernels()
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+    if lay.has_key_mask or lay.varlen:
+        # padding queries see no key (l = 0): read as 0, their dS is 0 and 0 * NaN (a NaN stored
+        # in a padding slot) would reach every key's dK and dV through the MMA
+        dead = (stats[1] == 0)[..., None]
+        q, dout = q.masked_fill(dead, 0.0), dout.masked_fill(dead, 0.0)
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    D = int(D)
+    head_dim = head_dim_padded(D)
+    precision, upcast = dot_precision(q.dtype), upcast_dot(q.dtype)
+    num_params = theta.shape[1]
+    key = tune_key(q, Nq, Nk, causal)
+    d_top_b, tab_slot, tab_stride_h = table_args(prior, table, d_top)
+    delta = torch.empty(B, Hq, Nq, device=q.device, dtype=torch.float32)
+    if prior.traits.row_cache:
+        # each row's (log2(e) * logit factor, d logit / d s) for dK/dV (see _bwd_preprocess)
+        row_f = torch.empty(B, Hq, Nq, 2, device=q.device, dtype=torch.float32)
+    else:
+        row_f = delta   # (a placeholder the kernels do not touch)
+    rows, warps = PREPROCESS
+    wrap(kernels["preprocess"])[(triton.cdiv(Nq, rows), B * Hq)](
+        out32, dout, delta, theta, counts, row_f, out32.stride(0), out32.stride(1), out32.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), counts.stride(0), Hq, Nq,
+        NUM_PARAMS=num_params, BLOCK_M=rows, HEAD_DIM=head_dim, D=D, num_warps=warps, num_stages=1)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+
+    def run_dkdv(config):
+        block_m, block_n, warps, stages = config
+        return wrap(kernels["bwd_dkdv"])[(lay.grid0(1, block_n, Nk), B * Hk)](
+            q, k, v, theta, dout, stats[0], stats[1], delta, row_f, dk, dv, table, window, counts,
+            *lay.pointers(1, block_n),
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            Hq, Hk, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, tab_stride_h,
+            counts.stride(0), lay.stride_mb, row_abs_flag(shifted),
+            NUM_PARAMS=num_params, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
+            HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast, **lay.flags(),
+            num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+
+    launch(prior, "bwd_dkdv", D, q.device, key, run_dkdv, lay.masked, wrap is not eager_kernel)
+    if prior.traits.table_width:
+        # the dQ kernel reads the log-prior and its derivatives together: interleaved per distance
+        table_dq = interleaved_table(table, prior.traits.table_width)
+        dq_stride_h = table_dq.shape[1] * table_dq.shape[2]
+    else:
+        table_dq, dq_stride_h = table, tab_stride_h
+    dq = torch.empty_like(q)
+    partials = {}   # one partial sum per dQ program: its shape follows the tile
+
+    def run_dq(config):
+        block_m, block_n, warps, stages = config
+        m_blocks = lay.grid0(0, block_m, Nq)
+        partials["sums"] = torch.zeros(B * m_blocks, Hq, max(len(prior.traits.learnable), 1),
+                                       device=q.device, dtype=torch.float32)
+        if isinstance(m_blocks, int) and m_blocks == 0:   # (packed documents with no query)
+            return None
+        return wrap(kernels["bwd_dq"])[(m_blocks, B * Hq)](
+            q, k, v, theta, dout, stats[0], stats[1], delta, dq, partials["sums"], rows, table_dq, window, counts,
+            *lay.pointers(0, block_m),
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            Hq, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, dq_stride_h,
+            counts.stride(0), lay.stride_mb, row_abs_flag(shifted),
+            NUM_PARAMS=num_params, NUM_GRADS=len(prior.traits.learnable), CAUSAL=causal, BLOCK_M=block_m,
+            BLOCK_N=block_n, HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast,
+            ROW_SUMS=row_sums, **lay.flags(), num_warps=warps, num_stages=stages,
+            enable_fp_fusion=FP_FUSION)
+
+    rows = torch.zeros(B, Hq, Nq, 1 + len(prior.traits.learnable), device=q.device, dtype=torch.float32) \
+        if row_sums else delta   # (a placeholder the kernel does not touch)
+    launch(prior, "bwd_dq", D, q.device, key, run_dq, lay.masked, wrap is not eager_kernel)
+    dparams = partials["sums"].sum(0)[:, :len(prior.traits.learnable)]
+    return (dq, dk, dv, dparams, rows) if row_sums else (dq, dk, dv, dparams)
+
+
+def interleaved_table(table, width):
+    """The dQ kernel's table: [Hq, entries, width], a distance's log-prior and derivatives side
+    by side (zero-padded to whole groups of four) from the [Hq, slots, entries] table, so that
+    one 16-byte load gathers them (table_load4)."""
+    return torch.nn.functional.pad(table.transpose(1, 2), (0, width - table.shape[1])).contiguous()
+
+
+def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", candidate=0,
+                 layout="plain"):
+    """Each Triton kernel with the signature and constexprs of one specialisation, for
+    ahead-of-time compilation (``bamgen inspect`` and the AOT tests): a list of
+    (name, jit function, signature, constexprs, num_warps, num_stages). `candidate` picks a
+    tile config from the family's TRITON_CONFIG list (clamped to the list's length). layout:
+    "plain" (no masks), "padded" (key_mask and per-row offsets: batched generation) or
+    "packed" (packed documents and key_mask)."""
+    kernels = prior.kernels()
+    ptr = "*" + dtype
+    padded = head_dim_padded(head_dim)
+    precision = "ieee" if dtype == "fp32" else "tf32"
+
+    specs = []
+    flags = {"plain": (False, False, False), "padded": (True, True, False),
+             "packed": (True, False, True)}[layout]
+    common = dict(NUM_PARAMS=len(prior.traits.param_names), CAUSAL=causal, HEAD_DIM=padded, D=head_dim,
+                  DOT_PREC=precision, UPCAST_DOT=False,
+                  **dict(zip(("HAS_KEY_MASK", "ROW_OFFSETS", "VARLEN"), flags)))
+    layout_ptrs = dict(KeyMask="*u8", QOff="*i32", KOff="*i32", CuSeqQ="*i32", CuSeqK="*i32",
+                       Work="*i32")
+    plans = [
+        ("attn_fwd", kernels["fwd"], "fwd",
+         dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", O=ptr, O32="*fp32", Mrow="*fp32", Lrow="*fp32",
+              Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs),
+         dict(STORE_O32=dtype != "fp32")),
+        ("bwd_preprocess", kernels["preprocess"], None,
+         dict(O=ptr if dtype == "fp32" else "*fp32", DO=ptr, Delta="*fp32", Theta="*fp32",
+              NRow="*fp32", RowF="*fp32"), None),
+        ("attn_bwd_dkdv", kernels["bwd_dkdv"], "bwd_dkdv",
+         dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32", Delta="*fp32",
+              RowF="*fp32", DK=ptr, DV=ptr, Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs),
+         {}),
+        ("attn_bwd_dq", kernels["bwd_dq"], "bwd_dq",
+         dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32", Delta="*fp32",
+              DQ=ptr, DTheta="*fp32", RowSums="*fp32", Table="*fp32", Window="*i32", NRow="*fp32",
+              **layout_ptrs),
+         dict(NUM_GRADS=len(prior.traits.learnable), ROW_SUMS=False)),
+    ]
+    if layout != "packed":   # (packed documents always take the prefill kernel)
+        plans += [
+            ("attn_decode", kernels["decode"], "decode",
+             dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", PartO="*fp32", PartM="*fp32", PartL="*fp32",
+                  Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs), {}),
+            ("decode_combine", kernels["combine"], None,
+             dict(PartO="*fp32", PartM="*fp32", PartL="*fp32", O=ptr, Mrow="*fp32", Lrow="*fp32"),
+             None),
+        ]
+    # extra: None for the preprocess and combine kernels (no prior, no key tiles), else the
+    # kernel's own constexprs
+    for name, fn, config, pointers, extra in plans:
+        if name == "decode_combine":   # the merge, compiled for DECODE_COMBINE_SPLITS splits
+            block_m, block_n, warps, stages = None, None, COMBINE_WARPS, 1
+        elif extra is None:   # the preprocess kernel: Triton's default launch settings
+            block_m, block_n, warps, stages = PREPROCESS[0], None, PREPROCESS[1], 1
+        else:
+            options = candidates(prior, config, head_dim, arch, layout != "plain")
+            block_m, block_n, warps, stages = options[min(candidate, len(options) - 1)]
+        constexprs = {"BLOCK_M": block_m, "BLOCK_S": DECODE_COMBINE_SPLITS, "HEAD_DIM": padded,
+                      "D": head_dim, "NUM_PARAMS": len(prior.traits.param_names)}
+        if extra is not None:
+            constexprs.update(common, BLOCK_N=block_n, **extra)
+        constexprs = {key: value for key, value in constexprs.items() if key in fn.arg_names}
+        sig = {}
+        for arg in fn.arg_names:
+            if arg in pointers:
+                sig[arg] = pointers[arg]
+            elif arg in constexprs:
+                sig[arg] = "constexpr"
+            elif arg in ("sm_scale", "row_abs"):
+                sig[arg] = "fp32"
+            else:
+                sig[arg] = "i32"
+        specs.append((name, fn, sig, constexprs, warps, stages))
+    return specs

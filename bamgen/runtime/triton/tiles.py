@@ -1,0 +1,89 @@
+"""Tile configurations of the Triton kernels, per kind of prior, GPU family and head dim.
+
+A config is (BLOCK_M, BLOCK_N, num_warps, num_stages); each kernel has a list of candidates,
+the first the default (``BAMGEN_AUTOTUNE=1`` times them all on a GPU). A prior's traits name
+its kind (``PriorTraits.tile_kind``, chosen by the compiler: ``bamgen/compiler/tiles.py``). Register pressure decides the tiles,
+and it depends on what the main loop computes per score:
+
+* ``light``: nothing or a causal-side ramp (NoPE, ALiBi) — the largest tiles;
+* ``table``: a gathered table entry, and in dQ the derivative tables (one vector load per
+  four entries) with one [BLOCK_M, BLOCK_N] accumulator per learnable parameter (GGD, BAM,
+  Cauchy, KERPLE). On sm_90 both backward kernels keep the warpgroup MMA: 64 rows in dQ, 64
+  keys in dK/dV (below that the warps re-read their operands through shared memory);
+* ``general``: a printed expression per score, or a score other than s + log_prior (SSMax).
+
+Every entry compiles with no register spills and within the family's shared memory for every
+shipped prior of that kind, for bf16 and head dims 64 and 128 (tests/gpu/test_aot.py checks the
+defaults and the alternates; ``python benchmarks/tile_sweep.py`` is the sweep that chose them,
+and docs/performance.md has its figures). Among the spill-free tiles the default is the one the
+model ranks best with num_stages >= 2 (software pipelining hides load latency, which the model
+does not see). Head dim 256 is outside that guarantee.
+"""
+from __future__ import annotations
+
+_HEAD_256 = {"fwd": [(32, 32, 4, 2)], "bwd_dkdv": [(16, 32, 4, 1)], "bwd_dq": [(32, 16, 4, 1)]}
+
+TILES = {
+    "light": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            # dK/dV: 32 keys are too few for the warpgroup MMA, so 64x32 re-reads its operands
+            # through shared memory (modelled LSU-bound at 691 cycles / 1k scores, 32x64: 318)
+            128: {"fwd": [(128, 64, 8, 2), (128, 128, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2), (64, 32, 4, 2)],
+                  "bwd_dq": [(64, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            # dK/dV: 64x32 spills 16-24 bytes since the per-row key counts and NaN containment;
+            # 32x64 is the best-modelled spill-free tile (docs/performance.md, "Tile sizes")
+            128: {"fwd": [(64, 64, 4, 2), (128, 32, 8, 1)], "bwd_dkdv": [(32, 64, 4, 2)],
+                  "bwd_dq": [(64, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+    "table": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 32, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+    "general": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2), (32, 32, 8, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 32, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+}
+
+# The decode kernel (a generation step: 1-16 query rows, the keys split over programs). Its
+# tile is one MMA's 16 rows by the longest key tile the registers allow: shared-memory traffic
+# bounds its main loop, and a longer key tile issues fewer instructions per key (sm_90, head
+# dim 128: 16x128 models 9.9k LSU cycles per 1000 keys, 16x64 11.1k, 16x32 13.9k; 16x256
+# spills at head dim 64; three stages there cap a table prior's registers and spill 8 bytes).
+# What the prior computes per score matters little at 16 rows, so every kind shares it.
+_DECODE = {64: [(16, 128, 4, 2)], 128: [(16, 128, 4, 2)], 256: [(16, 64, 4, 2)]}
+for _families in TILES.values():
+    for _by_dim in _families.values():
+        for _dim, _kernels in _by_dim.items():
+            _by_dim[_dim] = {**_kernels, "decode": _DECODE[_dim]}
+
+# Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly.
+INTERPRET_TILES = {
+    "fwd": (32, 16, 4, 1),
+    "bwd_dkdv": (16, 32, 4, 1),
+    "bwd_dq": (32, 16, 4, 1),
+    "decode": (16, 16, 4, 1),
+}

@@ -1,0 +1,358 @@
+"""Stage 1: prior files to PriorSpec, the formula whitelist, the names a parameter may not have,
+values as the module computes them, and the time bounds of a build."""
+import ast
+import re
+
+import pytest
+import sympy as sp
+
+from bamgen.compiler import spec as spec_module
+from bamgen.checks.inits import check_inits
+from bamgen.driver.build import compile_spec
+from bamgen.errors import SpecError
+from bamgen.compiler.formula import parse_formula
+from bamgen.compiler.spec import parse_spec
+
+D = sp.Symbol("d", real=True)
+SYMS = {"d": D, "b": sp.Symbol("b", positive=True)}
+
+GOOD = """
+name: demo
+log_prior: -Abs(d) / b
+params:
+  b: {init: "2**(8*(h + 1)/H)", domain: positive}
+"""
+
+
+def test_good_file_parses_with_params_and_domains():
+    spec = parse_spec(GOOD)
+    assert spec.name == "demo" and spec.class_name == "DemoAttention"
+    (b,) = spec.params
+    assert b.name == "b" and b.learnable and b.per_head and b.domain.kind == "positive"
+    assert spec.log_prior == -sp.Abs(D) / b.symbol()
+    assert len(spec.source_hash) == 64
+
+
+@pytest.mark.parametrize("formula, expected", [
+    ("-Abs(d)/b", -sp.Abs(D) / SYMS["b"]),
+    ("-(Abs(d)/b)**2", -(sp.Abs(D) / SYMS["b"]) ** 2),
+    ("Piecewise((-d, d < 8), (-oo, True))", sp.Piecewise((-D, D < 8), (-sp.oo, True))),
+    ("Min(d, 3) + Max(d, 1, 2)", sp.Min(D, 3) + sp.Max(D, 1, 2)),
+    ("1e-5 + d", sp.Float("1e-5") + D),
+])
+def test_whitelisted_formulas(formula, expected):
+    assert parse_formula(formula, SYMS, field="log_prior") == expected
+
+
+@pytest.mark.parametrize("formula, words", [
+    ("__import__('os').system('true')", "cannot be called"),
+    ("__import__('os')", "unknown function '__import__'"),
+    ("d.__class__", "attribute access"),
+    ("(lambda: 1)()", "cannot be called"),
+    ("[x for x in d]", "comprehension"),
+    ("exp", "must be called"),
+    ("foo(d)", "unknown function"),
+    ("q * d", "unknown symbol 'q'"),
+    ("_secret", "may not start with '_'"),
+    ("9**9**9", "too large"),
+    ("d ** 100000", "too large"),
+    ("1" + "0" * 20, "larger than"),
+    ("-" * 40 + "d", "nested deeper"),
+    ("d < 3", "condition was used"),
+    ("exp(d, d)", "takes 1 argument"),
+    ("Piecewise((d, d < 1))", "condition True"),
+    ("d +", "cannot parse"),
+    ("", "empty"),
+])
+def test_rejected_formulas_name_the_problem(formula, words):
+    with pytest.raises(SpecError) as err:
+        parse_formula(formula, SYMS, field="log_prior")
+    assert words in str(err.value) and "log_prior" in str(err.value)
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("", None, "empty"),
+    ("- a\n- b\n", None, "mapping"),
+    ("name: x\n", "log_prior", "exactly one"),
+    ("name: x\nlog_prior: 0\ndensity: 1\n", "log_prior", "exactly one"),
+    ("name: Bad-Name\nlog_prior: 0\n", "name", "invalid name"),
+    ("name: x\nlog_prior: 0\nextra: 1\n", "extra", "unknown field"),
+    ("name: x\nlog_prior: -d/b\nparams:\n  b: {domain: positive}\n", "params.b.init", "missing 'init'"),
+    ("name: x\nlog_prior: -d/b\nparams:\n  b: {init: -1, domain: positive}\n", "params.b.init", "outside the domain"),
+    ("name: x\nlog_prior: -d/b\nparams:\n  b: {init: 1, domain: wobbly}\n", "params.b.domain", "invalid domain"),
+    ("name: x\nlog_prior: -d*exp\nparams:\n  exp: 1.0\n", "params.exp", "reserved"),
+    ("name: x\nlog_prior: -d*d\nparams:\n  d: 1.0\n", "params.d", "reserved"),
+    ("name: x\nlog_prior: !!python/object/apply:os.system ['true']\n", None, "not valid YAML"),
+    ("name: x\nlog_prior: -d/0\n", "log_prior", "not finite"),
+    ("name: x\nlog_prior: -d\nscore: log_prior\n", "score", "does not use s"),
+    ("name: x\nlog_prior: -d/b\nparams:\n  b: {init: 1, learnable: maybe}\n", "params.b.learnable", "true or false"),
+    ("name: x\nlog_prior: -(" + " + ".join(f"Abs(d - {k})" for k in range(17)) + ")\n",
+     "log_prior", "distinct kinks"),
+])
+def test_bad_files_name_the_field(text, field, words):
+    with pytest.raises(SpecError) as err:
+        spec = parse_spec(text)
+        # some errors surface when the mathematics is built
+        from bamgen.compiler.symbolic import analyse
+        analyse(spec)
+    message = str(err.value)
+    assert words in message, message
+    if field:
+        assert f"field '{field}'" in message, message
+
+
+def test_binary_file_is_refused():
+    with pytest.raises(SpecError, match="not UTF-8"):
+        parse_spec(b"\xff\xfe\x00garbage")
+
+
+def test_constant_value_is_folded_and_integral_values_stay_integers():
+    spec = parse_spec("name: x\nlog_prior: -(Abs(d)/a)**beta\nparams:\n  a: 2.0\n  beta: {value: 2}\n")
+    assert [p.name for p in spec.params if not p.is_constant] == ["a"]
+    assert spec.log_prior.has(sp.Pow(sp.Abs(D) / sp.Symbol("a", real=True), 2)) or \
+        any(p.exp == 2 for p in spec.log_prior.atoms(sp.Pow))
+
+
+def test_error_carries_the_line_of_the_field():
+    text = "name: x\n\nlog_prior: -d/b\nparams:\n  b: {init: 0, domain: positive}\n"
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, path="p.yaml")
+    assert str(err.value).startswith("p.yaml:5:")
+
+
+# --------------------------------------------------------------------------------------------
+# names that would collide with the generated code
+
+SENTINEL = re.compile(r"zq[a-d]")
+# Priors whose parameters are named zqa..zqd, so that every name the generated code derives
+# from a parameter can be told from the templates' own names. Together they render every
+# template branch a parameter reaches: the table and the inline strategies, the causal ramp,
+# a score that is not s + log_prior, buffers and positions i, j, n.
+SENTINEL_PRIORS = {
+    "table_score": ("log_prior: -(Abs(d - zqc)/zqa)**zqb\nscore: (s + log_prior) * zqd\n"
+                    "params:\n  zqa: {init: 2.0, domain: positive}\n"
+                    "  zqb: {init: 1.0, domain: positive}\n  zqc: {init: 0.0, learnable: false}\n"
+                    "  zqd: {init: 1.0}\n"),
+    "table": ("log_prior: -(Abs(d - zqc)/zqa)**zqb\nparams:\n  zqa: {init: 2.0, domain: positive}\n"
+              "  zqb: {init: 1.0, domain: positive}\n  zqc: {init: 0.0, learnable: false}\n"),
+    "ramp": ("log_prior: -Abs(d)/zqa - zqb*Abs(d)\nparams:\n  zqa: {init: 2.0, domain: positive}\n"
+             "  zqb: {init: 1.0, domain: positive, learnable: false}\n"),
+    "positions": ("log_prior: -Abs(d)/zqa - zqb*Abs(i)/(Abs(j) + 1) - zqc*log(n)\nparams:\n"
+                  "  zqa: {init: 2.0, domain: positive}\n  zqb: {init: 1.0, domain: positive}\n"
+                  "  zqc: {init: 0.0, learnable: false}\n"),
+}
+
+
+def _scope_names(fn: ast.AST) -> set[str]:
+    """Identifiers a function (with the functions nested in it) binds or reads, without the
+    targets of its comprehensions (they have a scope of their own)."""
+    names, bound_in_comprehensions = set(), set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.comprehension):
+            bound_in_comprehensions |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+    return names - bound_in_comprehensions
+
+
+def _clashing_names() -> dict[str, set[str]]:
+    """{a parameter name that would clash: the generated identifiers it clashes with}, from
+    the rendered modules: in every function where the code derives an identifier from a
+    parameter (the parameter itself, prm_p, tab_p, grad_p, dlogit_dp, ...), any other
+    identifier of that form names a parameter that would collide."""
+    clashes: dict[str, set[str]] = {}
+    for key, text in SENTINEL_PRIORS.items():
+        for strategy in (None, "inline"):
+            artifact = compile_spec(parse_spec(f"name: sentinel_{key}\n{text}"), strategy)
+            for fn in ast.walk(ast.parse(artifact.text)):
+                if not isinstance(fn, (ast.FunctionDef, ast.Lambda)):
+                    continue
+                names = _scope_names(fn)
+                patterns = {SENTINEL.sub("{}", n) for n in names if SENTINEL.search(n)}
+                own = {n for n in names if not SENTINEL.search(n)}
+                for pattern in patterns:
+                    prefix, suffix = pattern.split("{}")
+                    for name in own:
+                        inner = name[len(prefix):len(name) - len(suffix)]
+                        if (name.startswith(prefix) and name.endswith(suffix) and inner
+                                and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", inner)):
+                            clashes.setdefault(inner, set()).add(name)
+    return clashes
+
+
+def test_every_name_the_generated_code_uses_is_refused_as_a_parameter():
+    """A parameter named like an argument, a local or a called function of the generated
+    attention(), or whose derived names (prm_p, tab_p) the printed hooks already use, would
+    silently change or break the module: spec.py must refuse every one of them. Derived from the
+    rendered modules, so a template change that adds a name fails here until spec.API_NAMES /
+    DERIVED_CLASHES hold it."""
+    clashes = _clashing_names()
+    assert {"q", "scale", "key_mask", "num_heads", "stats"} <= set(clashes)   # the check sees them
+    missed = {name: sorted(ids) for name, ids in clashes.items()
+              if not spec_module._reserved_because(name)}
+    assert not missed, missed
+
+
+def test_module_attributes_cover_torch_nn_module():
+    import torch
+    module = torch.nn.Module()
+    public = {n for n in set(dir(torch.nn.Module)) | set(vars(module)) if not n.startswith("_")}
+    assert public <= spec_module.MODULE_ATTRIBUTES, sorted(public - spec_module.MODULE_ATTRIBUTES)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("float", "builtin"), ("len", "builtin"), ("training", "torch.nn.Module"),
+    ("forward", "torch.nn.Module"), ("raw_alpha", "raw_x for x"), ("key_mask", "already uses"),
+    ("cu_seqlens_q", "already uses"), ("rows", "already uses"), ("stride_h", "tab_stride_h"),
+    ("lambda", "keyword"), ("exp", "formula language"),
+])
+def test_reserved_parameter_names_say_why_and_suggest_a_name(name, words):
+    with pytest.raises(SpecError) as err:
+        parse_spec(f"name: x\nlog_prior: -Abs(d)\nparams:\n  {name}: {{init: 1.0}}\n")
+    message = str(err.value)
+    assert f"field 'params.{name}'" in message and words in message, message
+    suggestion = re.search(r"e\.g\. (\w+)\)", message).group(1)
+    assert not spec_module._reserved_because(suggestion)
+
+
+@pytest.mark.parametrize("name", ["torch", "math", "triton", "numpy", "sympy", "json", "random",
+                                  "bamgen", "generated"])
+def test_a_prior_named_like_an_importable_module_is_refused(name):
+    with pytest.raises(SpecError, match=f"would hide the module '{name}'"):
+        parse_spec(f"name: {name}\nlog_prior: -Abs(d)\n")
+
+
+def test_compiler_temporaries_never_take_a_parameters_name():
+    """c0 is a hoisted temporary's usual name: with a parameter c0 the temporaries skip it, and
+    the printed code reads the parameter as prm_c0 everywhere."""
+    from bamgen.compiler.lower import plan
+    from bamgen.compiler.symbolic import analyse
+    ir = analyse(parse_spec("name: x\nlog_prior: -Abs(d)/c0 - x0*Abs(d)**1.5\nparams:\n"
+                            "  c0: {init: 4.0, domain: positive}\n  x0: {init: 0.5}\n"))
+    kernel_plan = plan(ir, "inline")
+    for block in (kernel_plan.torch_bwd, kernel_plan.triton_bwd, kernel_plan.torch_fwd):
+        assigned = {name for name, _ in block.hoisted + block.body}
+        assert not assigned & {"c0", "x0"}, assigned
+        code = " ".join(c for _, c in block.hoisted + block.body) + " ".join(block.outputs)
+        assert re.search(r"(?<![\w])c0(?![\w])", code) is None, code
+
+
+def test_the_printer_refuses_a_symbol_it_has_no_name_for():
+    """Names are looked up by symbol, assumptions included: a parameter c0 (positive) is not
+    the temporary c0 (real), and printing one for the other is an error, never a silent swap."""
+    from bamgen.compiler.printers import print_expr
+    param, temp = sp.Symbol("c0", positive=True), sp.Symbol("c0", real=True)
+    assert print_expr(param + temp, {param: "prm_c0", temp: "c0"}, target="torch") in (
+        "c0 + prm_c0", "prm_c0 + c0")
+    with pytest.raises(KeyError):
+        print_expr(temp * 2, {param: "prm_c0"}, target="torch")
+
+
+# --------------------------------------------------------------------------------------------
+# values as the module computes them
+
+
+@pytest.mark.parametrize("init, words", [
+    ('"1 - h/100"', "gives 0.0 for head 100 of 101, outside the domain positive"),
+    ('"1/Abs(H - 100)"', "gives inf for head 0 of 100"),
+    ('"exp(100)"', "beyond float32's largest value"),
+    ('"1e-45"', "below float32's smallest normal value"),
+    ('"2**(h - 1000)"', "for head 0 of 1"),
+])
+def test_inits_are_checked_for_every_head_count_in_float32(init, words):
+    with pytest.raises(SpecError) as err:
+        check_inits(parse_spec(f"name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {{init: {init}, domain: positive}}\n"))
+    assert "field 'params.b.init'" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_an_init_fine_for_every_head_count_up_to_the_bound_passes():
+    check_inits(parse_spec('name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {init: "2**(8*(h + 1)/H)", domain: positive}\n'))
+    check_inits(parse_spec('name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {init: "1 - h/1025", domain: positive}\n'))
+
+
+@pytest.mark.parametrize("domain, words", [
+    ("[1.0, 1.00000001]", "holds no float32 value"),
+    ("[0.0, 1.0e+39]", "beyond float32's range"),
+    ("[-3.0e+38, 3.0e+38]", "beyond float32's range"),      # hi - lo overflows
+    ("[0.0, 1.0e-40]", "smallest normal"),
+])
+def test_intervals_must_hold_float32_values(domain, words):
+    with pytest.raises(SpecError) as err:
+        parse_spec(f"name: x\nlog_prior: -Abs(d)*b\nparams:\n  b: {{init: 0.5, domain: {domain}}}\n")
+    assert "field 'params.b.domain'" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_constants_sympy_would_settle_exactly_are_computed_in_float64():
+    """floor(exp(700)) needs 300 exact digits; SymPy raised PrecisionExhausted."""
+    expr = parse_formula("d * floor(exp(700))", SYMS, field="log_prior")
+    assert expr.has(sp.Float) and not expr.has(sp.floor)
+    with pytest.raises(SpecError, match="cannot be decided in floating point"):
+        parse_formula("Piecewise((d, tanh(500) < 1), (0, True))", SYMS, field="log_prior")
+    assert parse_formula("Piecewise((d, 1 < 2), (0, True))", SYMS, field="log_prior") == D
+
+
+def test_yaml_merge_keys_are_refused_before_they_are_expanded():
+    text = "name: x\nlog_prior: -Abs(d)*b\nparams:\n  a: &a {init: 1.0}\n  b: {<<: *a}\n"
+    with pytest.raises(SpecError, match=r"merge keys \('<<'\)") as err:
+        parse_spec(text)
+    assert "field 'params.b'" in str(err.value)
+    # an alias without a merge is only a reference: fine
+    parse_spec("name: x\nlog_prior: &f -Abs(d)\ndescription: *f\n")
+
+
+def test_the_scan_finds_what_the_check_points_miss():
+    """A formula fine at a handful of points but nan between them, and one that is right in
+    float64 but not in the kernels' float32, are refused by the build (bamgen/checks/scan.py)."""
+    cases = {
+        "log(50 - Abs(d))": "the log-prior is nan",
+        "-Abs(d)/4 + 1/(d - 1000000)": "the log-prior is +inf at d = 1000000",
+        "-Abs(d) * exp(100) / b": "in the GPU kernels (float32) the log-prior is nan at d = 0",
+        "-log(1 + exp(Abs(d))) - Abs(i) / b": "in the CPU path (float32) the log-prior is -inf",
+        "-Abs(d) * sqrt(b - 1)": "b = ",
+    }
+    for formula, words in cases.items():
+        with pytest.raises(SpecError) as err:
+            compile_spec(parse_spec(f"name: x\nlog_prior: {formula}\nparams:\n"
+                                f"  b: {{init: 4.0, domain: positive}}\n"))
+        assert words in str(err.value) and "field 'log_prior'" in str(err.value), str(err.value)
+
+
+# --------------------------------------------------------------------------------------------
+# time bounds
+
+def test_a_cpu_budget_names_the_innermost_field_and_never_extends_an_outer_one():
+    import time
+    from bamgen.compiler.timeout import cpu_budget, working_on
+
+    def spin(seconds):
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    with pytest.raises(SpecError) as err:
+        with cpu_budget("log_prior", "deriving the formula", seconds=0.2):
+            with working_on("params.b.init", "checking the init"):
+                spin(5)
+    assert "field 'params.b.init'" in str(err.value)
+    assert "checking the init took more than 0.2 s of CPU time" in str(err.value)
+    start = time.process_time()
+    with pytest.raises(SpecError):
+        with cpu_budget("score", "outer", seconds=0.2):
+            with cpu_budget("score", "inner", seconds=30):
+                spin(5)
+    assert time.process_time() - start < 2
+
+
+def test_the_build_budget_is_cpu_time_and_can_be_raised(monkeypatch):
+    from bamgen.compiler.timeout import stage_cpu_seconds
+    monkeypatch.setenv("BAMGEN_BUILD_CPU_SECONDS", "12.5")
+    assert stage_cpu_seconds() == 12.5
+    monkeypatch.setenv("BAMGEN_BUILD_CPU_SECONDS", "nonsense")
+    assert stage_cpu_seconds() == 4.0

@@ -1,0 +1,64 @@
+"""`bamgen show`, `bamgen plot` and the analysis behind them."""
+import pytest
+
+from bamgen.compiler.analysis import analyse_prior
+from bamgen.compiler.spec import load_spec
+from bamgen.compiler.symbolic import analyse
+from tests.helpers import ROOT, run_cli, write_prior
+
+PRIORS = ROOT / "priors"
+
+
+@pytest.mark.parametrize("name, symmetric, tail, normalisable", [
+    ("uniform", True, "flat", False),
+    ("laplace", True, "exponential-type (log-prior ~ -|d|^1.00)", True),
+    ("gaussian", True, "exponential-type (log-prior ~ -|d|^2.00)", True),
+    ("cauchy", True, "polynomial (prior ~ |d|^-2.00)", True),
+    ("kerple_log", True, "polynomial (prior ~ |d|^-1.00)", False),
+])
+def test_analysis_classifies_the_shipped_priors(name, symmetric, tail, normalisable):
+    analysis = analyse_prior(analyse(load_spec(PRIORS / f"{name}.yaml")), num_heads=4)
+    assert analysis.symmetric is symmetric
+    assert analysis.tail.startswith(tail)
+    assert analysis.normalisable is normalisable
+
+
+def test_reach_and_mode_of_alibi_heads():
+    analysis = analyse_prior(analyse(load_spec(PRIORS / "laplace.yaml")), num_heads=4)
+    # -|d|/b < -20 first at |d| = 20*b + 1 for b = 4, 16, 64, 256
+    assert [h.reach for h in analysis.heads] == [81.0, 321.0, 1281.0, 5121.0]
+    assert all(h.mode == 0 for h in analysis.heads)
+
+
+def test_shifted_mode_and_asymmetry(tmp_path):
+    prior = write_prior(tmp_path, """
+        name: shifted
+        log_prior: -(d - mu)**2 / 8
+        params:
+          mu: {init: "3 + h"}
+        """)
+    analysis = analyse_prior(analyse(load_spec(prior)), num_heads=2)
+    assert [h.mode for h in analysis.heads] == [3, 4]
+    assert not analysis.symmetric
+
+
+def test_show_prints_derivatives_plan_and_analysis():
+    res = run_cli("show", str(PRIORS / "generalized_gaussian.yaml"), "--heads", "2")
+    assert res.returncode == 0, res.stderr
+    for words in ("d logit / d beta", "Piecewise", "strategy table", "cost model", "torch.pow",
+                  "tail: exponential-type", "normalisable over the integers: yes"):
+        assert words in res.stdout
+
+
+def test_show_reports_a_bad_file_in_one_line(tmp_path):
+    bad = write_prior(tmp_path, "name: x\nlog_prior: -q\n")
+    res = run_cli("show", str(bad))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p.png"
+    res = run_cli("plot", str(PRIORS / "kerple_power.yaml"), "-o", str(out), "--heads", "3")
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,32 @@
+"""The kernels specialised for masks compile ahead of time with no spills (issue: masks cost
+only where used). `bamgen inspect --layout padded|packed` compiles the kernels with key_mask and
+per-row offsets, or with packed documents and key_mask; the plain kernels (no flag) are those of
+tests/gpu/test_aot.py, unchanged by the layout code (the flags are constexpr: off, nothing of it is
+compiled). One prior per tile kind ('light' ALiBi, 'table' GGD, 'general' SSMax), head dim 128
+(the register-bound case), both GPU families.
+"""
+import pytest
+
+from tests.gpu.test_aot import KERNELS, PRIOR_DIR, SHARED_LIMIT, _inspect
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("prior", ["laplace", "generalized_gaussian", "bam_ssmax"])
+def test_packed_kernels_compile_without_spills(prior, arch):
+    report = _inspect(PRIOR_DIR / f"{prior}.yaml", arch, 128, "--layout", "packed")
+    assert report["layout"] == "packed"
+    # packed documents always take the prefill kernel: no decode kernels in this layout
+    assert {k["name"] for k in report["kernels"]} == KERNELS - {"attn_decode", "decode_combine"}
+    for kernel in report["kernels"]:
+        assert 0 < kernel["registers"] <= 255, kernel
+        assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
+        assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
+
+
+@pytest.mark.slow
+def test_padded_kernels_compile_without_spills():
+    report = _inspect(PRIOR_DIR / "generalized_gaussian.yaml", "sm_90", 128, "--layout", "padded")
+    assert {k["name"] for k in report["kernels"]} == KERNELS   # batched generation decodes too
+    for kernel in report["kernels"]:
+        assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel

@@ -1,0 +1,163 @@
+"""`make gpu-check` (benchmarks/gpu_check.py): without a GPU one line and exit 0, nothing written;
+with one, the four steps it runs select what they should, and one report comes out.
+
+The GPU branch runs here with its steps replaced (no GPU on the development machine); the real
+run is `make gpu-check` on a CUDA machine."""
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, load_script
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+# where nvidia-smi lists a GPU, hiding it from torch is a broken set-up (exit 1), not "no GPU"
+HAS_GPU = shutil.which("nvidia-smi") is not None
+
+
+def _load_script():
+    return load_script(SCRIPT, "gpu_check")
+
+
+def _results_listing():
+    folder = ROOT / "docs" / "results" / "gpu"
+    return sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir())
+
+
+def _assert_says_no_gpu(res):
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 1, res.stdout                      # one line, and it says why
+    assert lines[0].startswith("gpu-check: no GPU here ("), lines[0]
+    for command in ("tests/runtime/test_properties.py", "tests/gpu/test_aot.py", "benchmarks/gpu.py",
+                    "docs/results/gpu/<device>-<date>.md"):
+        assert command in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU machine: make gpu-check runs for real there")
+def test_make_gpu_check_without_a_gpu_says_so_and_exits_0():
+    before = _results_listing()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={sys.executable}"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    line = _assert_says_no_gpu(res)
+    assert "sees no CUDA device" in line and "CUDA_VISIBLE_DEVICES=''" in line, line
+    assert _results_listing() == before                     # nothing written
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU machine: make gpu-check runs for real there")
+def test_without_torch_it_still_says_no_gpu():
+    """A Python without torch (the Makefile's default python3 may be one) gets the same line."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[0]]; "
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert "torch is not importable" in _assert_says_no_gpu(res)
+
+
+def test_family_and_report_name():
+    gc = _load_script()
+    assert [gc.family(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0))] == \
+        ["sm_80", "sm_80", "sm_80", "sm_90", "sm_90"]
+    path = gc.report_path("NVIDIA H100 80GB HBM3", datetime.date(2026, 11, 22), ROOT / "r")
+    assert path == ROOT / "r" / "nvidia-h100-80gb-hbm3-2026-11-22.md"
+
+
+def _collected(*args):
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return [line for line in res.stdout.splitlines() if "::" in line]
+
+
+@pytest.mark.parametrize("arch,other", [("sm_80", "sm_90"), ("sm_90", "sm_80")])
+def test_the_aot_step_selects_every_prior_for_its_arch_only(arch, other):
+    gc = _load_script()
+    aot = {s.name: s for s in gc.plan(arch, sys.executable, ROOT / "r.md")}["aot"]
+    ids = _collected(*aot.argv[aot.argv.index("tests/gpu/test_aot.py"):])
+    from bamgen.resources import shipped_priors
+    matrix = [i for i in ids if "test_kernels_compile_for_gpu" in i]
+    decode = [i for i in ids if "test_decode_kernels_compile_for_every_prior" in i]
+    assert len(matrix) == 2 * len(shipped_priors()), ids   # head dims 64 and 128, every prior
+    assert len(decode) == len(shipped_priors()) - 4, ids    # the decode kernels of the others
+    assert all(arch in i and other not in i for i in ids), ids
+
+
+def test_the_property_step_runs_the_triton_tests_on_cuda():
+    gc = _load_script()
+    props = gc.plan("sm_90", sys.executable, ROOT / "r.md")[0]
+    assert dict(props.env)["BAMGEN_TEST_DEVICE"] == "cuda"
+    ids = _collected(*props.argv[props.argv.index("tests/runtime/test_properties.py"):])
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert names == {"test_triton_backend_matches_reference", "test_hard_case",
+                     "test_hard_case_float_params", "test_module_initialisation_forward_backward",
+                     "test_triton_gradients_are_bit_identical_run_to_run",
+                     "test_shipped_prior_matches_reference"}, names
+    assert not any("test_torch_backend_matches_reference" in i for i in ids)
+    library = {i for i in ids if "test_shipped_prior_matches_reference" in i}
+    assert all(i.endswith("-triton]") for i in library), library
+    assert any("[bam_ssmax-triton]" in i for i in library), library   # (the properties draw no SSMax)
+
+
+def test_the_compile_step_selects_the_triton_compile_tests():
+    gc = _load_script()
+    step = {s.name: s for s in gc.plan("sm_90", sys.executable, ROOT / "r.md")}["compile"]
+    ids = _collected(*step.argv[step.argv.index("tests/runtime/test_compile.py"):])
+    names = {i.split("::")[1].split("[")[0] for i in ids}
+    assert names == {"test_triton_path_compiles_through_triton_ops",
+                     "test_triton_decode_steps_compile_once",
+                     "test_triton_errors_under_compile_are_eager_errors",
+                     "test_triton_ops_only_where_contraction_is_off",
+                     "test_triton_ops_trace_to_kernel_launches"}, names
+
+
+def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=()):
+    """main() as on an H100, with each step's command replaced by a stand-in that takes its
+    whole time limit."""
+    monkeypatch.setattr(gc, "RESULTS", tmp_path)
+    monkeypatch.setattr(gc, "find_gpu", lambda: (gc.Gpu("NVIDIA H100 80GB HBM3", (9, 0)), ""))
+    ran, now = [], [0.0]
+
+    def run(step):
+        ran.append(step)
+        now[0] += step.limit_s
+        if step.name == "benchmark" and step.name not in failing:
+            md = step.argv[step.argv.index("--markdown") + 1]
+            with open(md, "w") as f:
+                f.write("| D | N | B | peer |\n|---|---|---|---|\n| 128 | 4096 | 4 | sdpa |\n")
+        code = 1 if step.name in failing else 0
+        return gc.Outcome(step, code, 1.0, f"{step.name} summary")
+    rc = gc.main([], run=run, today=lambda: datetime.date(2026, 11, 22), clock=lambda: now[0])
+    return rc, ran, tmp_path / "nvidia-h100-80gb-hbm3-2026-11-22.md"
+
+
+def test_with_a_gpu_it_runs_four_steps_and_writes_one_report(monkeypatch, tmp_path, capsys):
+    gc = _load_script()
+    rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path)
+    assert rc == 0
+    assert [s.name for s in ran] == ["properties", "aot", "compile", "benchmark"]
+    assert ran[1].argv[-2:] == ("-k", "sm_90")
+    assert ran[2].argv[-3:] == ("tests/runtime/test_compile.py", "-k", "triton")
+    assert dict(ran[2].env)["BAMGEN_TEST_DEVICE"] == "cuda"
+    assert dict(ran[2].env)["TRITON_DEFAULT_FP_FUSION"] == "0"   # (the triton ops need it)
+    assert sum(s.limit_s for s in ran) == gc.TOTAL_S < 600         # within 10 minutes
+    text = report.read_text()
+    assert sum(line.startswith("|---") for line in text.splitlines()) == 1   # one table
+    assert "* properties: passed" in text and "* benchmark: passed" in text
+    assert f"benchmark table written to {report}" in capsys.readouterr().out
+
+
+def test_a_failed_step_fails_the_check_and_still_reports(monkeypatch, tmp_path, capsys):
+    gc = _load_script()
+    rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("aot",))
+    assert rc == 1 and len(ran) == 4
+    assert "* aot: failed (exit 1)" in report.read_text()
+    rc, _, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("benchmark",))
+    assert rc == 1 and not report.exists()
+    assert "the benchmark wrote no report" in capsys.readouterr().out

@@ -1,0 +1,228 @@
+"""A prior inside Hugging Face transformers models (bamgen/integrations/transformers.py).
+
+Tiny random-init models built from a config (nothing is downloaded), on the CPU, as a user
+would use them: train with an optimizer over bamgen.param_groups, save_pretrained and load
+back, generate() on a left-padded batch with every cache kind, a right-padded training batch.
+"Equals each sequence alone" compares logits at float32 rounding (1e-5, as tests/runtime/test_masks.py:
+the batched call may split its rows into other parts than the single call) and tokens exactly.
+"""
+import torch
+import transformers
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+import bamgen
+import bamgen.generated.generalized_gaussian as ggd
+import pytest
+from bamgen.integrations.transformers import IdentityRotary, apply_prior, from_pretrained
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=100, pad_token_id=0)
+PAD = 0
+CLOSE = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny_llama(seed=0, prior=ggd, rope="remove", **init):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    return apply_prior(model, prior, rope=rope, **init)
+
+
+def prior_params(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "bamgen_prior" in name}
+
+
+def left_padded(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    return ids, (ids != PAD).long()
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12, 13], [40, 41, 42, 43, 44]]
+
+# A prior of the key's absolute position j as well as d: right only if every row's positions
+# start at 0 at its first real token (a prior of d alone cannot tell wrong offsets).
+ABSOLUTE = """name: absolute_tilt
+log_prior: -Abs(d) / b - Abs(j - 2) / 4
+params:
+  b: {init: "2**(8*(h + 1)/H)", domain: positive}
+"""
+
+
+@pytest.fixture(scope="module")
+def absolute(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("absolute")
+    (folder / "absolute_tilt.yaml").write_text(ABSOLUTE)
+    return bamgen.load(folder / "absolute_tilt.yaml", cache_dir=folder / "cache")
+
+
+def test_train_three_steps_updates_every_prior():
+    model = tiny_llama().train()
+    groups = bamgen.param_groups(model, weight_decay=0.1)
+    no_decay = {id(p) for p in groups[1]["params"]}
+    priors = [p for name, p in model.named_parameters() if "bamgen_prior" in name]
+    assert len(priors) == 2 * 3 and all(id(p) in no_decay for p in priors)   # 2 layers x alpha, beta, mu
+    before = prior_params(model)
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        assert torch.isfinite(loss)
+        for p in priors:
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+        optimizer.step()
+    after = prior_params(model)
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_save_and_reload_restores_the_learned_prior(tmp_path):
+    model = tiny_llama()
+    with torch.no_grad():   # learned values, unlike any init
+        for name, p in model.named_parameters():
+            if "bamgen_prior" in name:
+                p.add_(torch.linspace(-0.3, 0.2, p.numel()))
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    want = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded, info = from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    assert isinstance(loaded, LlamaForCausalLM) and type(loaded).__name__ == "LlamaForCausalLM"
+    assert loaded.config._attn_implementation == "bamgen"
+    assert loaded.config.bamgen["prior"] == "generalized_gaussian"
+    assert isinstance(loaded.model.rotary_emb, IdentityRotary)
+    got, expected = prior_params(loaded.eval()), prior_params(model)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert torch.equal(loaded(ids).logits, want)
+
+
+def test_a_plain_load_reports_the_prior_as_unexpected(tmp_path):
+    """Why from_pretrained exists: HF's own loader drops the prior and goes back to sdpa."""
+    tiny_llama().save_pretrained(tmp_path)
+    plain, info = LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert any("bamgen_prior" in key for key in info["unexpected_keys"])
+    assert plain.config._attn_implementation != "bamgen"
+
+
+def test_a_prior_file_is_recorded_and_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("BAMGEN_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "slopes.yaml"
+    source.write_text("name: slopes\nlog_prior: -Abs(d) / b\n"
+                      "params:\n  b: {init: \"2**(8*(h + 1)/H)\", domain: positive}\n")
+    model = tiny_llama(prior=source, b=[1.0, 2.0, 4.0, 8.0])
+    assert model.config.bamgen["prior_source"] == source.read_text()
+    model.save_pretrained(tmp_path / "model")
+    loaded = from_pretrained(tmp_path / "model").eval()
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    values = loaded.model.layers[0].self_attn.bamgen_prior.prior_params()["b"]
+    torch.testing.assert_close(values, torch.tensor([1.0, 2.0, 4.0, 8.0]))
+
+
+CACHES = {"dynamic": {}, "no cache": {"use_cache": False},
+          "static": {"cache_implementation": "static"}}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_generate_left_padded_equals_each_prompt_alone(cache, absolute):
+    model = tiny_llama(prior=absolute)
+    ids, mask = left_padded(PROMPTS)
+    settings = dict(max_new_tokens=4, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True, pad_token_id=PAD, **CACHES[cache])
+    batch = model.generate(ids, attention_mask=mask, **settings)
+    for b, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), **settings)
+        assert batch.sequences[b, ids.shape[1]:].tolist() == alone.sequences[0, len(prompt):].tolist()
+        for step, logits in enumerate(alone.logits):
+            torch.testing.assert_close(batch.logits[step][b:b + 1], logits, **CLOSE,
+                                       msg=lambda m: f"row {b}, step {step}: {m}")
+
+
+def test_generate_with_a_static_cache_object(absolute):
+    """A StaticCache passed by hand: its slots past the prompt are unwritten, the prompt starts
+    at slot 0 (q_offset = Nk - Nq would put it at the end)."""
+    model = tiny_llama(seed=1, prior=absolute)
+    ids, mask = left_padded(PROMPTS[:2])
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **settings)
+    want = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert got.tolist() == want.tolist()
+
+
+def test_right_padding_in_training_equals_the_unpadded_rows(absolute):
+    model = tiny_llama(seed=2, prior=absolute)
+    rows = [[3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    ids = torch.tensor([row + [PAD] * (6 - len(row)) for row in rows])
+    mask = (ids != PAD).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels)
+    assert torch.isfinite(out.loss)
+    for b, row in enumerate(rows):
+        alone = model(torch.tensor([row])).logits
+        torch.testing.assert_close(out.logits[b:b + 1, :len(row)], alone, **CLOSE)
+
+
+def test_rope_keep_keeps_the_rotary_embedding():
+    removed, kept = tiny_llama(rope="remove"), tiny_llama(rope="keep")
+    assert isinstance(removed.model.rotary_emb, IdentityRotary)
+    assert not isinstance(kept.model.rotary_emb, IdentityRotary)
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(4))
+    assert not torch.allclose(removed(ids).logits, kept(ids).logits)
+
+
+FAMILIES = {
+    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_decode_with_a_cache_as_without(family):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(5)
+    model = apply_prior(model_cls(config_cls(**TINY, **extra)).eval(), "generalized_gaussian")
+    ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(5))
+    full = model(ids).logits
+    prefill = model(ids[:, :5], use_cache=True)
+    step = model(ids[:, 5:], past_key_values=prefill.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(step, full[:, 5:], **CLOSE)
+
+
+def test_a_sequence_beyond_the_sliding_window_is_refused():
+    torch.manual_seed(6)
+    model = apply_prior(MistralForCausalLM(MistralConfig(**TINY, sliding_window=4)).eval(), ggd)
+    model(torch.tensor([[1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        model(torch.tensor([[1, 2, 3, 4, 5]]))
+
+
+def test_unsupported_model_and_bad_arguments_are_named():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
+        apply_prior(gpt2, ggd)
+    llama = LlamaForCausalLM(LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match="rope: expected one of"):
+        apply_prior(llama, ggd, rope="none")
+    with pytest.raises(ValueError, match="prior: expected"):
+        apply_prior(llama, 3)
+    with pytest.raises(ValueError, match="init: unknown parameter 'sigma'"):
+        apply_prior(llama, ggd, sigma=1.0)
+
+
+def test_documents_packed_by_position_ids_each_see_only_themselves(absolute):
+    """HF's packed training format (DataCollatorWithFlattening): one row, no attention_mask,
+    position_ids restarting at every document; each document gives what it gives alone."""
+    model = tiny_llama(seed=7, prior=absolute)
+    docs = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+    ids = torch.tensor([sum(docs, [])])
+    positions = torch.tensor([[i for doc in docs for i in range(len(doc))]])
+    packed = model(ids, position_ids=positions).logits
+    start = 0
+    for doc in docs:
+        alone = model(torch.tensor([doc])).logits
+        torch.testing.assert_close(packed[:, start:start + len(doc)], alone, **CLOSE)
+        start += len(doc)
+    with pytest.raises(ValueError, match="position_ids: documents packed into a batch of 2"):
+        model(ids.repeat(2, 1), position_ids=positions.repeat(2, 1))

@@ -1,0 +1,88 @@
+"""Guards for what the first run on a real GPU found and the Triton interpreter cannot show
+(docs/performance.md, "Measured on a GPU"):
+
+* a table row starts at ``d_top - i`` and runs backwards as i rises; a launcher that specialises
+  ``d_top`` on its divisibility lets some Triton releases emit vector loads over it (a
+  misaligned-address fault on an H100): ``d_top`` must stay unspecialised in every attention
+  kernel;
+* the backward rebuilds P from the forward's row statistics, exact only if every logit is
+  recomputed bit for bit: the attention kernels launch with implicit FMA contraction off, and the
+  backward reuses the forward's prior table instead of building another.
+
+The interpreter runs numpy, which neither specialises nor contracts, so these are checked on the
+kernels' settings; `make gpu-check` runs the behaviour on a GPU.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import importlib
+
+import pytest
+import torch
+
+from bamgen.runtime.triton import launch
+from tests.helpers import ROOT
+
+ATTENTION_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
+ALL_SHIPPED = ["uniform", "laplace", "generalized_gaussian", "bam", "bam_ssmax", "cauchy", "gaussian",
+               "kerple_log", "kerple_power"]
+TABLE_PRIORS = [name for name in ALL_SHIPPED if name not in ("uniform", "laplace")]  # test_strategies
+
+SETTINGS_SCRIPT = r"""
+import importlib, inspect, json, sys
+sys.path.insert(0, sys.argv[1])
+from bamgen.runtime.triton import launch
+out = {}
+launches = (inspect.getsource(launch.forward_kernels) + inspect.getsource(launch.backward_kernels)
+            + inspect.getsource(launch.decode))
+for name in sys.argv[2:]:
+    mod = importlib.import_module("generated." + name)
+    kernels = mod._prior.kernels()
+    out[name] = {
+        "unspecialised": {k: [kernels[k].arg_names[i] if isinstance(i, int) else i
+                              for i in kernels[k].do_not_specialize] for k in %r},
+        "fp_fusion": launch.FP_FUSION,
+        "launches_without_fusion": launches.count("enable_fp_fusion=FP_FUSION"),
+    }
+print(json.dumps(out))
+""" % (ATTENTION_KERNELS,)
+
+
+def test_attention_kernels_keep_d_top_unspecialised_and_fusion_off():
+    # Triton decides interpreter or compiler when a kernel is decorated: a fresh process without
+    # TRITON_INTERPRET sees the JIT functions a GPU launch would use.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", SETTINGS_SCRIPT, str(ROOT), *ALL_SHIPPED],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    settings = json.loads(res.stdout)
+    for name, got in settings.items():
+        for kernel, names in got["unspecialised"].items():
+            assert "d_top_b" in names, (name, kernel, names)
+        assert got["fp_fusion"] is False, name
+        assert got["launches_without_fusion"] == len(ATTENTION_KERNELS), (name, got)
+
+
+@pytest.mark.parametrize("prior", TABLE_PRIORS)
+def test_backward_reuses_the_forward_table(prior, monkeypatch):
+    """One table build per training step on the Triton path: the backward reads the table the
+    forward built (with its derivative slots), so both see the same log-prior bits."""
+    mod = importlib.import_module(f"generated.{prior}")
+    calls = []
+    build = launch.prior_tables
+
+    def counting(bound, theta, bottom, top, causal, with_grads, shifted=True):
+        calls.append(with_grads)
+        return build(bound, theta, bottom, top, causal, with_grads, shifted)
+
+    monkeypatch.setattr(launch, "prior_tables", counting)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=g, requires_grad=True) for _ in range(3))
+    m = getattr(mod, mod.PRIOR["class_name"])(num_heads=2)
+    m(q, k, v, causal=True, backend="triton").sum().backward()
+    assert calls == [True], calls
+    with torch.no_grad():  # inference builds the value slot only
+        m(q, k, v, causal=True, backend="triton")
+    assert calls == [True, False], calls

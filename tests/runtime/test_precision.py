@@ -1,0 +1,55 @@
+"""The precision figures of docs/reliability.md, held as tests: the cases of
+benchmarks/precision.py (extreme positions and parameters of the generalized Gaussian prior, whose
+log-prior is tabulated in float64 on the host) on both backends.
+
+Naive float32 is no yardstick here: at queries 2**23 it is off by 1.6 in the output, so the
+`2 * max|pt - ref| + atol` of docs/architecture.md ("Testing") would admit almost anything. These cases are held to the
+float32 floor of tests/tolerance.py alone, `ATOL[float32] * max(1, max|ref|)`: a prior read from
+its float64 distance table must stay that close at any position and size of the log-prior, and
+so must the shipped Laplace on Triton (inline: a causal ramp measured from the nearest key).
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tolerance import atol_for
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("precision_bench", ROOT / "benchmarks" / "precision.py")
+precision = sys.modules["precision_bench"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(precision)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", precision.GGD_CASES, ids=lambda case: case.name)
+def test_extreme_positions_and_parameters_match_float64(case, backend):
+    [errors] = precision.run_case(precision.GGD, case, [backend], naive=False)
+    assert errors.nonfinite == 0, errors
+    assert errors.zero_rows == errors.ref_zero_rows, errors
+    for name, err in errors.values.items():
+        floor = atol_for(torch.float32, torch.tensor(errors.magnitudes[name]))
+        assert err <= floor, f"{name}: {err:.2e} > {floor:.2e} ({case.name}, {backend})"
+
+
+LAPLACE_INLINE = precision.Prior("laplace (inline)", precision.laplace, precision._laplace,
+                                 lambda d, p: d == 0)
+
+
+@pytest.mark.parametrize("case", precision.LAPLACE_CASES[::3], ids=lambda case: case.name)
+def test_an_inline_prior_far_from_position_zero_on_triton(case):
+    """Laplace as shipped: -|d|/b in float32 in the kernels (inline strategy, a causal ramp).
+    Every key is thousands of tokens back, so the absolute logits are ~1e5 .. 3e6, whose float32
+    rounding (up to 1/4) would swamp q.k: the kernels measure scores from each row's nearest key
+    (_ramp_reference), forward and backward alike. Before, the forward summed a ramp from the
+    tile's first row and the backward slope * d: db was off by 3e2 at 2**20 and 1e5 at 2**23."""
+    assert case.q_offset >= 2 ** 12 and case.k_offset == 0 and case.Nk == 256
+    [errors] = precision.run_case(LAPLACE_INLINE, case, ["triton"], naive=False)
+    assert errors.nonfinite == 0, errors
+    for name, err in errors.values.items():
+        floor = atol_for(torch.float32, torch.tensor(errors.magnitudes[name]))
+        assert err <= floor, f"{name}: {err:.2e} > {floor:.2e} ({case.name})"
