@@ -71,7 +71,9 @@ def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
         row_factors=plan.row_factors is not None,
         row_cache=plan.row_factors is not None and not plan.row_factors.reads_i,
         logit_fma=plan.row_factors is not None and plan.row_factors.logit_fma,
-        grad_modes=_grad_modes(plan), tile_kind=tile_kind(plan))
+        grad_modes=_grad_modes(plan), tile_kind=tile_kind(plan),
+        center_grads=(plan.strategy == "inline" and plan.score_is_identity and plan.ramp is None
+                      and bool(plan.learnable) and bool(set(plan.positions_used) & {"i", "j", "n"})))
 
 
 def _grad_modes(plan: KernelPlan) -> tuple[int, ...]:

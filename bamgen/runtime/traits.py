@@ -49,6 +49,9 @@ class PriorTraits:
     logit_fma: the score's derivatives factor per row (RowFactors in the compiler), the
     backward's preprocess kernel caches them, the logit is fma(q.k, scale, v) * r.
     grad_modes: per learnable parameter, GRAD_CLAMPED, GRAD_TABLE or GRAD_LOGIT_FACTOR.
+    center_grads: the dQ kernel measures each printed derivative from its value at the row's own
+    position (an inline prior that reads i, j or n: a part of the derivative that is constant
+    along a row meets sum_j dS = 0, and in float32 its size would swamp the gradient).
     tile_kind: which tile table the kernels use (bamgen/runtime/triton/tiles.py)."""
     name: str
     class_name: str
@@ -69,6 +72,7 @@ class PriorTraits:
     row_cache: bool = False
     logit_fma: bool = False
     grad_modes: tuple[int, ...] = ()
+    center_grads: bool = False
     tile_kind: str = "light"
 
     @property

@@ -188,3 +188,36 @@ def test_infinite_limit_is_clamped_with_a_note(tmp_path):
     out = module.attention(q, q, q, alpha=4.0, beta=beta, mu=0.0)
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(beta.grad).all()
+
+
+def test_a_derivative_constant_along_each_row_gives_no_gradient(tmp_path):
+    """A log-prior term in the query's position alone (-c |i|) moves every logit of a row alike:
+    softmax is blind to it, and c's gradient is exactly 0. Deep into a sequence (i ~ 1e5) its
+    derivative -|i| is large, and summed per score in float32 it left rounding of 1e5 * eps times
+    the row's dS; the dQ kernel measures such derivatives from the row's own position instead
+    (TRAITS.center_grads), so the Triton gradient is 0 exactly (the CPU path sums in float64:
+    a few 1e-9)."""
+    prior = write_prior(tmp_path, """
+        name: depth_constant
+        log_prior: -Abs(d) / b - c * Abs(i)
+        params:
+          b: {init: 4.0, domain: positive}
+          c: {init: 0.001, domain: nonnegative}
+        """)
+    module = bamgen.load(prior, cache_dir=tmp_path / "cache")
+    assert module.TRAITS.center_grads
+    torch.manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 2, n, 16) for n in (19, 41, 41, 19))
+    c = torch.tensor([0.001, 0.0], requires_grad=True)
+    b = torch.tensor([4.0, 1.0], requires_grad=True)
+    for backend in ("torch", "triton"):
+        out = module.attention(q, k, v, b=b, c=c, q_offset=100_000, k_offset=100_000 - 22,
+                               backend=backend)
+        dc, db = torch.autograd.grad(out, (c, b), dout)
+        if backend == "triton":
+            assert torch.equal(dc, torch.zeros_like(dc)), dc
+        assert float(dc.abs().max()) < 1e-7, (backend, dc)
+        ref = reference_attention(q, k, v, {"b": b.detach(), "c": c.detach()},
+                                  lambda d, p: -torch.abs(d) / p["b"] - p["c"] * torch.abs(p["i"]),
+                                  causal=True, q_offset=100_000, k_offset=100_000 - 22, dout=dout)
+        torch.testing.assert_close(db, ref.dparams["b"].float(), rtol=1e-4, atol=1e-6)

@@ -38,8 +38,8 @@ from .helpers import (
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    GRAD_MODES, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, SCORE_IS_S, SKIP, TABLE, TABLE_WIDTH,
-    TILE_ROW_SUMS, prior_grads, prior_ramp, prior_scalars, prior_score_factors)
+    CENTER_GRADS, GRAD_MODES, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, SCORE_IS_S, SKIP, TABLE,
+    TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_ramp, prior_scalars, prior_score_factors)
 
 GRAD_TABLE = tl.constexpr(1)          # (bamgen.runtime.traits: GRAD_TABLE, GRAD_LOGIT_FACTOR)
 GRAD_LOGIT_FACTOR = tl.constexpr(2)
@@ -335,6 +335,15 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         logit_r2 = _logit_row2(offs_m_abs.to(tl.float32), n_rows, sc)[:, None]
         row_factors = _row_factors(offs_m_abs.to(tl.float32), n_rows, sc)
         ds_row = row_factors[0]
+    if CENTER_GRADS:
+        # each derivative at the row's own position (d = 0, j = i): a per-row constant that the
+        # sums subtract (sum_j dS_ij (g_ij - c_i) - (sum_j dS_ij)(sum_j P_ij (g_ij - c_i)) is the
+        # same gradient: sum_j P_ij = 1), 0 where it is not finite
+        at_row = prior_grads(0.0, pos_i * 0.0, pos_i, pos_i, pos_n, (), sc)
+        centres = ()
+        for g in tl.static_range(NUM_GRADS):
+            centre = at_row[g] + tl.zeros_like(pos_i)
+            centres = centres + (tl.where(tl.abs(centre) < float("inf"), centre, 0.0),)
     if CAUSAL:
         n_hi = tl.minimum(Nk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + q_offset - k_offset, 0))
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
@@ -447,6 +456,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
             elif GRAD_MODES[g] == GRAD_LOGIT_FACTOR:
                 # the logit's own per-score factor: finite wherever P > 0
                 seen = tl.where(p > 0.0, logit_u, 0.0)
+            elif CENTER_GRADS:
+                seen = tl.where(p > 0.0, _clamped(dlogit[g] - centres[g]), 0.0)
             else:
                 seen = tl.where(p > 0.0, _clamped(dlogit[g]), 0.0)
             if TILE_GRAD_SUMS:

@@ -36,6 +36,9 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
                   host), 2 the logit's own factor u (finite wherever P > 0)
   TILE_ROW_SUMS   (two or more learnable parameters) the dQ kernel reduces its correction's
                   row sums per key tile, which frees registers for wider tiles
+  CENTER_GRADS    (inline, SCORE_IS_S, reads i, j or n) dQ takes each derivative minus its value
+                  at the row's own position (d = 0): the same gradient, without the rounding of
+                  a large part that is constant along the row (SCORE_IS_S's -c * |i|, say)
 
 Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
 tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
@@ -70,9 +73,10 @@ LOGIT_FMA = tl.constexpr(False)
 SKIP = tl.constexpr(False)
 GRAD_MODES = tl.constexpr(())
 TILE_ROW_SUMS = tl.constexpr(False)
+CENTER_GRADS = tl.constexpr(False)
 
 FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
-         "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS")
+         "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
          "prior_score_factors", "prior_logit_row", "prior_logit_score")
 

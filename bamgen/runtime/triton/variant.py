@@ -31,7 +31,8 @@ def flags(traits: PriorTraits) -> dict:
         TABLE_SLOTS=1 + len(traits.table_grads), TABLE_WIDTH=traits.table_width,
         RAMP=traits.ramp, RAMP_SYMMETRIC=traits.ramp_symmetric, ROW_FACTORS=traits.row_factors,
         ROW_CACHE=traits.row_cache, LOGIT_FMA=traits.logit_fma, SKIP=traits.skip is not None,
-        GRAD_MODES=tuple(traits.grad_modes), TILE_ROW_SUMS=traits.tile_row_sums)
+        GRAD_MODES=tuple(traits.grad_modes), TILE_ROW_SUMS=traits.tile_row_sums,
+        CENTER_GRADS=traits.center_grads)
     assert set(values) == set(hooks.FLAGS)
     return {name: tl.constexpr(value) for name, value in values.items()}
 
