@@ -205,37 +205,38 @@ def compile_module(module: ModuleType, *, arch: str = "sm_90", dtype: str = "bf1
     ``arch`` with its ``candidate``-th tile config (the default: 0) and the ``layout``
     specialisation ("plain", "padded" or "packed": triton_kernel_specs); raises on a compile
     error."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    kwargs = {} if layout == "plain" else {"layout": layout}   # (modules built before layouts)
+    specs = module.triton_kernel_specs(dtype, head_dim, causal, arch=arch, candidate=candidate, **kwargs)
+    return [compile_spec(spec, arch) for spec in specs if only is None or spec[0] in only]
+
+
+def compile_spec(spec: tuple, arch: str) -> CompiledKernel:
+    """Compile one kernel spec (name, jit function, signature, constexprs, num_warps,
+    num_stages: the tuples of triton_kernel_specs) for ``arch``; a benchmark may edit the
+    constexprs first (benchmarks/table_grads.py compiles the dQ kernel's launch groups)."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    target = GPUTarget("cuda", ARCHS[arch], 32)
-    compiled = []
-    kwargs = {} if layout == "plain" else {"layout": layout}   # (modules built before layouts)
-    specs = module.triton_kernel_specs(dtype, head_dim, causal, arch=arch, candidate=candidate, **kwargs)
-    for name, fn, signature, constexprs, warps, stages in specs:
-        if only is not None and name not in only:
-            continue
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
-                           attrs=_alignment_hints(fn, signature))
-        kernel = triton.compile(source,
-                                target=target, options={"num_warps": warps, "num_stages": stages,
-                                                        "enable_fp_fusion": _fp_fusion(name)})
-        cubin = kernel.asm["cubin"]
-        usage = resource_usage(cubin)
-        instructions = disassemble(cubin)
-        compiled.append(CompiledKernel(name=name, arch=arch, registers=usage.get("REG", 0),
-                                       stack_bytes=usage.get("STACK", 0),
-                                       local_bytes=usage.get("LOCAL", 0),
-                                       shared_bytes=kernel.metadata.shared, cubin=cubin,
-                                       num_warps=warps, sass=instruction_mix(instructions),
-                                       block=tuple(constexprs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK")
-                                                   if b in constexprs),
-                                       main_loop=instruction_mix(main_loop(instructions))))
-    return compiled
+    name, fn, signature, constexprs, warps, stages = spec
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                       attrs=_alignment_hints(fn, signature))
+    kernel = triton.compile(source, target=GPUTarget("cuda", ARCHS[arch], 32),
+                            options={"num_warps": warps, "num_stages": stages,
+                                     "enable_fp_fusion": _fp_fusion(name)})
+    cubin = kernel.asm["cubin"]
+    usage = resource_usage(cubin)
+    instructions = disassemble(cubin)
+    return CompiledKernel(name=name, arch=arch, registers=usage.get("REG", 0),
+                          stack_bytes=usage.get("STACK", 0), local_bytes=usage.get("LOCAL", 0),
+                          shared_bytes=kernel.metadata.shared, cubin=cubin, num_warps=warps,
+                          sass=instruction_mix(instructions),
+                          block=tuple(constexprs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK")
+                                      if b in constexprs),
+                          main_loop=instruction_mix(main_loop(instructions)))
 
 
 # ----------------------------------------------------------------------------------------
