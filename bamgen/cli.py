@@ -281,7 +281,7 @@ def show(file: Path, heads: int) -> None:
     for label, code in zip(labels, block.outputs):
         click.echo(f"    {label}: {code}")
     analysis = analyse_prior(ir, num_heads=heads)
-    where = "" if analysis.distance_only else f" (depends on i too: at query position 1024)"
+    where = "" if analysis.distance_only else " (depends on i too: at query position 1024)"
     click.echo(f"\nanalysis at init, {heads} heads{where}:")
     click.echo(f"  symmetric in d: {'yes' if analysis.symmetric else 'no'}")
     click.echo(f"  tail: {analysis.tail}")
@@ -290,8 +290,22 @@ def show(file: Path, heads: int) -> None:
     click.echo(f"  {'head':>4s} {'mode':>6s} {'-20 nats beyond |d|':>20s}  params")
     for h in analysis.heads:
         reach = f"{h.reach:.0f}" if h.reach is not None else "never (< 2^30)"
-        params = ", ".join(f"{n}={v:.4g}" for n, v in h.params)
-        click.echo(f"  {h.head:4d} {h.mode:6d} {reach:>20s}  {params}")
+        click.echo(f"  {h.head:4d} {h.mode:6d} {reach:>20s}  {_show_params(h.params)}")
+
+
+def _show_params(values) -> str:
+    """b=0.25, w=[0.041, -0.061, ... 32 elements]: a vector's elements grouped, the first few shown."""
+    grouped: dict[str, list[float]] = {}
+    for label, value in values:
+        grouped.setdefault(label.partition("[")[0], []).append(value)
+    parts = []
+    for name, vals in grouped.items():
+        if len(vals) == 1 and not any(label.startswith(name + "[") for label, _ in values):
+            parts.append(f"{name}={vals[0]:.4g}")
+        else:
+            shown = ", ".join(f"{v:.3g}" for v in vals[:3])
+            parts.append(f"{name}=[{shown}{', ...' if len(vals) > 3 else ''}] ({len(vals)})")
+    return ", ".join(parts)
 
 
 @main.command()

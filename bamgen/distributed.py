@@ -40,6 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .runtime.params import param_block
+
 __all__ = ["shard", "unshard", "ring_attention"]
 
 _KV_TAG, _DKV_TAG = 1, 2          # message tags (gloo matches on them; NCCL ignores them)
@@ -288,7 +290,8 @@ class _Window:
 
     def _log_prior(self, d0: int, d1: int):
         pos_d = torch.arange(d0, d1, device=self.device)
-        return pos_d, self.mod.log_prior_at(pos_d, **self.params, num_heads=self.hq)
+        # (the module's Prior: its log_prior_at() may have renamed num_heads for a parameter)
+        return pos_d, self.mod._prior.log_prior_at(pos_d, dict(self.params), self.hq)
 
     def visible(self, d0: int, d1: int, causal: bool):
         """bool [Hq, d1 - d0]: whether distance d0 .. d1 - 1 lets a score through (NaN counts
@@ -507,9 +510,9 @@ def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
     dq_parts = _split(dq)
     d_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)   # [dk|dv, B, Hk, 2c, D]
     d_slots = [d_own[:, :, :, :ring.chunk], d_own[:, :, :, ring.chunk:]]       # [dk|dv, B, Hk, c, D]
-    dparams = {name: torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
-               for name in mod.LEARNABLE}
-    row_sums = torch.zeros(*q.shape[:3], 1 + len(mod.LEARNABLE), dtype=torch.float32, device=q.device)
+    dparams = None
+    row_sums = torch.zeros(*q.shape[:3], 1 + mod.TRAITS.num_grads, dtype=torch.float32,
+                           device=q.device)
     row_parts = _split(row_sums)
     returning = None     # the previous step's dK/dV on its way back to their owner
     chunk_shape = (2, *k.shape[:2], ring.chunk, k.shape[3])                   # [k|v, B, Hk, c, D]
@@ -528,6 +531,8 @@ def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
                 d_kv[place[ks]][0][:, :, c].add_(dk_b)
                 d_kv[place[ks]][1][:, :, c].add_(dv_b)
                 row_parts[qs][:, :, r].add_(rows_b)
+                if dparams is None:
+                    dparams = {name: torch.zeros_like(g, dtype=torch.float32) for name, g in dp_b.items()}
                 for name in mod.LEARNABLE:
                     dparams[name] += dp_b[name]
         if step > 0:
@@ -537,8 +542,17 @@ def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
             returning = sent_back
     if returning is not None:
         _add_returned(returning, d_slots)
+    if dparams is None:   # (no block on this rank: nothing to add)
+        dparams = {name: torch.zeros(q.shape[1], *learned_shape(mod.TRAITS, name), device=q.device)
+                   for name in mod.LEARNABLE}
     grads = mod.finish_param_grads(dparams, row_sums) if mod.LEARNABLE else {}
     return dq.to(q.dtype), d_own[0].to(k.dtype), d_own[1].to(v.dtype), grads
+
+
+def learned_shape(traits, name):
+    """A learnable parameter's gradient shape beyond the heads: () or (size,)."""
+    size = traits.param(name).size
+    return () if size is None else (size,)
 
 
 def _return_dkv(ring: _Ring, d_kv, step: int):
@@ -559,9 +573,9 @@ def _add_returned(returning, d_slots):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Autograd over the ring: q, k, v shards and `learned` [Hq, len(LEARNABLE)] (the learnable
-    parameters' values as columns; their gradient flows back to whatever tensors the caller
-    passed, through the stack that made them)."""
+    """Autograd over the ring: q, k, v shards and `learned` [Hq, learnable scalars] (the
+    learnable parameters' values as columns, a vector's elements side by side; their gradient
+    flows back to whatever tensors the caller passed, through the concatenation that made them)."""
 
     @staticmethod
     def forward(ctx, ring, call, fixed, q, k, v, learned):
@@ -579,18 +593,23 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv, grads = _ring_backward(ring, call, dout, q, k, v, out, stats, params)
         dlearned = None
         if ctx.needs_input_grad[6] and call.mod.LEARNABLE:
-            dlearned = torch.stack([grads[name] for name in call.mod.LEARNABLE], dim=1).contiguous()
+            dlearned = torch.cat([grads[name].reshape(grads[name].shape[0], -1)
+                                  for name in call.mod.LEARNABLE], dim=1).contiguous()
             if ring.world > 1:
                 dist.all_reduce(dlearned, group=ring.group)
         return None, None, None, dq, dk, dv, dlearned
 
 
 def _block_params(mod, fixed, learned):
-    """{name: value} for the block API: the learnable columns of `learned` (detached) and the
-    fixed (non-learnable) values as given."""
+    """{name: value} for the block API: the learnable columns of `learned` (detached: [Hq] for a
+    scalar, [Hq, size] for a vector) and the fixed (non-learnable) values as given."""
     params = dict(fixed)
-    for g, name in enumerate(mod.LEARNABLE):
-        params[name] = learned[:, g].detach()
+    traits = mod.TRAITS
+    at = 0
+    for name in mod.LEARNABLE:
+        size = traits.param(name).size
+        params[name] = (learned[:, at] if size is None else learned[:, at:at + size]).detach()
+        at += size or 1
     return params
 
 
@@ -637,21 +656,14 @@ def _check_params(mod, params, hq):
         what = (f"unknown parameter(s) {', '.join(map(repr, unknown))}" if unknown else
                 f"missing parameter(s) {', '.join(map(repr, missing))}")
         raise ValueError(f"ring_attention: {what}; the prior {mod.PRIOR['name']!r} takes "
-                         f"{', '.join(names) or 'no parameters'} (a float or a tensor [{hq}] each)")
+                         f"{', '.join(names) or 'no parameters'} (the shapes of its attention())")
     for name, value in params.items():
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
-            isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() in (1, hq)
-            and value.dim() <= 1)
-        if not ok:
-            raise ValueError(f"{name} must be a float or a floating-point tensor of shape [{hq}] (one "
-                             f"value per query head) or [1], got "
-                             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else repr(value)}")
+        _block(mod.TRAITS, name, value, hq, "cpu")   # (a ValueError naming it and its shapes)
 
 
-def _column(value, hq, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=torch.float32).reshape(-1).expand(hq)
-    return torch.full((hq,), float(value), dtype=torch.float32, device=device)
+def _block(traits, name, value, hq, device):
+    """A parameter's columns [Hq, width] (float32), as the runtime takes them."""
+    return param_block(traits.param(name), value, hq, device, torch.float32)
 
 
 def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend="auto",
@@ -668,8 +680,8 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
         positions restart at each document, as `mod.attention(..., cu_seqlens_q=cu_seqlens,
         cu_seqlens_k=cu_seqlens)`. Chunk pairs that share no document are neither computed nor
         sent.
-    **params: the prior's parameters, a float or a tensor [Hq] (or [1]) each, the same values
-        on every rank; tensors that require grad get the gradient of the whole sequence (summed
+    **params: the prior's parameters, in the shapes its attention() takes (a float or a tensor
+        [Hq] for a scalar, [Hq, size] or [size] for a vector), the same values on every rank; tensors that require grad get the gradient of the whole sequence (summed
         over the group), e.g. the values of `layer.prior_params()`.
     Returns this rank's shard of the output [B, Hq, 2c, D] in q's dtype. Differentiable in q, k,
     v and the parameters; every rank of the group must call it (and its backward) alike.
@@ -687,7 +699,8 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     _check_params(mod, params, hq)
     traits = _traits(mod)
     rank, world = _rank_and_size(group)
-    learned = (torch.stack([_column(params[name], hq, q.device) for name in mod.LEARNABLE], dim=1)
+    learned = (torch.cat([_block(mod.TRAITS, name, params[name], hq, q.device) for name in mod.LEARNABLE],
+                         dim=1)
                if mod.LEARNABLE else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
     fixed = {name: value for name, value in params.items() if name not in mod.LEARNABLE}
     chunk = q.shape[2] // 2

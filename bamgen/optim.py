@@ -54,8 +54,12 @@ def no_decay_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _prior_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """``raw_<name>`` for each parameter of the prior, if ``module`` (or a class it derives
-    from) was defined in a generated module, which carries a module-level ``PRIOR`` dict."""
+    """The stored learnable parameters of the prior (raw_<name>, or the attribute its traits
+    name), if ``module`` (or a class it derives from) is a generated module's class."""
+    prior = getattr(type(module), "_bamgen_prior", None)
+    if prior is not None:
+        own = dict(module.named_parameters(recurse=False))
+        return [own[p.storage] for p in prior.traits.params if p.learnable and p.storage in own]
     for cls in type(module).__mro__:
         prior = getattr(sys.modules.get(cls.__module__), "PRIOR", None)
         if isinstance(prior, dict) and isinstance(prior.get("params"), dict):

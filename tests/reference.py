@@ -138,8 +138,13 @@ def batch_positions(bsz: int, nq: int, nk: int, q_offset=0, k_offset=0, causal: 
 
 
 def _per_head(value: ParamValue, hq: int) -> Tensor:
-    """A parameter as a float64 ``[Hq]`` tensor (detached)."""
+    """A parameter as a float64 ``[Hq]`` tensor (detached); a vector parameter, given 2-D as
+    ``[Hq, K]`` (or ``[1, K]``: the same for every head), as ``[Hq, K]``."""
     t = torch.as_tensor(value.detach() if isinstance(value, Tensor) else value, dtype=torch.float64)
+    if t.dim() == 2:
+        if t.shape[0] not in (1, hq):
+            raise ValueError(f"vector parameter has {t.shape[0]} rows, expected 1 or {hq}")
+        return t.expand(hq, t.shape[1]).clone()
     t = t.reshape(-1)
     if t.numel() == 1:
         t = t.expand(hq)
@@ -202,12 +207,15 @@ def reference_attention(
     kink: Optional[Kink] = None,
     dout: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float64,
+    clamp_positions: bool = False,
 ) -> RefResult:
     """Naive attention with a positional prior; with ``dout`` also all gradients.
 
     ``compute_dtype=torch.float64`` gives ``ref``; the test dtype gives ``pt`` (see module doc).
     ``log_prior=None`` means the zero prior. Offsets, ``key_mask`` and ``cu_seqlens_*``: see
     ``batch_positions``; ``n`` counts the keys a query really sees (after all of them).
+    ``clamp_positions``: the prior sees a padding token's negative position as 0, and d from
+    the positions so read (the runtime's rule for a prior in i or j); the masks do not.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, H, N, D]")
@@ -234,9 +242,10 @@ def reference_attention(
     heads64 = {name: _per_head(val, hq) for name, val in params.items()}
     # one leaf per (batch row, head, query, key): a gradient per logit element, cleaned by the
     # kink convention element by element before it is summed
+    # (a vector's leaf has its elements last: [B, Hq, Nq, Nk, K])
     leaves = {
-        name: t.to(prior_dtype).reshape(1, hq, 1, 1).expand(bsz, hq, nq, nk).clone()
-        .requires_grad_(dout is not None)
+        name: t.to(prior_dtype).reshape(1, hq, 1, 1, *t.shape[1:])
+        .expand(bsz, hq, nq, nk, *t.shape[1:]).clone().requires_grad_(dout is not None)
         for name, t in heads64.items()
     }
 
@@ -250,7 +259,12 @@ def reference_attention(
     else:
         # A prior may use the absolute positions too: p["i"] [B, 1, Nq, 1] and p["j"] [B, 1, 1, Nk]
         # (i and j are reserved names, never parameters).
-        lp = log_prior(d[:, None], {**leaves, "i": i_pos[:, None, :, None], "j": j_pos[:, None, None, :]})
+        d_seen, i_seen, j_seen = d, i_pos, j_pos
+        if clamp_positions:
+            i_seen, j_seen = i_pos.clamp_min(0), j_pos.clamp_min(0)
+            d_seen = i_seen[:, :, None] - j_seen[:, None, :]
+        lp = log_prior(d_seen[:, None], {**leaves, "i": i_seen[:, None, :, None],
+                                         "j": j_seen[:, None, None, :]})
         if is_ref:
             lp = _float32_range(lp, visible[:, None])
             if score is not default_score and score in ROW_SHIFTABLE:
@@ -302,7 +316,7 @@ def reference_attention(
     def clean(g, leaf):  # the kink convention: NaN -> 0 only at kinks and masked elements
         if g is None:
             return torch.zeros_like(leaf)
-        return torch.where(excused & torch.isnan(g), torch.zeros_like(g), g)
+        return torch.where(_fit(excused, g) & torch.isnan(g), torch.zeros_like(g), g)
 
     dout_c = dout.detach().to(out.dtype)
     if is_ref:
@@ -320,7 +334,8 @@ def reference_attention(
             gg = torch.autograd.grad(logit_raw, list(leaves.values()), grad_outputs=ds_abs,
                                      retain_graph=True, allow_unused=True)
             for (name, leaf), g in zip(leaves.items(), gg):
-                res.gross["d" + name] = torch.where(visible4, clean(g, leaf).abs(), 0.0).sum(dim=(0, 2, 3))
+                res.gross["d" + name] = torch.where(_fit(visible4, leaf), clean(g, leaf).abs(),
+                                                    0.0).sum(dim=(0, 2, 3))
         res.gross.pop("_ds_abs", None)
 
     if is_ref and leaves and score is default_score:
@@ -350,7 +365,14 @@ def _float32_derivatives(dparam: Tensor, ds: Tensor, dlp: Optional[Tensor], leaf
     if dlp is None or not bool((torch.isfinite(dlp) & (dlp.abs() > big)).any()):
         return dparam
     clamped = torch.where(torch.isfinite(dlp), dlp.clamp(-big, big), dlp)
+    ds = _fit(ds, clamped)
     return clean(torch.where(ds != 0, ds * clamped, 0.0), leaf).sum(dim=(0, 2, 3))
+
+
+def _fit(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` with trailing dimensions of size 1 to broadcast against ``like`` (a vector
+    parameter's gradients have its elements last)."""
+    return t.reshape(*t.shape, *([1] * (like.dim() - t.dim())))
 
 
 def gross_magnitudes(p, q, kx, vx, dout, scale, group, dlds_abs=None):

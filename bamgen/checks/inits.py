@@ -1,6 +1,8 @@
 """The inits of a prior's parameters, computed as the module's default_params computes them,
-for every head of every head count a user can ask for (the compiler's spec stage checks their
-syntax; this runs them, in float64 arithmetic kept as float32, on numeric.py's grids)."""
+for every head of every ordinary head count (1 to numeric.MAX_HEADS; the compiler's spec stage
+checks their syntax; this runs them, in float64 arithmetic kept as float32, on numeric.py's
+grids). A random init is checked by its bounds in the spec stage. A module built for more heads
+checks its own inits and names the parameter, head and value that fail (default_params)."""
 from __future__ import annotations
 
 from ..compiler.spec import PriorSpec
@@ -10,10 +12,10 @@ from . import numeric
 
 
 def check_inits(spec: PriorSpec) -> None:
-    """Every init for every head of every head count a user can ask for (up to
-    numeric.MAX_HEADS), as the module's default_params computes and stores it (float64
-    arithmetic, kept as float32), within a CPU budget."""
-    params = [p for p in spec.params if not p.is_constant]
+    """Every init for every head of every ordinary head count (up to numeric.MAX_HEADS), as
+    the module's default_params computes and stores it (float64 arithmetic, kept as float32),
+    within a CPU budget."""
+    params = [p for p in spec.params if not p.is_constant and p.random is None]
     if not params:
         return
     work = 0

@@ -4,8 +4,8 @@ The compiler's symbolic stages reason about formulas over the reals; the module 
 float32 (the kernels) from positions that reach 2**24 and parameters anywhere in their domains.
 This module evaluates, over grids that cover those ranges, exactly what the module evaluates:
 
-* :func:`init_problem`: a parameter's ``init`` for every head of every head count up to
-  :data:`MAX_HEADS`, as ``default_params`` computes it (float64 arithmetic, stored as float32);
+* :func:`init_problem`: a parameter's ``init`` for every head of every ordinary head count (up
+  to :data:`MAX_HEADS`), as ``default_params`` computes it (float64 arithmetic, stored as float32);
 * :func:`scan_plan` (bamgen/checks/scan.py): the printed kernel code itself.
 
 It needs torch, which every user of a generated module has; it is imported here, lazily, so that
@@ -22,9 +22,11 @@ import torch
 
 from ..compiler.formula import unique_nodes
 
-MAX_HEADS = 1024                       # inits are checked for every H in 1..MAX_HEADS
+MAX_HEADS = 128                        # the ordinary head counts: inits are checked for every
+                                       # H in 1..MAX_HEADS at build time (a module built for more
+                                       # heads checks its own, docs/priors.md "Inits")
 MAX_INIT_OPERATIONS = 256              # distinct operations in h, H over all inits of a prior:
-                                       # each is computed for 524,800 (head, head count) pairs
+                                       # each is computed for 8,256 (head, head count) pairs
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32; GPUs flush below it to 0
 
@@ -118,7 +120,8 @@ def _number(e: sp.Expr, dtype) -> torch.Tensor:
 _FUNCS = {
     sp.exp: torch.exp, sp.log: torch.log, sp.Abs: torch.abs, sp.sign: torch.sign,
     sp.sinh: torch.sinh, sp.cosh: torch.cosh, sp.tanh: torch.tanh, sp.atan: torch.atan,
-    sp.erf: torch.erf, sp.floor: torch.floor, sp.ceiling: torch.ceil,
+    sp.erf: torch.erf, sp.floor: torch.floor, sp.ceiling: torch.ceil, sp.sin: torch.sin,
+    sp.cos: torch.cos,
 }
 
 
@@ -129,6 +132,11 @@ def _node(e, ev, values, dtype):
         return torch.tensor(bool(e))
     if e.is_Number or e in (sp.pi, sp.E) or not e.free_symbols:
         return _number(e, dtype)
+    if isinstance(e, sp.Piecewise):   # (its arguments are (value, condition) pairs)
+        out = ev(e.args[-1].expr)
+        for piece in reversed(e.args[:-1]):
+            out = torch.where(ev(piece.cond), ev(piece.expr), out)
+        return out
     args = [ev(a) for a in e.args]
     if e.is_Add:
         out = args[0]
@@ -149,11 +157,6 @@ def _node(e, ev, values, dtype):
         out = args[0]
         for a in args[1:]:
             out = fold(out, a)
-        return out
-    if isinstance(e, sp.Piecewise):
-        out = ev(e.args[-1].expr)
-        for piece in reversed(e.args[:-1]):
-            out = torch.where(ev(piece.cond), ev(piece.expr), out)
         return out
     if isinstance(e, sp.core.relational.Relational):
         a, b = args

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import sympy as sp
 import torch
@@ -43,9 +44,11 @@ import torch
 from ..errors import SpecError
 from ..compiler.formula import unique_nodes
 from .numeric import FLOAT32_MAX, evaluate_tensor, init_grid
+from ..runtime.params import element_at as _element_at
+from ..runtime.params import index_ceil as _index_ceil, index_floor as _index_floor
 from ..compiler.printers import prepare, print_expr
 from ..compiler.spec import POSITION_SYMBOLS, ParamSpec, position_symbols
-from ..compiler.symbolic import guarded
+from ..compiler.symbolic import guarded, runtime_symbols
 
 DENSE = 4096                 # every distance up to this is scanned
 MAX_POSITION = 2 ** 24       # positions (offsets included) the module accepts
@@ -53,6 +56,9 @@ MODERATE = 1e4               # nats: a float32 -inf where the exact value is abo
 ORDINARY = 1e30              # |log-prior| up to which the score and derivatives must be finite in float64
 SCORES = (0.0, 0.5, -0.5, 1.0, -1.0, 10.0, -10.0, 1e-3, -1e-3, 100.0, -100.0, 1e4, -1e4)
 MAX_COMBINATIONS = 48        # parameter combinations per scan
+MIN_COMBINATIONS = 8         # ... however long the printed code
+SCAN_OPERATIONS = 2 * 10**8  # statements x grid points x combinations: the scan's counted work
+MAX_SHOWN = 8                # parameter values a message names
 CHUNK = 1 << 18              # elements per evaluation (memory stays ~ a few MB per temporary)
 
 
@@ -76,15 +82,23 @@ def parameter_samples(param: ParamSpec) -> list[float]:
 class _TorchShim:
     """``torch`` for printed torch code in one dtype: Python numbers become tensors of that
     dtype (the module's own code runs in float32, where torch.where(c, 1.0, 0.0) is float32)."""
+    float64 = torch.float64
 
     def __init__(self, dtype):
         self.dtype = dtype
+        self.constants = {}
 
     def _t(self, x):
-        return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=self.dtype)
+        if isinstance(x, torch.Tensor):
+            return x
+        value = self.constants.get(x)
+        if value is None:   # (a printed constant: made once per shim)
+            value = self.constants[x] = torch.tensor(float(x), dtype=self.dtype)
+        return value
 
-    def as_tensor(self, x):
-        return self._t(x)
+    def as_tensor(self, x, dtype=None):
+        x = self._t(x)
+        return x if dtype is None else x.to(dtype)
 
     def where(self, c, a, b):
         return torch.where(self._t(c).bool(), self._t(a), self._t(b))
@@ -94,8 +108,21 @@ class _TorchShim:
         return lambda *args: fn(*[self._t(a) for a in args])
 
 
+class _Vector(list):
+    """A vector parameter's elements in the scan: the torch code indexes it (prm_w[3]); the
+    Triton code of a prior that reads its vectors from memory loads through a pointer
+    (tl.load(prm_w + 3))."""
+
+    def __add__(self, k):
+        return ("element", self, k)
+
+
 class _TritonShim(_TorchShim):
     """``tl`` for printed Triton code (the functions the printer emits), on torch tensors."""
+
+    def load(self, pointer):
+        _, vector, k = pointer
+        return vector[k]
 
     def ceil(self, x):
         return torch.ceil(self._t(x))
@@ -106,16 +133,34 @@ class _TritonShim(_TorchShim):
         return lambda *args: fn(*[self._t(a) for a in args])
 
 
+_SHIMS: dict = {}
+
+
+@lru_cache(maxsize=4096)
+def _compiled(code: str):
+    return compile(code, "<printed>", "eval")
+
+
 def run_block(block, inputs: dict, dtype, target: str) -> list[torch.Tensor]:
     """The outputs of a printed CodeBlock at ``inputs`` ({kernel name: tensor})."""
-    shim = _TorchShim(dtype) if target == "torch" else _TritonShim(dtype)
+    key = (target, dtype)
+    shim = _SHIMS.get(key)
+    if shim is None:
+        shim = _SHIMS[key] = _TorchShim(dtype) if target == "torch" else _TritonShim(dtype)
     # (the standard builtins: torch imports itself from C code in the eval frame now and then)
-    scope = {"torch": shim, "tl": shim, "_atan": torch.atan}
-    env = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-           for k, v in inputs.items()}
+    def element_at(index, elements):
+        return _element_at(shim._t(index), [shim._t(e) for e in elements], shim.where)
+    scope = {"torch": shim, "tl": shim, "_atan": torch.atan, "element_at": element_at,
+             "_element": element_at, "index_floor": _index_floor, "_index_floor": _index_floor,
+             "index_ceil": _index_ceil, "_index_ceil": _index_ceil}
+    def cast(v):
+        if isinstance(v, list):
+            return _Vector(cast(x) for x in v)
+        return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    env = {k: cast(v) for k, v in inputs.items()}
     for name, code in tuple(block.hoisted) + tuple(block.body):
-        env[name] = eval(code, scope, env)   # noqa: S307 - compiler-printed code, see module doc
-    return [shim._t(eval(code, scope, env)) for code in block.outputs]   # noqa: S307
+        env[name] = eval(_compiled(code), scope, env)   # noqa: S307 - compiler-printed code, see module doc
+    return [shim._t(eval(_compiled(code), scope, env)) for code in block.outputs]   # noqa: S307
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,7 +172,7 @@ class Point:
     values: tuple[tuple[str, float], ...]
 
     def __str__(self) -> str:
-        return ", ".join(f"{k} = {_fmt(v)}" for k, v in self.values)
+        return ", ".join("..." if k == "..." else f"{k} = {_fmt(v)}" for k, v in self.values)
 
 
 def _fmt(v: float) -> str:
@@ -157,8 +202,10 @@ def _distances(extra: set[int]) -> torch.Tensor:
 
 
 def _absolute_positions() -> list[int]:
+    """Positions of real tokens: 0 to 64, then next to every power of two to 2**24 (a padding
+    token's position never reaches a formula: the runtime reads it as 0)."""
     far = [2 ** k + o for k in range(7, 25) for o in (-1, 0, 1) if 2 ** k + o <= MAX_POSITION]
-    return sorted(set(range(-64, 65)) | set(far) | {-x for x in far})
+    return sorted(set(range(0, 65)) | set(far))
 
 
 def _counts() -> list[int]:
@@ -181,36 +228,54 @@ def _position_grid(used: set[str], extra: set[int]) -> dict[str, torch.Tensor]:
     if "i" not in used and "j" not in used:     # d and n: distances instead of position pairs
         d = _distances(extra)
         i, j = d, torch.zeros_like(d)
-    counts = torch.tensor(_counts(), dtype=torch.float64)
+    counts = torch.tensor(_counts() if "n" in used else [1], dtype=torch.float64)
     n = counts[torch.arange(i.numel()) % counts.numel()]
-    small = torch.arange(-8, 9, dtype=torch.float64)
+    small = torch.arange(0, 17, dtype=torch.float64)
     si, sj, sn = torch.meshgrid(small, small, counts, indexing="ij")
     i, j, n = torch.cat([i, si.reshape(-1)]), torch.cat([j, sj.reshape(-1)]), torch.cat([n, sn.reshape(-1)])
     return {"d": i - j, "i": i, "j": j, "n": n}
 
 
-def _combinations(params: list[ParamSpec]) -> list[dict[str, float]]:
-    """Parameter values to scan: the init (head 0 of 8), each parameter alone across its samples
-    and its inits for other heads and head counts, then seeded random mixes."""
-    base = {p.name: _init_at(p, 0, 8) for p in params}
-    choices = {}
-    for p in params:
-        inits, _, _ = init_grid(p.init_expr)
-        quantiles = torch.quantile(inits.float(), torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0])) \
-            if inits.numel() > 1 else inits.float()
-        choices[p.name] = sorted(set(parameter_samples(p)) | {float(x) for x in quantiles})
+def _combinations(params: list[ParamSpec], limit: int = MAX_COMBINATIONS) -> list[dict[str, float]]:
+    """Parameter values to scan, {label: value} for every runtime scalar (each element of a
+    vector): the init (head 0 of 8), each parameter alone across its samples and its inits for
+    other heads and head counts (a vector's elements all at the sample), then seeded random
+    mixes (a vector's elements drawn apart). At most ``limit`` when that is below the count."""
+    base = {label: _init_at(p, 0, 8) for p in params for label in p.labels()}
+    choices = {p.name: _choices(p) for p in params}
     combos = [base]
     per_param = max(4, 2 * MAX_COMBINATIONS // max(len(params), 1))   # many parameters: fewer each
-    for p in params:
-        combos += [{**base, p.name: v} for v in _spread(choices[p.name], per_param)
-                   if v != base[p.name]]
+    sweeps = [[{**base, **{label: v for label in p.labels()}}
+               for v in _spread(choices[p.name], per_param) if v != base[p.labels()[0]]]
+              for p in params]
+    if 1 + sum(map(len, sweeps)) <= limit:
+        combos += [c for sweep in sweeps for c in sweep]
+    else:   # a few of every parameter's samples rather than all of the first ones'
+        combos += [sweep[k] for k in range(max(map(len, sweeps))) for sweep in sweeps
+                   if k < len(sweep)]
     generator = torch.Generator().manual_seed(0)
-    while len(combos) < MAX_COMBINATIONS and len(params) > 1:
-        pick = {p.name: choices[p.name][int(torch.randint(len(choices[p.name]), (1,),
-                                                           generator=generator))]
-                for p in params}
+    scalars = sum(p.width for p in params)
+    while len(combos) < MAX_COMBINATIONS and scalars > 1:
+        pick = {label: choices[p.name][int(torch.randint(len(choices[p.name]), (1,),
+                                                          generator=generator))]
+                for p in params for label in p.labels()}
         combos.append(pick)
-    return _unique(combos)[:max(MAX_COMBINATIONS, 1 + sum(len(c) for c in choices.values()))]
+    combos = _unique(combos)[:max(MAX_COMBINATIONS, 1 + sum(len(c) for c in choices.values()))]
+    return combos[:max(limit, 1)]
+
+
+def _choices(p: ParamSpec) -> list[float]:
+    """A parameter's samples across its domain and its inits: every head of every ordinary head
+    count for a formula, the bounds and centre of a uniform draw, the mean and three standard
+    deviations each side of a normal one."""
+    if p.random is not None:
+        kind, a, b = p.random
+        inits = [a, (a + b) / 2, b] if kind == "uniform" else [a - 3 * b, a, a + 3 * b]
+    else:
+        values, _, _ = init_grid(p.init_expr)
+        inits = (torch.quantile(values.float(), torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]))
+                 if values.numel() > 1 else values.float()).tolist()
+    return sorted(set(parameter_samples(p)) | {float(x) for x in inits})
 
 
 def _spread(values: list[float], count: int) -> list[float]:
@@ -222,6 +287,8 @@ def _spread(values: list[float], count: int) -> list[float]:
 
 
 def _init_at(p: ParamSpec, head: int, heads: int) -> float:
+    if p.random is not None:
+        return float(p.init_expr)   # the draw's centre
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
     value = evaluate_tensor(p.init_expr, {h: torch.tensor(float(head), dtype=torch.float64),
                                           H: torch.tensor(float(heads), dtype=torch.float64)})
@@ -252,7 +319,7 @@ def _roots(exprs: list[sp.Expr], params: list[ParamSpec], combos) -> set[int]:
                 arguments.add(node.args[0])
             elif isinstance(node, sp.core.relational.Relational):
                 arguments.add(node.lhs - node.rhs)
-    symbols = {p.name: p.symbol() for p in params}
+    symbols = {sym.name: sym for p in params for sym in p.symbols()}
     out: set[int] = set()
     for u in arguments:
         if not u.has(d) or u.free_symbols - {d} - set(symbols.values()):
@@ -309,48 +376,75 @@ def check_plan(plan, names: dict) -> None:
     rules are in the module docstring)."""
     ir, spec = plan.ir, plan.ir.spec
     params = [p for p in spec.params if not p.is_constant]
-    combos = _combinations(params)
     log_prior = guarded(ir.log_prior, "the log-prior")
     exprs = [log_prior, ir.logit, *(g for _, g in ir.grads)]
     pos = position_symbols()
     used = {n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs)}
+    lp_code = _Code((print_expr(prepare(log_prior, target="torch"), names, target="torch"),))
+    checker = _Checker(plan, spec, lp_code, names)
+    # the work is counted, not timed: a prior whose printed code is long scans fewer parameter
+    # combinations (never fewer than MIN_COMBINATIONS), so a build's outcome never depends on
+    # the machine's load
+    operations = checker.operations()
+    grid = _position_grid(used, set())
+    points = next(iter(grid.values())).numel()
+    limit = max(MIN_COMBINATIONS, SCAN_OPERATIONS // max(points * operations, 1))
+    combos = _combinations(params, limit)
     grid = _position_grid(used, _roots(exprs, params, combos))
     points = next(iter(grid.values())).numel()
     s = torch.tensor(SCORES, dtype=torch.float64)[torch.arange(points) % len(SCORES)]
-    lp_code = _Code((print_expr(prepare(log_prior, target="torch"), names, target="torch"),))
-    checker = _Checker(plan, spec, lp_code)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # small tensors: one thread beats an OpenMP team on a busy machine
     try:
-        _scan_chunks(checker, combos, params, grid, s, points)
+        _scan_chunks(checker, combos, grid, s, points, operations)
     finally:
         torch.set_num_threads(threads)
 
 
-def _scan_chunks(checker, combos, params, grid, s, points):
-    step = max(1, CHUNK // max(points, 1))
+def _scan_chunks(checker, combos, grid, s, points, operations):
+    # a chunk's temporaries (the printed code keeps each statement's value) stay a few 100 MB
+    step = max(1, (CHUNK * 64 // max(operations, 64)) // max(points, 1))
     for start in range(0, len(combos), step):
         chunk = combos[start:start + step]
         inputs = {"s": s[None, :], **{f"pos_{k}": v[None, :] for k, v in grid.items()}}
         for k in POSITION_SYMBOLS:
             inputs.setdefault(f"pos_{k}", None)
-        inputs.update({f"prm_{p.name}": torch.tensor([c[p.name] for c in chunk],
-                                                     dtype=torch.float64)[:, None]
-                       for p in params})
+        for label, name in checker.kernel_name.items():
+            value = torch.tensor([c[label] for c in chunk], dtype=torch.float64)[:, None]
+            if name.endswith("]"):   # an element of a vector: the hooks hold a tuple, prm_w[3]
+                inputs.setdefault(name.rpartition("[")[0], _Vector()).append(value)
+            else:
+                inputs[name] = value
         checker.run(inputs, grid, s, chunk, init=start == 0)
 
 
 class _Checker:
     """Evaluates every printed block of a plan on one chunk of the grid and applies the rules."""
 
-    def __init__(self, plan, spec, lp_code):
+    def __init__(self, plan, spec, lp_code, names):
         self.plan, self.spec, self.lp_code = plan, spec, lp_code
         self.lp_field = "density" if spec.from_density else "log_prior"
         self.score_field = "score" if spec.score is not None else self.lp_field
         self.learnable = [name for name, _ in plan.ir.grads]
-        symbols = {p.name: p.symbol() for p in spec.params}
-        self.param_field = {name: self.lp_field if plan.ir.log_prior.has(symbols[name]) else "score"
+        symbols = runtime_symbols(spec)
+        self.kernel_name = {label: names[sym] for label, sym in symbols.items()}
+        in_prior = plan.ir.log_prior.free_symbols
+        self.param_field = {name: self.lp_field if symbols[name] in in_prior else "score"
                             for name in self.learnable}
+        self.table_name = dict(zip(plan.distance_table.grads, _table_entries(plan))) \
+            if plan.distance_table is not None else {}
+
+    def operations(self) -> int:
+        """Printed statements run per grid point and parameter combination: the work of a
+        scan, counted."""
+        plan = self.plan
+        blocks = [plan.torch_fwd, plan.torch_bwd, plan.triton_fwd, plan.triton_bwd]
+        if plan.distance_table is not None:
+            blocks.append(plan.distance_table.code)
+        if plan.ramp is not None:
+            blocks.append(plan.ramp)
+        # the float64 and the float32 runs of each block, and the log-prior on its own
+        return 2 + 2 * sum(len(b.hoisted) + len(b.body) + len(b.outputs) for b in blocks)
 
     def run(self, inputs, grid, s, chunk, init: bool):
         lp64 = run_block(self.lp_code, inputs, torch.float64, "torch")[0]
@@ -429,7 +523,7 @@ class _Checker:
             gpu_inputs["tab_v"] = value.to(f32)
             for name, g in zip(plan.distance_table.grads, grads):
                 g = torch.where(live, g, torch.zeros((), dtype=g.dtype))
-                gpu_inputs[f"tab_{name}"] = g.clamp(-FLOAT32_MAX, FLOAT32_MAX).to(f32)
+                gpu_inputs[self.table_name[name]] = g.clamp(-FLOAT32_MAX, FLOAT32_MAX).to(f32)
             yield "the distance table (float64)", ([("log_prior", value)]
                                                    + list(zip(plan.distance_table.grads, grads)))
         if plan.ramp is not None:
@@ -463,6 +557,13 @@ class _Checker:
         raise SpecError(f"{message} at {where.point(c, k)}{detail}", field=field, hint=hint)
 
 
+def _table_entries(plan) -> list[str]:
+    """The kernel names (tab_<stem>) of the distance table's derivative entries, in order."""
+    stems = {label: stem for p in plan.params for label, stem in zip(
+        (p.name,) if p.size is None else [f"{p.name}[{k}]" for k in range(p.size)], p.idents)}
+    return [f"tab_{stems[label]}" for label in plan.distance_table.grads]
+
+
 class _Where:
     """Names the grid point (c, k): combination c of the parameters, position k."""
 
@@ -473,7 +574,8 @@ class _Where:
         values = [(name, float(v[k])) for name, v in self.grid.items()]
         if not self.identity:
             values.append(("s", float(self.s[k])))
-        values += list(self.chunk[c].items())
+        params = list(self.chunk[c].items())
+        values += params[:MAX_SHOWN] + ([("...", math.nan)] if len(params) > MAX_SHOWN else [])
         return Point(tuple(values))
 
 

@@ -8,11 +8,12 @@ query position.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import sympy as sp
 
-from .formula import evaluate
+from .formula import clamp_index, evaluate
 from .spec import position_symbols
 from .symbolic import PriorIR
 
@@ -38,14 +39,39 @@ class PriorAnalysis:
     distance_only: bool
 
 
-def init_values(ir: PriorIR, num_heads: int) -> list[dict[sp.Symbol, float]]:
-    """Per head, {parameter symbol: init value} for the runtime parameters."""
+def init_values(ir: PriorIR, num_heads: int, seed: int = 0) -> list[dict[sp.Symbol, float]]:
+    """Per head, {symbol: init value} for every runtime scalar (each element of a vector). A
+    random init is drawn here from Python's generator seeded with ``seed`` (the module draws from
+    torch's: these are representative values, not the module's); one shared by the heads is
+    drawn once."""
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
+    rng = random.Random(seed)
+    draws = {}
+    for p in ir.spec.params:
+        if p.random is not None:
+            kind, a, b = p.random
+            rows = num_heads if p.per_head else 1
+            draw = rng.uniform if kind == "uniform" else rng.gauss
+            draws[p.name] = [[draw(a, b) for _ in range(p.width)] for _ in range(rows)]
     heads = []
     for head in range(num_heads):   # in float64, as the module computes them (never exactly)
-        heads.append({p.symbol(): evaluate(p.init_expr, {h: head, H: num_heads})
-                      for p in ir.spec.params if not p.is_constant})
+        values = {}
+        for p in ir.spec.params:
+            if p.is_constant:
+                continue
+            if p.random is not None:
+                row = draws[p.name][head if p.per_head else 0]
+                values.update(zip(p.symbols(), row))
+            else:
+                value = evaluate(p.init_expr, {h: head, H: num_heads})
+                values.update({sym: value for sym in p.symbols()})
+        heads.append(values)
     return heads
+
+
+# lambdify's names for the compiler's own functions (a vector's element and its derivative)
+_LAMBDIFY = {"Gather": lambda index, *elements: elements[clamp_index(index, len(elements))],
+             "Selects": lambda index, k, size: float(clamp_index(index, int(size)) == int(k))}
 
 
 def log_prior_function(ir: PriorIR, values: dict[sp.Symbol, float]):
@@ -53,7 +79,7 @@ def log_prior_function(ir: PriorIR, values: dict[sp.Symbol, float]):
     pos = position_symbols()
     expr = ir.log_prior.xreplace(values).xreplace(
         {pos["j"]: QUERY_POSITION - pos["d"], pos["i"]: QUERY_POSITION, pos["n"]: QUERY_POSITION + 1})
-    fn = sp.lambdify(pos["d"], expr, modules="math")
+    fn = sp.lambdify(pos["d"], expr, modules=[_LAMBDIFY, "math"])
 
     def safe(d: float) -> float:
         try:

@@ -55,9 +55,11 @@ def render(spec: PriorSpec, plan: KernelPlan) -> Artifact:
 
 def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
     """What the runtime reads about the prior (bamgen.runtime.traits), from the plan."""
+    attrs = storage_attributes(plan)
     params = tuple(
         ParamTraits(name=p.name, slot=p.index, learnable=p.learnable, per_head=p.per_head,
-                    domain=p.domain.kind, lo=p.domain.lo, hi=p.domain.hi, grad_slot=p.grad_index)
+                    domain=p.domain.kind, lo=p.domain.lo, hi=p.domain.hi, grad_slot=p.grad_index,
+                    size=p.size, attr=attrs[p.name])
         for p in plan.params)
     return PriorTraits(
         name=spec.name, class_name=spec.class_name, params=params,
@@ -73,7 +75,84 @@ def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
         logit_fma=plan.row_factors is not None and plan.row_factors.logit_fma,
         grad_modes=_grad_modes(plan), tile_kind=tile_kind(plan),
         center_grads=(plan.strategy == "inline" and plan.score_is_identity and plan.ramp is None
-                      and bool(plan.learnable) and bool(set(plan.positions_used) & {"i", "j", "n"})))
+                      and bool(plan.learnable) and bool(set(plan.positions_used) & {"i", "j", "n"})),
+        dist_sums=dist_sums(plan))
+
+
+# A table prior with more tabulated learnable scalars than this sums dS per distance in the dQ
+# kernel (PriorTraits.dist_sums) instead of accumulating each derivative per score: its cost
+# then barely grows with their number (docs/performance.md, "Per-distance sums").
+DIST_SUMS_MIN = 4
+
+
+def dist_sums(plan: KernelPlan) -> bool:
+    """The dQ kernel can take every gradient from per-distance sums of dS: the logit is
+    s + log_prior(d) from the table, every learnable scalar's derivative is tabulated, and there
+    are more than DIST_SUMS_MIN of them."""
+    scalars = _learnable_scalars(plan)
+    return (plan.table is not None and plan.score_is_identity and plan.ir.distance_only
+            and len(plan.table.grads) == len(scalars) > DIST_SUMS_MIN)
+
+
+# Attributes of torch.nn.Module (and of the generated class) that a parameter's storage must
+# not take (tests/compiler/test_spec.py checks the list against the installed torch).
+MODULE_ATTRIBUTES = frozenset((
+    "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init", "children",
+    "compile", "cpu", "cuda", "double", "dump_patches", "eval", "extra_repr", "float", "forward",
+    "get_buffer", "get_extra_state", "get_parameter", "get_submodule", "half", "ipu",
+    "load_state_dict", "modules", "mtia", "named_buffers", "named_children", "named_modules",
+    "named_parameters", "parameters", "register_backward_hook", "register_buffer",
+    "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+    "register_full_backward_pre_hook", "register_load_state_dict_post_hook",
+    "register_load_state_dict_pre_hook", "register_module", "register_parameter",
+    "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_",
+    "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train",
+    "training", "type", "xpu", "zero_grad", "num_heads", "prior_params",
+    # added to torch.nn.Module by transformers' modeling_utils once a model is built (the HF
+    # integration, bamgen.integrations.transformers)
+    "smart_apply"))
+
+
+def storage_attributes(plan: KernelPlan) -> dict[str, str]:
+    """{parameter: the nn.Module attribute that stores it, where it is not the default}: a
+    learnable x is raw_x and a buffer x is x, unless that name is torch.nn.Module's own
+    (training, cuda), private to it (_parameters) or another parameter's: then prior_<name>,
+    with '_' appended until it is free. The state dict keys follow."""
+    default = {p.name: f"raw_{p.name}" if p.learnable else p.name for p in plan.params}
+    taken = set(MODULE_ATTRIBUTES)
+    out = {}
+    for p in plan.params:
+        attr = default[p.name]
+        clash = (attr in taken or attr.startswith("_")
+                 or any(default[o.name] == attr for o in plan.params if o.name != p.name))
+        if clash:
+            attr = f"prior_{p.name}"
+            while attr in taken or attr in default.values():
+                attr += "_"
+        taken.add(attr)
+        out[p.name] = "" if attr == default[p.name] else attr
+    return out
+
+
+def _learnable_scalars(plan: KernelPlan) -> list[tuple[str, str]]:
+    """(label, identifier stem) of each learnable scalar, in gradient-slot order."""
+    return [(label, ident) for p in plan.learnable
+            for label, ident in zip(_labels(p), p.idents)]
+
+
+def _labels(p) -> tuple[str, ...]:
+    return (p.name,) if p.size is None else tuple(f"{p.name}[{k}]" for k in range(p.size))
+
+
+def _prm_unpack(plan: KernelPlan, source: str) -> tuple[str, ...]:
+    """A hook's statements that name the parameters it receives as a list of columns in slot
+    order: (prm_a, prm_b) = prm, or one line a parameter where a vector takes a slice
+    (prm_w = prm[0:32], a tuple: its elements are prm_w[0], ...)."""
+    if all(p.size is None for p in plan.params):
+        return _unpack([f"prm_{p.name}" for p in plan.params], source)
+    return tuple(f"prm_{p.name} = {source}[{p.index}]" if p.size is None
+                 else f"prm_{p.name} = tuple({source}[{p.index}:{p.index + p.size}])"
+                 for p in plan.params)
 
 
 def _grad_modes(plan: KernelPlan) -> tuple[int, ...]:
@@ -87,10 +166,13 @@ def _grad_modes(plan: KernelPlan) -> tuple[int, ...]:
         outputs = ("",) * len(plan.learnable)
     logit_factor = plan.row_factors.logit_factor if plan.row_factors is not None else ()
     modes = []
-    for p, out in zip(plan.learnable, outputs):
-        if out == f"tab_{p.name}":
+    scalars = _learnable_scalars(plan)
+    if len(outputs) < len(scalars):
+        outputs = ("",) * len(scalars)
+    for (label, ident), out in zip(scalars, outputs):
+        if out == f"tab_{ident}":
             modes.append(GRAD_TABLE)
-        elif p.name in logit_factor:
+        elif label in logit_factor:
             modes.append(GRAD_LOGIT_FACTOR)
         else:
             modes.append(GRAD_CLAMPED)
@@ -116,7 +198,7 @@ class Hook:
 
 def torch_hooks(plan: KernelPlan) -> list[Hook]:
     """The prior printed for torch (bamgen.runtime.TorchHooks)."""
-    prm = tuple(f"prm_{p.name} = prm[{p.index}]" for p in plan.params)
+    prm = _prm_unpack(plan, "prm")
     pos = "pos_d, pos_i, pos_j, pos_n, prm"
     hooks = [Hook("torch_logit", f"s, {pos}", "the logit of a block of scores", prm,
                   plan.torch_fwd.hoisted + plan.torch_fwd.body, plan.torch_fwd.outputs[0]),
@@ -126,7 +208,8 @@ def torch_hooks(plan: KernelPlan) -> list[Hook]:
     table = plan.distance_table
     if table is not None:
         if not plan.score_is_identity:
-            entries = tuple(f"tab_{name} = tabs[{k}]" for k, name in enumerate(table.grads))
+            idents = dict(_learnable_scalars(plan))
+            entries = tuple(f"tab_{idents[label]} = tabs[{k}]" for k, label in enumerate(table.grads))
             hooks += [
                 Hook("torch_table_logit", f"s, tab_v, {pos}",
                      "the logit, the log-prior read from the distance table (tab_v)", prm,
@@ -153,6 +236,7 @@ def triton_hooks(plan: KernelPlan) -> list[Hook]:
     if not plan.params and plan.score_is_identity and not plan.has_bias_hook:
         return []    # NoPE: the library's defaults
     scalars = [f"prm_{p.name}" for p in plan.params]
+    num_scalars = len(scalars)
     hoisted = [item for block in _scalar_blocks(plan) for item in block.hoisted]
     scalars += [name for name, _ in hoisted]
     unpack = _unpack(scalars, "sc")
@@ -163,7 +247,9 @@ def triton_hooks(plan: KernelPlan) -> list[Hook]:
         return tuple(f"{name} = tab[{tables.index(name)}]" for name in reads)
 
     pos = "pos_d, pos_i, pos_j, pos_n"
-    loads = tuple((f"prm_{p.name}", f"tl.load(Theta_h + {p.index})") for p in plan.params)
+    loads = tuple((f"prm_{p.name}", f"tl.load(Theta_h + {p.index})" if p.size is None
+                   else f"Theta_h + {p.index}" if plan.vectors_in_memory   # (a pointer)
+                   else f"_load_vector(Theta_h + {p.index}, {p.size})") for p in plan.params)
     hooks = [Hook("prior_scalars", "Theta_h",
                   "this head's parameters and what depends on them alone, once per program", (),
                   loads + tuple(hoisted), _tuple(scalars, always=True), triton=True)]
@@ -182,8 +268,8 @@ def triton_hooks(plan: KernelPlan) -> list[Hook]:
                           plan.ramp.hoisted, _tuple(plan.ramp.outputs, always=True), triton=True))
     factors = plan.row_factors
     if factors is not None:
-        prm = _unpack([f"prm_{p.name}" for p in plan.params],
-                      "sc" if len(scalars) == len(plan.params) else f"sc[:{len(plan.params)}]")
+        prm = _unpack(scalars[:num_scalars],
+                      "sc" if len(scalars) == num_scalars else f"sc[:{num_scalars}]")
         hooks += [
             Hook("prior_row_factors", "pos_i, pos_n, sc", "(d logit / d s, then each learnable "
                  "parameter's row factor)", prm, factors.row.hoisted + factors.row.body,
@@ -228,17 +314,19 @@ def _table_slots(plan: KernelPlan) -> list[str]:
     """The entries of a tile's `tab` tuple, in order: the log-prior, then its derivatives."""
     if plan.table is None:
         return []
-    return ["tab_v"] + [f"tab_{name}" for name in plan.table.grads]
+    idents = dict(_learnable_scalars(plan))
+    return ["tab_v"] + [f"tab_{idents[label]}" for label in plan.table.grads]
 
 
 def _tuple(items, always=False) -> str:
-    """Printed items as a tuple (one item: itself, unless always)."""
+    """Printed items as a tuple (one item: itself, unless always), broken over lines where
+    long (the continuation lines indented for a hook's `return`)."""
     items = list(items)
     if len(items) == 1 and not always:
         return items[0]
     if len(items) == 1:
         return f"({items[0]},)"
-    return f"({', '.join(items)})"
+    return _wrap(items, "(", " " * 12, ")", column=11)
 
 
 def _first_output_first(block) -> tuple[tuple, tuple]:
@@ -276,12 +364,76 @@ def _assignments(lines, indent: int) -> str:
     return ("\n" + " " * indent).join(f"{name} = {code}" for name, code in lines)
 
 
-def _init_code(plan: KernelPlan) -> dict[str, str]:
+def _init_lines(plan: KernelPlan) -> list[str]:
+    """default_params' statements, one per parameter: its init formula in h (H bound there),
+    or a random draw (bamgen.runtime.params.init_formula, init_random)."""
     spec_params = {p.name: p for p in plan.ir.spec.params}
+    lines = []
+    for p in plan.params:
+        spec = spec_params[p.name]
+        shape = "" if p.size is None else f", size={p.size}"
+        shape += "" if p.per_head else ", per_head=False"
+        if spec.random is not None:
+            kind, a, b = spec.random
+            call = f"init_random({kind!r}, {a!r}, {b!r}, H{shape})"
+        else:
+            expr = spec.init_expr
+            code = repr(float(expr)) if expr.is_number else sp.pycode(expr, fully_qualified_modules=True)
+            call = f"init_formula({p.name!r}, lambda h: {code}, H{shape})"
+        lines.append(f'values["{p.name}"] = {call}')
+    return lines
 
-    def code(expr):
-        return repr(float(expr)) if expr.is_number else sp.pycode(expr, fully_qualified_modules=True)
-    return {p.name: code(spec_params[p.name].init_expr) for p in plan.params}
+
+def _triton_globals(hooks: list[Hook]) -> list[str]:
+    """`tl` and the runtime's helpers (bamgen/runtime/triton/helpers.py, HOOK_HELPERS) that
+    the Triton hooks call: names the module binds when its kernels are first made."""
+    text = "\n".join(code for h in hooks for code in (*h.unpack, *(c for _, c in h.statements),
+                                                      h.result))
+    return ["tl"] + [name for name in ("_atan", "_element", "_index_floor", "_index_ceil",
+                                       "_load_vector") if re.search(rf"\b{name}\(", text)]
+
+
+def _runtime_imports(plan: KernelPlan) -> list[str]:
+    """What the module takes from bamgen.runtime: the binding, and the init helpers it calls."""
+    spec_params = {p.name: p for p in plan.ir.spec.params}
+    names = ["ParamTraits", "Prior", "PriorAttention", "PriorTraits", "TorchHooks"]
+    if any(spec_params[p.name].random is None for p in plan.params):
+        names.append("init_formula")
+    if any(spec_params[p.name].random is not None for p in plan.params):
+        names.append("init_random")
+    printed = "\n".join(code for block in (plan.torch_fwd, plan.torch_bwd, *(
+        (plan.distance_table.code, plan.distance_table.logit, plan.distance_table.backward)
+        if plan.distance_table is not None else ()))
+        for code in (*(c for _, c in block.hoisted), *(c for _, c in block.body), *block.outputs))
+    helpers = [name for name in ("element_at", "index_ceil", "index_floor")
+               if re.search(rf"\b{name}\(", printed)]
+    return names[:5] + helpers + names[5:] + ["triton_hook"]
+
+
+def _param_doc(p) -> str:
+    """The line attention()'s docstring gives a parameter."""
+    if p.size is None:
+        shape = "float or tensor [Hq]" if p.per_head else "float or 0-d tensor, shared by the heads"
+    else:
+        shape = (f"tensor [Hq, {p.size}] (or [{p.size}], the same for every head)" if p.per_head
+                 else f"tensor [{p.size}], shared by the heads")
+    extra = "" if p.learnable else ", no gradient"
+    return f"{p.name}: {shape} ({p.domain}{extra})."
+
+
+def own_names(plan: KernelPlan) -> dict[str, str]:
+    """The generated module's own names in the functions that take the parameters as
+    arguments (backward_block's dout, out, stats; log_prior_at's num_heads; the bound Prior),
+    each with '_' appended while a parameter has it: the user's names win (docs/priors.md,
+    "Names")."""
+    taken = {p.name for p in plan.params}
+    out = {}
+    for name in ("dout", "out", "stats", "num_heads", "_prior"):
+        renamed = name
+        while renamed in taken:
+            renamed += "_"
+        out[name] = renamed
+    return out
 
 
 def _traits_source(value: PriorTraits) -> str:
@@ -300,17 +452,24 @@ def _traits_source(value: PriorTraits) -> str:
 def _param_source(p: ParamTraits) -> str:
     args = [repr(p.name), f"slot={p.slot}", f"learnable={p.learnable}", f"per_head={p.per_head}",
             f"domain={p.domain!r}"]
+    if p.size is not None:
+        args.append(f"size={p.size}")
     if p.domain == "interval":
         args += [f"lo={_literal(p.lo)}", f"hi={_literal(p.hi)}"]
     if p.grad_slot is not None:
         args.append(f"grad_slot={p.grad_slot}")
+    if p.attr:
+        args.append(f"attr={p.attr!r}")
     return f"ParamTraits({', '.join(args)})"
 
 
 def _literal(v) -> str:
-    """A value as Python source (floats: inf and nan through float())."""
+    """A value as Python source (floats: inf and nan through float(); a long tuple broken
+    over lines)."""
     if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
         return f'float("{v}")'
+    if isinstance(v, tuple) and len(repr(v)) > 80:
+        return _wrap([repr(x) for x in v], "(", " " * 8, ")", column=20)
     return repr(v)
 
 
@@ -328,7 +487,9 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         "log_prior_simplified": str(plan.ir.log_prior),
         "score": score_text,
         "params": {p.name: {"init": p.init, "domain": str(p.domain), "learnable": p.learnable,
-                            "per_head": p.per_head} for p in plan.params},
+                            "per_head": p.per_head, **({"size": p.size} if p.size else {})}
+                   for p in plan.params},
+        **({"let": dict(spec.lets)} if spec.lets else {}),
         "constants": {p.name: p.value for p in spec.params if p.is_constant},
         "strategy": plan.strategy,
         "skip_below": spec.skip_below,
@@ -347,7 +508,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
     distance = None
     if plan.distance_table is not None:
         first, rest = _first_output_first(plan.distance_table.code)
-        distance = dict(prm=tuple(f"prm_{p.name} = prm[{p.index}]" for p in plan.params),
+        distance = dict(prm=_prm_unpack(plan, "prm"),
                         hoisted=plan.distance_table.code.hoisted, first=first, rest=rest,
                         outputs=plan.distance_table.code.outputs)
     triton_side = triton_hooks(plan)
@@ -357,7 +518,10 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         traits=_traits_source(traits(spec, plan)),
         params=plan.params, learnable=plan.learnable,
         param_names=repr(tuple(p.name for p in plan.params)),
-        learnable_names=repr(tuple(p.name for p in plan.learnable)), init_code=_init_code(plan),
+        learnable_names=repr(tuple(p.name for p in plan.learnable)), init_lines=_init_lines(plan),
+        param_docs=[_param_doc(p) for p in plan.params], own=own_names(plan),
+        imports=_wrap(_runtime_imports(plan), "from bamgen.runtime import (", " " * 28, ")"),
+        triton_globals=_triton_globals(triton_side),
         score_text=score_text, log_prior_text=log_prior_text,
         distance=distance, torch_hooks=torch_side, triton_hooks=triton_side,
         torch_binding=_torch_binding(torch_side, distance is not None),

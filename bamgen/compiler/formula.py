@@ -3,8 +3,10 @@
 ``sympy.sympify`` and ``parse_expr`` evaluate Python code, so a prior file could run anything.
 Here a formula goes through Python's :mod:`ast` parser and is rebuilt node by node into SymPy,
 admitting only a whitelist: numbers, the symbols the caller declares, the functions of
-:data:`FUNCTIONS`, ``+ - * / **``, unary minus, and comparisons / ``&`` / ``|`` inside
-``Piecewise``. Sizes are bounded so that no formula can make SymPy work for long: text length,
+:data:`FUNCTIONS`, ``+ - * / **``, unary minus, comparisons / ``&`` / ``|`` inside
+``Piecewise``, an element of a vector parameter ``w[e]`` (:class:`Gather`, ``e`` integer-valued)
+and ``Sum(body, (m, lo, hi))`` over literal bounds, expanded term by term (docs/priors.md,
+"Vectors, sums and named sub-formulas"). Sizes are bounded so that no formula can make SymPy work for long: text length,
 nesting depth, literal magnitude, constant powers, the degree that nested powers multiply to, and
 every constant must fit in a float. :func:`evaluate` computes a formula in float64, as a kernel
 would, and refuses what SymPy's exact arithmetic could only do with astronomically large numbers.
@@ -40,10 +42,122 @@ FUNCTIONS: Mapping[str, object] = {
     "exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "Abs": sp.Abs, "sign": sp.sign,
     "Min": sp.Min, "Max": sp.Max, "sinh": sp.sinh, "cosh": sp.cosh, "tanh": sp.tanh,
     "atan": sp.atan, "Piecewise": sp.Piecewise, "floor": sp.floor, "ceiling": sp.ceiling,
-    "erf": sp.erf,
+    "erf": sp.erf, "sin": sp.sin, "cos": sp.cos, "Sum": None,   # Sum: expanded, see _sum
 }
 CONSTANTS: Mapping[str, sp.Expr] = {"pi": sp.pi, "E": sp.E, "oo": sp.oo}
 RESERVED = frozenset(FUNCTIONS) | frozenset(CONSTANTS) | {"True", "False"}
+MAX_SUM_TERMS = 256    # terms of a Sum once expanded (nested Sums: the product of their lengths)
+MAX_SUM_EXPANSION = 2_000_000   # nodes of all the expanded copies of Sum bodies, in one formula
+
+
+class ElementSymbol(sp.Symbol):
+    """Element k of a vector parameter, named ``w[k]``: the brackets keep it apart from every
+    parameter's Symbol (an identifier), and it prints as the user wrote it."""
+
+    def __new__(cls, vector: str, index: int, **assumptions):
+        obj = super().__new__(cls, f"{vector}[{index}]", **assumptions)
+        return obj
+
+    def __getnewargs_ex__(self):
+        vector, _, rest = self.name.partition("[")
+        return (vector, int(rest[:-1])), self.assumptions0
+
+    @property
+    def vector(self) -> str:
+        return self.name.partition("[")[0]
+
+    @property
+    def index(self) -> int:
+        return int(self.name.partition("[")[2][:-1])
+
+    @classmethod
+    def class_key(cls):
+        return sp.Symbol.class_key()
+
+
+class Gather(sp.Function):
+    """``w[e]``: the element clamp(e, 0, K - 1) of a vector w of K elements, for an
+    integer-valued e (arguments: e, w[0], ..., w[K - 1]). A constant e picks its element
+    directly; the derivative in w[k] is 1 where clamp(e) = k, else 0 (the index is piecewise
+    constant: its own derivative is 0)."""
+
+    @classmethod
+    def eval(cls, index, *elements):
+        if index.is_Number and elements:
+            return elements[clamp_index(float(index), len(elements))]
+        return None
+
+    def _eval_is_real(self):
+        return True
+
+    def _eval_is_positive(self):
+        return all(e.is_positive for e in self.args[1:]) or None
+
+    def _eval_is_nonnegative(self):
+        return all(e.is_nonnegative for e in self.args[1:]) or None
+
+    def fdiff(self, argindex=1):
+        if argindex == 1:
+            return sp.S.Zero
+        return selects(self.args[0], argindex - 2, len(self.args) - 1)
+
+
+def clamp_index(value: float, size: int) -> int:
+    """An integer-valued index clamped into [0, size - 1] (NaN reads the first element, as
+    the runtime's element_at does)."""
+    if value != value:
+        return 0
+    return int(min(max(math.floor(value), 0), size - 1))
+
+
+def selects(index: sp.Expr, k: int, size: int) -> sp.Expr:
+    """1 where the clamped ``index`` is k, else 0: d w[index] / d w[k]."""
+    if size == 1:
+        return sp.S.One
+    return Selects(index, sp.Integer(k), sp.Integer(size))
+
+
+class Selects(sp.Function):
+    """1 where clamp(index, 0, size - 1) = k, else 0 (arguments: index, k, size): the derivative
+    of a Gather in one element. A function of its own, so that SymPy keeps the comparison
+    as written (a Piecewise index inside a relational becomes an ITE it cannot print)."""
+
+    @classmethod
+    def eval(cls, index, k, size):
+        if index.is_Number:
+            return sp.S.One if clamp_index(float(index), int(size)) == int(k) else sp.S.Zero
+        return None
+
+    def _eval_is_real(self):
+        return True
+
+    def _eval_is_nonnegative(self):
+        return True
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+def is_integer_valued(expr: sp.Basic) -> bool:
+    """True when ``expr`` takes integer values wherever it is defined, by its form: integers,
+    positions (d, i, j, n) and Sum indices, floor and ceiling, and sums, products, non-negative
+    integer powers, Abs, sign, Min, Max and Piecewise values of integer-valued parts."""
+    if isinstance(expr, sp.Integer) or (expr.is_Number and float(expr).is_integer()):
+        return True
+    if isinstance(expr, sp.Symbol):
+        return bool(expr.is_integer) or expr.name in POSITION_NAMES
+    if isinstance(expr, (sp.floor, sp.ceiling, sp.sign)):
+        return True
+    if isinstance(expr, sp.Pow):
+        return (expr.exp.is_Integer and expr.exp >= 0) and is_integer_valued(expr.base)
+    if isinstance(expr, sp.Piecewise):
+        return all(is_integer_valued(piece.expr) for piece in expr.args)
+    if isinstance(expr, (sp.Add, sp.Mul, sp.Min, sp.Max, sp.Abs)):
+        return all(is_integer_valued(a) for a in expr.args)
+    return False
+
+
+POSITION_NAMES = frozenset(("d", "i", "j", "n"))
 
 _BINOPS = {
     ast.Add: lambda a, b: a + b,
@@ -55,9 +169,15 @@ _COMPARE = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge,
             ast.Eq: sp.Eq, ast.NotEq: sp.Ne}
 
 
-def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
-                  line: int | None = None) -> sp.Expr:
-    """Parse ``text`` into a SymPy expression over ``symbols``; raise SpecError on anything else."""
+def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
+                  line: int | None = None,
+                  vectors: Mapping[str, tuple[sp.Symbol, ...]] | None = None,
+                  kinks: dict | None = None) -> sp.Expr:
+    """Parse ``text`` into a SymPy expression over ``symbols`` (a name stands for its symbol,
+    or for a named sub-formula's expression) and the elements of ``vectors`` (``w[e]``); raise
+    SpecError on anything else. kinks: filled with {the argument u of an Abs(u) in an expanded
+    Sum term: the argument as the Sum's body writes it}, so that the language's limit on kinks
+    counts a body once, not once per term."""
     def fail(msg: str, hint: str | None = None) -> SpecError:
         return SpecError(msg, field=field, line=line, hint=hint)
 
@@ -76,6 +196,9 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
         raise fail(f"the formula is {len(text)} characters long; the limit is {MAX_FORMULA_CHARS}")
     if "\x00" in text:
         raise fail("the formula contains a NUL byte")
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        raise fail("the formula contains a lone surrogate character (U+D800 to U+DFFF), which "
+                   "is not text", "save the prior file as UTF-8 and write the formula in plain text")
     if "#" in text or "\\" in text:
         # The text is copied into the generated module's docstrings: no comments, no escapes.
         raise fail("comments ('#') and backslashes are not allowed in a formula",
@@ -89,7 +212,7 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
                    "use Python/SymPy syntax, e.g. -(Abs(d - mu)/alpha)**beta") from None
     except (RecursionError, MemoryError):
         raise fail("the formula is nested too deeply to parse", "simplify the expression") from None
-    builder = _Builder(symbols, fail)
+    builder = _Builder(symbols, fail, vectors or {}, {} if kinks is None else kinks)
     try:
         expr = builder.build(tree.body, depth=0)
     except (ArithmeticError, TypeError, ValueError) as exc:
@@ -111,9 +234,14 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Symbol], *, field: str,
 class _Builder:
     """Rebuilds a whitelisted Python AST as a SymPy expression."""
 
-    def __init__(self, symbols: Mapping[str, sp.Symbol], fail):
-        self.symbols = symbols
+    def __init__(self, symbols: Mapping[str, sp.Expr], fail,
+                 vectors: Mapping[str, tuple[sp.Symbol, ...]], kinks: dict):
+        self.symbols = dict(symbols)
         self.fail = fail
+        self.vectors = vectors
+        self.kinks = kinks
+        self.sum_terms = 1       # the product of the lengths of the Sums being built
+        self.expanded = 0        # nodes built by expanding Sum bodies so far
 
     def build(self, node: ast.AST, depth: int):
         if depth > MAX_DEPTH:
@@ -156,17 +284,22 @@ class _Builder:
 
     def _Name(self, node: ast.Name, depth: int):
         name = node.id
-        if name.startswith("_"):
-            raise self.fail(f"the name '{name}' is not allowed (names may not start with '_')")
         if name in self.symbols:
             return self.symbols[name]
+        if name in self.vectors:
+            raise self.fail(f"'{name}' is a vector of {len(self.vectors[name])} elements: use one "
+                            f"element, {name}[k]", f"e.g. {name}[0], or {name}[bucket] with an "
+                            f"integer-valued index")
+        if name.startswith("_"):
+            raise self.fail(f"unknown symbol '{name}' (and a name starting with '_' is never a "
+                            f"function or constant of the language)")
         if name in CONSTANTS:
             return CONSTANTS[name]
         if name in ("True", "False"):
             return sp.true if name == "True" else sp.false
         if name in FUNCTIONS:
             raise self.fail(f"the function '{name}' must be called, e.g. {name}(d)")
-        known = ", ".join(sorted(self.symbols)) or "none"
+        known = ", ".join(sorted([*self.symbols, *(f"{v}[k]" for v in self.vectors)])) or "none"
         raise self.fail(f"unknown symbol '{name}'",
                         f"symbols allowed here: {known}; declare parameters under 'params'")
 
@@ -179,6 +312,10 @@ class _Builder:
         raise self.fail(f"the operator {type(node.op).__name__} is not allowed")
 
     def _BinOp(self, node: ast.BinOp, depth: int):
+        chain = (ast.Add, ast.Sub) if isinstance(node.op, (ast.Add, ast.Sub)) else \
+            (ast.Mult, ast.Div) if isinstance(node.op, (ast.Mult, ast.Div)) else None
+        if chain is not None:
+            return self._chain(node, chain, depth)
         left = self.build(node.left, depth)
         right = self.build(node.right, depth)
         if isinstance(node.op, ast.Pow):
@@ -195,6 +332,24 @@ class _Builder:
         self._require_expr(left)
         self._require_expr(right)
         return op(left, right)
+
+    def _chain(self, node: ast.BinOp, ops: tuple, depth: int):
+        """a + b - c + ... (or a * b / c ...) as one level of nesting, built left to right
+        without recursion: Python parses it as a left-nested tree, and a sum of 40 terms is
+        not a formula nested 40 deep."""
+        rights = []
+        while isinstance(node, ast.BinOp) and isinstance(node.op, ops):
+            rights.append((node.op, node.right))
+            node = node.left
+        value = self.build(node, depth)
+        self._require_expr(value)
+        for op, right in reversed(rights):
+            operand = self.build(right, depth)
+            self._require_expr(operand)
+            value = _BINOPS[type(op)](value, operand)
+            if isinstance(value, sp.Expr) and value.is_number:
+                self._check_constant(value)
+        return value
 
     def _power(self, base, exponent):
         self._require_expr(base)
@@ -240,6 +395,78 @@ class _Builder:
         return {sp.Lt: x < y, sp.Le: x <= y, sp.Gt: x > y, sp.Ge: x >= y,
                 sp.Eq: x == y, sp.Ne: x != y}[rel]
 
+    def _Subscript(self, node: ast.Subscript, depth: int):
+        """``w[e]``: an element of a vector parameter, ``e`` integer-valued (clamped)."""
+        if not isinstance(node.value, ast.Name) or node.value.id not in self.vectors:
+            what = node.value.id if isinstance(node.value, ast.Name) else _describe(node.value)
+            raise self.fail(f"indexing is allowed on vector parameters only, not on '{what}'",
+                            "declare a vector with size: params: {w: {size: 32, init: 0.0}}")
+        name = node.value.id
+        if isinstance(node.slice, (ast.Slice, ast.Tuple)):
+            raise self.fail(f"{name}[...] takes one index, not a slice or several",
+                            f"e.g. {name}[0] or {name}[floor(d / 8)]")
+        index = self.build(node.slice, depth)
+        self._require_expr(index)
+        if not is_integer_valued(index):
+            raise self.fail(f"the index of {name}[{_short(index)}] is not integer-valued",
+                            "an index is an integer, d, i, j, n, a Sum's index, floor(...) or "
+                            "ceiling(...), or Min, Max, Piecewise, +, - and * of those")
+        return Gather(index, *self.vectors[name])
+
+    def _sum(self, node: ast.Call, depth: int):
+        """``Sum(body, (m, lo, hi))``, lo and hi integer literals, inclusive: the body built once
+        with m as an integer symbol, then one copy per value of m (an element w[m] becomes
+        w[lo], w[lo + 1], ...)."""
+        if len(node.args) != 2 or not isinstance(node.args[1], ast.Tuple) \
+                or len(node.args[1].elts) != 3 or not isinstance(node.args[1].elts[0], ast.Name):
+            raise self.fail("Sum takes a body and (index, first, last)",
+                            "e.g. Sum(w[m] * cos(d * m), (m, 0, 31)): bounds inclusive")
+        index_node, lo_node, hi_node = node.args[1].elts
+        name = index_node.id
+        if name in self.symbols or name in self.vectors or name in FUNCTIONS \
+                or name in CONSTANTS or name.startswith("_"):
+            raise self.fail(f"the Sum's index '{name}' already names something else in the formula",
+                            "choose a new name for the index, e.g. m")
+        lo, hi = self._literal_int(lo_node, "first"), self._literal_int(hi_node, "last")
+        if hi < lo:
+            raise self.fail(f"the Sum runs from {lo} to {hi}: the last index is below the first",
+                            "bounds are inclusive: Sum(body, (m, 0, 31)) has 32 terms")
+        terms = hi - lo + 1
+        if self.sum_terms * terms > MAX_SUM_TERMS:
+            raise self.fail(f"the Sum has {self.sum_terms * terms} terms (nested Sums multiply); "
+                            f"the limit is {MAX_SUM_TERMS}", "sum over fewer elements")
+        index = sp.Symbol(name, integer=True)
+        self.symbols[name] = index
+        self.sum_terms *= terms
+        try:
+            body = self.build(node.args[0], depth)
+        finally:
+            del self.symbols[name]
+            self.sum_terms //= terms
+        self._require_expr(body)
+        self.expanded += terms * tree_size(body, {})
+        if self.expanded > MAX_SUM_EXPANSION:
+            raise self.fail(f"the Sums expand to more than {MAX_SUM_EXPANSION} terms in all",
+                            "make the bodies shorter or sum over fewer elements")
+        written = [a.args[0] for a in body.atoms(sp.Abs)
+                   if any(sym.name in POSITION_NAMES for sym in a.args[0].free_symbols)]
+        terms = []
+        for k in range(lo, hi + 1):
+            at = {index: sp.Integer(k)}
+            terms.append(body.xreplace(at))
+            for u in written:
+                self.kinks[u.xreplace(at)] = self.kinks.get(u, u)
+        return sp.Add(*terms)
+
+    def _literal_int(self, node: ast.AST, which: str) -> int:
+        negative = isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+        inner = node.operand if negative else node
+        if not (isinstance(inner, ast.Constant) and isinstance(inner.value, int)
+                and not isinstance(inner.value, bool)) or abs(inner.value) > MAX_LITERAL:
+            raise self.fail(f"the Sum's {which} index must be an integer literal",
+                            "e.g. Sum(w[m], (m, 0, 31))")
+        return -inner.value if negative else inner.value
+
     def _Call(self, node: ast.Call, depth: int):
         if not isinstance(node.func, ast.Name):
             raise self.fail(f"{_describe(node.func)} cannot be called",
@@ -252,6 +479,8 @@ class _Builder:
             raise self.fail(f"keyword arguments are not allowed in {name}(...)")
         if name == "Piecewise":
             return self._piecewise(node, depth)
+        if name == "Sum":
+            return self._sum(node, depth)
         if name in ("Min", "Max") and _flat_arity(node, name) > MAX_MINMAX_ARGS:
             # from the text, before any nested call is built (each compares its arguments)
             raise self.fail(f"{name} takes at most {MAX_MINMAX_ARGS} arguments (nested {name} "
@@ -410,7 +639,7 @@ def evaluate(expr: sp.Basic, values: Mapping[sp.Symbol, float]) -> float:
 
 _UNARY = {
     sp.exp: math.exp, sp.sinh: math.sinh, sp.cosh: math.cosh, sp.tanh: math.tanh,
-    sp.erf: math.erf, sp.atan: math.atan,
+    sp.erf: math.erf, sp.atan: math.atan, sp.sin: math.sin, sp.cos: math.cos,
     sp.floor: lambda x: float(math.floor(x)), sp.ceiling: lambda x: float(math.ceil(x)),
 }
 
@@ -430,6 +659,14 @@ class _Evaluator:
             except (TypeError, ValueError):   # I, zoo, an unbound symbol
                 return math.nan, False
             return x, math.isinf(x) and e not in (sp.oo, sp.S.NegativeInfinity)
+        if isinstance(e, Selects):
+            index, big = self.value(e.args[0])
+            return float(clamp_index(index, int(e.args[2])) == int(e.args[1])), False
+        if isinstance(e, Gather):   # the element the clamped index picks, alone
+            index, big = self.value(e.args[0])
+            if big:
+                raise OverflowError("an index that overflows a float")
+            return self.value(e.args[1 + clamp_index(index, len(e.args) - 1)])
         args = [self.value(a) for a in e.args] if not isinstance(e, sp.Piecewise) else []
         xs = [x for x, _ in args]
         if e.is_Add:
@@ -447,7 +684,7 @@ class _Evaluator:
             except OverflowError:   # exp, sinh, cosh of a large number; floor or ceiling of ±inf
                 y = (x if e.func in (sp.floor, sp.ceiling)
                      else math.inf if e.func is sp.cosh else math.copysign(math.inf, x))
-            except ValueError:      # floor or ceiling of nan
+            except ValueError:      # floor or ceiling of nan, sin or cos of inf
                 y = math.nan
             return self._out(y, args)
         if e.func is sp.log:   # log(0) = -inf is exact, not an overflow

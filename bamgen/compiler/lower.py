@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..errors import SpecError
-from .formula import unique_nodes
+from .formula import ElementSymbol, Gather, Selects, unique_nodes
 from .printers import ExpressionTooLarge, NotARealNumber, prepare, print_expr
 from .spec import Domain, position_symbols
 from .symbolic import (S, TABLE_VALUE, InternalSymbol, PriorIR, TableIR, formula_field,
-                       split_for_table, table_grad_symbol)
+                       runtime_symbols, split_for_table, table_grad_symbol)
 from .timeout import cpu_budget
 
 STRATEGIES = ("inline", "table")
@@ -40,6 +40,10 @@ STRATEGIES = ("inline", "table")
 MUFU_COST = 8          # special-function ops (ex2, lg2, rcp, rsq) issue at 16 lanes/cycle vs 128
 POSITION_COST = 2      # d = i - j per score: an integer subtract and a conversion to float
 GATHER_COST = 3        # a table entry: its address, the load (staged through shared memory)
+# A prior with more runtime scalars than this reads its vectors' elements from memory where the
+# Triton kernels use them (uniform loads, cached) instead of holding them in registers for the
+# whole program: FIRE's 97 weights in registers left too few for the dQ kernel's tiles.
+MAX_REGISTER_SCALARS = 16
 RAMP_COST = 1          # a causal-side line in d: one add of a column term
 
 
@@ -55,14 +59,21 @@ class CodeBlock:
 
 @dataclass(frozen=True)
 class ParamPlan:
-    """A runtime parameter: its slot in the [H, P] parameter tensor and how to initialise it."""
+    """A runtime parameter: its slots in the [H, P] parameter tensor (a vector takes one per
+    element, from ``index`` on), how to initialise it, and the kernel names of its scalars."""
     name: str
     index: int
     learnable: bool
     per_head: bool
-    init: str               # formula in h, H (Python syntax)
+    init: str               # formula in h, H (Python syntax), or uniform(a, b) / normal(m, s)
     domain: Domain
-    grad_index: int | None  # slot in the gradient outputs, None when not learnable
+    grad_index: int | None  # first slot in the gradient outputs, None when not learnable
+    size: int | None = None          # a vector's elements; None for a scalar
+    idents: tuple[str, ...] = ()     # each scalar's identifier stem: prm_<stem>, tab_<stem>
+
+    @property
+    def width(self) -> int:
+        return self.size or 1
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,9 @@ class KernelPlan:
     # are not visited; -inf skips exactly where the prior is -oo, a finite bound is skip_below.
     skip: float | None = None
     row_factors: RowFactors | None = None   # for a score other than s + log_prior, see RowFactors
+    # the Triton hooks read each vector's elements from memory at their use (tl.load(prm_w + k),
+    # prm_w a pointer) and hoist nothing of them: see MAX_REGISTER_SCALARS
+    vectors_in_memory: bool = False
 
     @property
     def has_bias_hook(self) -> bool:
@@ -184,14 +198,7 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
         raise SpecError("--strategy table needs a log-prior that depends on the positions "
                         "through d = i - j alone (and a score that uses log_prior)",
                         field="log_prior", hint="build with --strategy inline or without --strategy")
-    spec_params = {p.name: p for p in ir.spec.params}
-    grad_names = [name for name, _ in ir.grads]
-    params = tuple(
-        ParamPlan(name=name, index=k, learnable=spec_params[name].learnable,
-                  per_head=spec_params[name].per_head, init=spec_params[name].init,
-                  domain=spec_params[name].domain,
-                  grad_index=grad_names.index(name) if name in grad_names else None)
-        for k, name in enumerate(ir.runtime_params))
+    params = param_plans(ir)
     fwd_exprs = [ir.logit]
     bwd_exprs = [ir.logit, ir.dlogit_ds] + [g for _, g in ir.grads]
     blocks = {
@@ -213,8 +220,7 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
     distance_table = None
     if split is not None:
         table_names = dict(names)
-        table_names[TABLE_VALUE] = "tab_v"
-        table_names.update({table_grad_symbol(n): f"tab_{n}" for n, _ in split.value_grads})
+        table_names.update(_table_names(split, ir))
         distance_table = DistanceTable(
             code=_code_block([split.value] + [g for _, g in split.value_grads], names, "torch"),
             grads=tuple(name for name, _ in split.value_grads),
@@ -228,6 +234,7 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
     if strategy == "table" and skippable:
         skip = -ir.spec.skip_below if ir.spec.skip_below else -math.inf
     return KernelPlan(ir=ir, strategy=strategy, params=params, skip=skip,
+                      vectors_in_memory=vectors_in_memory(ir),
                       ramp=ramp if strategy == "inline" else None,
                       ramp_symmetric=ramp is not None and strategy == "inline" and _is_even_in_d(ir),
                       positions_used=ir.positions_used, score_is_identity=ir.score_is_identity,
@@ -243,9 +250,7 @@ def _row_factors(ir: PriorIR, split: TableIR | None, names: dict) -> RowFactors 
     part (then dS times it reaches dQ and dK as a per-row scale)."""
     pos = position_symbols()
     if split is not None:
-        names = dict(names)
-        names[TABLE_VALUE] = "tab_v"
-        names.update({table_grad_symbol(n): f"tab_{n}" for n, _ in split.value_grads})
+        names = {**names, **_table_names(split, ir)}
         dlogit_ds, grads = split.dlogit_ds, split.grads
         table_symbols = [TABLE_VALUE, *(table_grad_symbol(n) for n, _ in split.value_grads)]
     else:
@@ -300,7 +305,7 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
     slope, intercept = sp.diff(bias, d_causal), bias.xreplace({d_causal: sp.S.Zero})
     # d logit / d p = log(2) * (d slope / d p * d + d intercept / d p); measured from a row's
     # reference distance (the kernels' _ramp_reference) only the first term's change survives
-    symbols = {p.name: p.symbol() for p in ir.spec.params}
+    symbols = runtime_symbols(ir.spec)
     slope_grads = [sp.log(2) * sp.diff(slope, symbols[name]) for name, _ in ir.grads]
     return _code_block([slope, intercept, *slope_grads], names, "triton", prefix="r")
 
@@ -315,10 +320,8 @@ def _is_even_in_d(ir: PriorIR) -> bool:
 def _table_blocks(split: TableIR, names: dict, ir: PriorIR) -> tuple[TablePlan, CodeBlock, CodeBlock]:
     """The main loop's code over the gathered entries tab_v, tab_<param> (the tables are filled
     on the host, see DistanceTable)."""
-    names = dict(names)
-    names[TABLE_VALUE] = "tab_v"
+    names = {**names, **_table_names(split, ir)}
     grads = tuple(name for name, _ in split.value_grads)
-    names.update({table_grad_symbol(n): f"tab_{n}" for n in grads})
     fwd = _code_block([] if ir.score_is_identity else [split.logit], names, "triton")
     head = [] if ir.score_is_identity else [split.logit, split.dlogit_ds]
     bwd = _code_block(head + [g for _, g in split.grads], names, "triton")
@@ -415,9 +418,58 @@ def kernel_names(ir: PriorIR) -> dict[sp.Symbol, str]:
     names: dict[sp.Symbol, str] = {S: "s"}
     names.update({sym: f"pos_{name}" for name, sym in position_symbols().items()})
     for p in ir.spec.params:
-        if not p.is_constant:
+        if p.is_constant:
+            continue
+        if p.size is None:
             names[p.symbol()] = f"prm_{p.name}"
+        else:   # a vector is a tuple in the hooks: prm_w[3]
+            names.update({sym: f"prm_{p.name}[{k}]" for k, sym in enumerate(p.symbols())})
     return names
+
+
+def scalar_idents(spec) -> dict[str, str]:
+    """{label: identifier stem} of every runtime scalar: a scalar parameter's own name, and
+    <name>_<k> for element k of a vector, made unique (a scalar named w_3 beside a vector w
+    pushes the element's to w_3_). The kernels call a tabulated derivative tab_<stem> (a
+    parameter itself is prm_<name>, a vector's element prm_<name>[k])."""
+    stems: dict[str, str] = {}
+    taken = {p.name for p in spec.params if p.size is None}
+    for p in spec.params:
+        if p.is_constant:
+            continue
+        if p.size is None:
+            stems[p.name] = p.name
+            continue
+        suffix = ""
+        while any(f"{p.name}_{k}{suffix}" in taken for k in range(p.size)):
+            suffix += "_"
+        for k, label in enumerate(p.labels()):
+            stems[label] = f"{p.name}_{k}{suffix}"
+        taken |= {stems[label] for label in p.labels()}
+    return stems
+
+
+def param_plans(ir: PriorIR) -> tuple[ParamPlan, ...]:
+    """The runtime parameters in slot order, each with its first slot and gradient slot."""
+    idents = scalar_idents(ir.spec)
+    plans, slot, grad_slot = [], 0, 0
+    for p in ir.spec.params:
+        if p.is_constant:
+            continue
+        plans.append(ParamPlan(name=p.name, index=slot, learnable=p.learnable,
+                               per_head=p.per_head, init=p.init, domain=p.domain,
+                               grad_index=grad_slot if p.learnable else None, size=p.size,
+                               idents=tuple(idents[label] for label in p.labels())))
+        slot += p.width
+        grad_slot += p.width if p.learnable else 0
+    return tuple(plans)
+
+
+def _table_names(split: TableIR, ir: PriorIR) -> dict[sp.Symbol, str]:
+    """The kernel names of the gathered table entries: tab_v, and tab_<stem> per derivative."""
+    idents = scalar_idents(ir.spec)
+    return {TABLE_VALUE: "tab_v",
+            **{table_grad_symbol(label): f"tab_{idents[label]}" for label, _ in split.value_grads}}
 
 
 def _fresh_symbols(prefix: str, taken: set[str]):
@@ -467,6 +519,10 @@ def _hoist(exprs: list[sp.Expr], varying: set, prefix: str = "c",
                 out = e.func(*moving)
         elif isinstance(e, sp.Piecewise):
             out = sp.Piecewise(*[(walk(p.expr), walk(p.cond)) for p in e.args])
+        elif isinstance(e, (sp.Min, sp.Max)):
+            # (as they were: evaluating would compare every pair of arguments symbolically
+            # again, seconds for FIRE's 32 hidden units)
+            out = e.func(*[walk(a) for a in e.args], evaluate=False)
         else:
             out = e.func(*[walk(a) for a in e.args])
         memo[e] = out
@@ -475,24 +531,64 @@ def _hoist(exprs: list[sp.Expr], varying: set, prefix: str = "c",
     return order, [walk(e) for e in exprs]
 
 
+def vectors_in_memory(ir: PriorIR) -> bool:
+    """The Triton hooks read vector elements from memory (MAX_REGISTER_SCALARS)."""
+    return (len(ir.runtime_params) > MAX_REGISTER_SCALARS
+            and any(p.size is not None for p in ir.spec.params if not p.is_constant))
+
+
 def _code_block(exprs: list[sp.Expr], names: dict, target: str, prefix: str = "c") -> CodeBlock:
     """Hoisted constants are named <prefix>0, <prefix>1, ... (two blocks a kernel uses together
     need different prefixes), per-score temporaries x0, x1, ...; both skip the names of the
     symbols already in use (parameters, positions, table entries)."""
     varying = {S, TABLE_VALUE, *position_symbols().values(),
                *(sym for sym in names if isinstance(sym, InternalSymbol))}
+    scalars = [sym for sym in names if sym not in varying]
+    if target == "triton" and len(scalars) > MAX_REGISTER_SCALARS:
+        # a vector's elements as loads at their use, never hoisted (vectors_in_memory)
+        elements = [sym for sym in scalars if isinstance(sym, ElementSymbol)]
+        if elements:
+            names = {**names, **{sym: f"tl.load(prm_{sym.vector} + {sym.index})" for sym in elements}}
+            varying |= set(elements)
     prepared = [prepare(e, target=target) for e in exprs]
     table_reads = tuple(sorted({names[sym] for e in prepared for sym in e.free_symbols
                                 if isinstance(sym, InternalSymbol)}))
     taken = {sym.name for sym in names}
+    indices, prepared = _name_indices(prepared, taken)
+    varying |= {sym for sym, _ in indices}
+    taken |= {sym.name for sym, _ in indices}
     hoisted, body_exprs = _hoist(prepared, varying, prefix, taken)
     names = dict(names)
     names.update({sym: sym.name for sym, _ in hoisted})
     hoisted_code = tuple((sym.name, print_expr(e, names, target=target)) for sym, e in hoisted)
+    # each vector index first, in float64 (printers._print_Gather reads it by name)
+    index_code = tuple((sym.name, print_expr(e, names, target=target, exact=True))
+                       for sym, e in indices)
+    names.update({sym: sym.name for sym, _ in indices})
     taken |= {sym.name for sym, _ in hoisted} | _symbol_names(body_exprs)
     temps, reduced = sp.cse(body_exprs, symbols=_fresh_symbols("x", taken),
                             optimizations=None, order="canonical")
     names.update({sym: sym.name for sym, _ in temps})
-    body = tuple((sym.name, print_expr(e, names, target=target)) for sym, e in temps)
+    body = index_code + tuple((sym.name, print_expr(e, names, target=target)) for sym, e in temps)
     outputs = tuple(print_expr(e, names, target=target) for e in reduced)
     return CodeBlock(hoisted=hoisted_code, body=body, outputs=outputs, table_reads=table_reads)
+
+
+def _name_indices(exprs: list[sp.Expr], taken: set[str]):
+    """Each distinct index e of a vector element w[e] as a symbol k<m> of its own, in every
+    expression (the Gather and the derivatives' conditions clamp(e) = k alike), so that common
+    sub-expression elimination never computes part of an index in float32 with the rest of the
+    formula: ([(k<m>, e)], the expressions over k<m>)."""
+    found: list[sp.Expr] = []
+    for expr in exprs:
+        for node in unique_nodes(expr):
+            if isinstance(node, (Gather, Selects)) and node.args[0] not in found \
+                    and not node.args[0].is_Atom:
+                found.append(node.args[0])
+    if not found:
+        return [], exprs
+    found.sort(key=sp.default_sort_key)
+    fresh = _fresh_symbols("k", taken | _symbol_names(exprs))
+    indices = [(InternalSymbol(next(fresh).name, real=True), e) for e in found]
+    mapping = {e: sym for sym, e in indices}
+    return indices, [expr.xreplace(mapping) for expr in exprs]

@@ -91,19 +91,26 @@ class _KernelPrinter(StrPrinter):
     where = ""
     minimum = ""
     maximum = ""
+    float64 = "{}"
+    element = ""
+    snapped: Mapping[str, str] = {}
 
-    def __init__(self, names: Mapping[sp.Symbol, str]):
+    def __init__(self, names: Mapping[sp.Symbol, str], exact: bool = False):
         super().__init__({"full_prec": False})
         # keyed by the symbol itself, assumptions included: a parameter named c0 and a
         # temporary named c0 are different symbols and must never print as each other
         self.names = dict(names)
+        # exact: every variable read in float64 (an index of a vector, whose bucket boundaries
+        # must land where float64 puts them on every path: docs/priors.md, "Vectors")
+        self.exact = exact
 
     # leaves ---------------------------------------------------------------------------
     def _print_Symbol(self, expr):
         try:
-            return self.names[expr]
+            name = self.names[expr]
         except KeyError:
             raise KeyError(f"no kernel variable for symbol {expr.name}") from None
+        return self.float64.format(name) if self.exact else name
 
     _print_Dummy = _print_Symbol
 
@@ -162,6 +169,11 @@ class _KernelPrinter(StrPrinter):
     # functions ------------------------------------------------------------------------
     def _print_Function(self, expr):
         name = type(expr).__name__
+        if self.exact and name in ("floor", "ceiling"):
+            # an index's floor or ceiling snaps a value within a few ulps of an integer to it:
+            # float64 gives log(8)/log(16) * 8 as 5.999999999999999 in one order of the
+            # operations and 6 in another, and the exact value, 6, is where T5 puts its bucket
+            return self.snapped[name].format(self._print(expr.args[0]))
         fmt = self.functions.get(name)
         if fmt is None:
             raise NotImplementedError(f"{name} has no {type(self).__name__} translation")
@@ -178,6 +190,36 @@ class _KernelPrinter(StrPrinter):
     _print_sinh = _print_Function
     _print_cosh = _print_Function
     _print_tanh = _print_Function
+    _print_sin = _print_Function
+    _print_cos = _print_Function
+
+    def _print_Gather(self, expr):
+        """w[e]: the runtime's element selection (bamgen.runtime's element_at on the CPU,
+        its Triton twin _element in the kernels): a chain of selects on the float64 index,
+        w[0] below 1, w[K - 1] from K - 1 on (the clamp), as formula.clamp_index."""
+        printed = [self._print(e) for e in expr.args[1:]]
+        vector = printed[0].rpartition("[")[0]
+        if printed[0].endswith("[0]") and printed == [f"{vector}[{k}]" for k in range(len(printed))]:
+            elements = vector   # the whole vector, as the hook holds it (a tuple)
+        else:
+            elements = "(" + ", ".join(printed) + ",)"
+        return self.element.format(self._index(expr.args[0]), elements)
+
+    def _print_Selects(self, expr):
+        """1 where the clamped index is k (the ends take what lies beyond them), else 0."""
+        index, k, size = expr.args
+        at = self._index(index)
+        k, size = int(k), int(size)
+        if k == 0:
+            return self.where.format(f"{at} >= 1.0", "0.0", "1.0")
+        cond = f"{at} >= {float(size - 1)!r}" if k == size - 1 else f"{at} == {float(k)!r}"
+        return self.where.format(cond, "1.0", "0.0")
+
+    def _index(self, index) -> str:
+        """An index, in float64: by name where lower.py computed it beforehand."""
+        if isinstance(index, sp.Symbol) and index in self.names and not self.exact:
+            return self.names[index]
+        return type(self)(self.names, exact=True).doprint(index)
 
     def _print_Heaviside(self, expr):
         # Derivatives of Min/Max. The value at 0 is SymPy's default 1/2: ties split the
@@ -223,8 +265,12 @@ class TritonPrinter(_KernelPrinter):
         "floor": "tl.floor({})", "ceiling": "tl.ceil({})", "erf": "tl.erf({})",
         "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0))",
         "atan": "_atan({})",   # defined in the Triton template (no intrinsic)
+        "sin": "tl.sin({})", "cos": "tl.cos({})",
     }
     where = "tl.where({}, {}, {})"
+    float64 = "{}.to(tl.float64)"
+    element = "_element({}, {})"   # bamgen/runtime/triton/helpers.py
+    snapped = {"floor": "_index_floor({})", "ceiling": "_index_ceil({})"}
     minimum = "tl.minimum({}, {})"
     maximum = "tl.maximum({}, {})"
 
@@ -244,9 +290,13 @@ class TorchPrinter(_KernelPrinter):
         "exp": "torch.exp({})", "log": "torch.log({})", "Abs": "torch.abs({})",
         "floor": "torch.floor({})", "ceiling": "torch.ceil({})", "erf": "torch.erf({})",
         "sign": "torch.sign({})", "atan": "torch.atan({})", "sinh": "torch.sinh({})",
-        "cosh": "torch.cosh({})", "tanh": "torch.tanh({})",
+        "cosh": "torch.cosh({})", "tanh": "torch.tanh({})", "sin": "torch.sin({})",
+        "cos": "torch.cos({})",
     }
     where = "torch.where({}, {}, {})"
+    float64 = "{}.double()"
+    element = "element_at({}, {})"   # bamgen.runtime.params.element_at
+    snapped = {"floor": "index_floor({})", "ceiling": "index_ceil({})"}
     minimum = "torch.minimum(torch.as_tensor({}), torch.as_tensor({}))"
     maximum = "torch.maximum(torch.as_tensor({}), torch.as_tensor({}))"
 
@@ -263,9 +313,10 @@ class TorchPrinter(_KernelPrinter):
 PRINTERS = {"triton": TritonPrinter, "torch": TorchPrinter}
 
 
-def print_expr(expr: sp.Expr, names: Mapping[sp.Symbol, str], *, target: str) -> str:
-    """Print one prepared expression for ``target`` ("triton" or "torch")."""
-    return PRINTERS[target](names).doprint(expr)
+def print_expr(expr: sp.Expr, names: Mapping[sp.Symbol, str], *, target: str,
+               exact: bool = False) -> str:
+    """Print one prepared expression for ``target`` ("triton" or "torch"); exact: in float64."""
+    return PRINTERS[target](names, exact=exact).doprint(expr)
 
 
 __all__ = ["prepare", "print_expr", "ExpressionTooLarge", "NotARealNumber", "TritonPrinter",

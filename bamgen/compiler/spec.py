@@ -7,7 +7,6 @@ when it could break out of a docstring or an identifier.
 """
 from __future__ import annotations
 
-import builtins
 import hashlib
 import keyword
 import math
@@ -25,59 +24,32 @@ import yaml
 
 from ..errors import SpecError
 from .timeout import cpu_budget, working_on
-from .formula import MAX_LITERAL, RESERVED, evaluate, parse_formula
+from .formula import MAX_LITERAL, RESERVED, ElementSymbol, evaluate, parse_formula
 
 MAX_FILE_BYTES = 64 * 1024
 FLOAT32_TINY = 1.1754943508222875e-38   # float32's smallest normal value
-MAX_PARAMS = 16
+MAX_PARAMS = 64          # declared parameters
+MAX_SIZE = 256           # elements of one vector parameter
+MAX_ELEMENTS = 512       # scalars of all the parameters together (a vector counts its elements)
+MAX_LETS = 64            # named sub-formulas
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")          # used with fullmatch: no trailing newline
-PARAM_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
+IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")   # parameter and let names
 
 # Symbols a formula may use (docs/priors.md). Positions are real numbers in the kernel.
 POSITION_SYMBOLS = ("d", "i", "j", "n")
 SCORE_SYMBOLS = ("s", "log_prior")
 INIT_SYMBOLS = ("h", "H")
 TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params",
-                    "skip_below")
+                    "let", "skip_below")
 MAX_SKIP_BELOW = 1000.0   # nats; beyond this float32 softmax cannot tell the difference anyway
-PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value")
+PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value", "size")
 DOMAINS = ("real", "positive", "nonnegative")
-# A parameter is an argument of the generated attention(), forward_block(), backward_block()
-# and log_prior_at(), so inside them its name hides whatever else has it: their other arguments
-# (also key_mask, cu_seqlens_q, cu_seqlens_k: docs/masks.md), their locals, and the modules and functions they call.
-# tests/compiler/test_spec.py derives the names the rendered module really uses there and checks that
-# this list holds them all.
-API_NAMES = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "backend", "key_mask",
-             "cu_seqlens_q", "cu_seqlens_k", "layout", "num_heads", "columns", "theta", "grad",
-             "dout", "out", "out32", "stats", "dq", "dk", "dv", "dparams", "rows", "name", "t",
-             "heads", "prm", "value", "values", "attention", "forward_block", "backward_block",
-             "log_prior_at",
-             "finish_param_grads", "default_params", "PRIOR",
-             "PARAM_NAMES", "LEARNABLE", "LOG2E", "torch", "math", "triton", "tl", "self", "init",
-             "device")
-# Names the kernels derive from a parameter p (prm_p, tab_p, grad_p, dlogit_dp, ...) that the
-# templates already use for something else, as (prefix, p): a learnable `rows` would give a
-# table entry tab_rows, the name of the table's row pointers.
-DERIVED_CLASHES = (("tab_", ("at", "cols", "ptrs", "rows", "slot", "stride_h", "v")),
-                   ("dlogit_d", ("s",)))
-# The nn.Module stores a learnable parameter p as raw_p and a buffer as p: neither may be an
-# attribute torch.nn.Module (or the generated class) already has (tests/compiler/test_spec.py checks
-# this list against the installed torch).
-MODULE_ATTRIBUTES = frozenset((
-    "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init", "children",
-    "compile", "cpu", "cuda", "double", "dump_patches", "eval", "extra_repr", "float", "forward",
-    "get_buffer", "get_extra_state", "get_parameter", "get_submodule", "half", "ipu",
-    "load_state_dict", "modules", "mtia", "named_buffers", "named_children", "named_modules",
-    "named_parameters", "parameters", "register_backward_hook", "register_buffer",
-    "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
-    "register_full_backward_pre_hook", "register_load_state_dict_post_hook",
-    "register_load_state_dict_pre_hook", "register_module", "register_parameter",
-    "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_",
-    "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train",
-    "training", "type", "xpu", "zero_grad", "num_heads", "prior_params",
-    # added to torch.nn.Module by transformers' modeling_utils once a model is built (the HF
-    # integration, bamgen.integrations.transformers)
-    "smart_apply"))
+RANDOM_INITS = ("uniform", "normal")
+# The generated attention() takes every parameter as a keyword argument beside these, so a
+# parameter cannot have their names. Every other identifier is the user's: the compiler renames
+# its own names around them (docs/priors.md, "Names").
+ATTENTION_ARGS = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "key_mask",
+                  "cu_seqlens_q", "cu_seqlens_k", "backend")
 # A module <name>.py in a folder on sys.path hides an importable module of that name, for the
 # generated module itself (`import torch`) and for the user's program: the standard library,
 # and what the generated module imports, directly or through torch and triton.
@@ -126,22 +98,42 @@ class Domain:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One declared prior parameter."""
+    """One declared prior parameter: a scalar, or a vector of ``size`` elements w[0] ..
+    w[size - 1] that share its settings (docs/priors.md, "Vectors")."""
     name: str
-    init: str                  # formula text in h (head index) and H (number of heads)
-    init_expr: sp.Expr
+    init: str                  # as written: a formula in h (head index) and H (number of
+                               # heads), or "uniform(a, b)" / "normal(mean, std)"
+    init_expr: sp.Expr         # the formula; for a random init its centre (where scans start)
     domain: Domain
     learnable: bool
     per_head: bool
     value: float | None        # set: a compile-time constant folded into the kernels
     line: int | None = None    # of its key in the prior file, for messages
+    size: int | None = None    # a vector's number of elements; None for a scalar
+    random: tuple[str, float, float] | None = None   # ("uniform", lo, hi) or ("normal", mean, std)
 
     @property
     def is_constant(self) -> bool:
         return self.value is not None
 
+    @property
+    def width(self) -> int:
+        """Scalars it stands for: its elements, or 1."""
+        return self.size or 1
+
     def symbol(self) -> sp.Symbol:
+        """A scalar's SymPy symbol (a vector has one per element: symbols())."""
         return param_symbol(self.name, self.domain)
+
+    def symbols(self) -> tuple[sp.Symbol, ...]:
+        """The symbol of each scalar it stands for, in slot order."""
+        if self.size is None:
+            return (self.symbol(),)
+        return tuple(element_symbol(self.name, k, self.domain) for k in range(self.size))
+
+    def labels(self) -> tuple[str, ...]:
+        """Each scalar's name as a formula writes it: b, or w[0] .. w[size - 1]."""
+        return tuple(sym.name for sym in self.symbols())
 
 
 @dataclass(frozen=True)
@@ -158,19 +150,32 @@ class PriorSpec:
     path: str
     source_hash: str
     skip_below: float | None = None   # nats: GPU tiles whose log-prior is all below -skip_below are skipped
+    lets: tuple[tuple[str, str], ...] = ()   # named sub-formulas (name, text as written), in order
+    # (u, u as a Sum's body writes it) for each kink Abs(u) of an expanded Sum term: the limit
+    # on kinks counts a body once (formula.parse_formula)
+    sum_kinks: tuple[tuple[sp.Expr, sp.Expr], ...] = ()
 
     @property
     def class_name(self) -> str:
         return "".join(part.capitalize() for part in self.name.split("_") if part) + "Attention"
 
 
+def _assumptions(domain: Domain) -> dict:
+    if domain.kind == "positive" or (domain.kind == "interval" and domain.lo >= 0):
+        return {"positive": True}
+    if domain.kind == "nonnegative":
+        return {"nonnegative": True}
+    return {"real": True}
+
+
 def param_symbol(name: str, domain: Domain) -> sp.Symbol:
     """The SymPy symbol of a parameter, with the assumptions its domain gives."""
-    if domain.kind == "positive" or (domain.kind == "interval" and domain.lo >= 0):
-        return sp.Symbol(name, positive=True)
-    if domain.kind == "nonnegative":
-        return sp.Symbol(name, nonnegative=True)
-    return sp.Symbol(name, real=True)
+    return sp.Symbol(name, **_assumptions(domain))
+
+
+def element_symbol(vector: str, index: int, domain: Domain) -> sp.Symbol:
+    """The SymPy symbol of element ``index`` of a vector parameter (named ``w[3]``)."""
+    return ElementSymbol(vector, index, **_assumptions(domain))
 
 
 def position_symbols() -> dict[str, sp.Symbol]:
@@ -270,20 +275,26 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
 
     params = _parse_params({} if data.get("params") is None else data["params"], lines)
     symbols = {**position_symbols(),
-               **{p.name: p.symbol() if not p.is_constant else _constant(p.value) for p in params}}
+               **{p.name: p.symbol() if not p.is_constant else _constant(p.value) for p in params
+                  if p.size is None}}
+    vectors = {p.name: p.symbols() for p in params if p.size is not None}
+    kinks: dict = {}
+    lets = _parse_lets({} if data.get("let") is None else data["let"], symbols, vectors, params,
+                       lines, kinks)
+    symbols.update(lets)
 
     has_lp, has_density = "log_prior" in data, "density" in data
     if has_lp == has_density:
         raise SpecError("give exactly one of 'log_prior' or 'density'", field="log_prior",
                         hint="log_prior: -Abs(d)/b   or   density: exp(-Abs(d)/b)")
     field = "log_prior" if has_lp else "density"
-    expr = _formula(data[field], symbols, field, lines)
+    expr = _formula(data[field], symbols, field, lines, vectors, kinks)
     if has_density:
         expr = sp.log(expr)
     score = None
     if data.get("score") is not None:
         score_symbols = {**symbols, **{n: sp.Symbol(n, real=True) for n in SCORE_SYMBOLS}}
-        score = _formula(data["score"], score_symbols, "score", lines)
+        score = _formula(data["score"], score_symbols, "score", lines, vectors, kinks)
         if sp.Symbol("s", real=True) not in score.free_symbols:
             raise SpecError("the score does not use s, the content score", field="score",
                             line=lines.get("score"), hint="e.g. (s + log_prior) * t * log(n)")
@@ -293,7 +304,10 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
     return PriorSpec(name=name, description=description, source=source, log_prior=expr,
                      from_density=has_density, score=score, params=params, formulas=formulas,
                      path=path, source_hash=hashlib.sha256(raw).hexdigest(),
-                     skip_below=_skip_below(data, lines))
+                     skip_below=_skip_below(data, lines),
+                     lets=tuple((name, str(text)) for name, text in data["let"].items())
+                     if lets else (),
+                     sum_kinks=tuple(sorted(kinks.items(), key=lambda kv: sp.default_sort_key(kv[0]))))
 
 
 def _skip_below(data: dict, lines: dict) -> float | None:
@@ -346,9 +360,9 @@ def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             lines[str(key.value)] = key.start_mark.line + 1
-            if key.value == "params" and isinstance(value, yaml.MappingNode):
+            if key.value in ("params", "let") and isinstance(value, yaml.MappingNode):
                 for pkey, _ in value.value:
-                    lines[f"params.{pkey.value}"] = pkey.start_mark.line + 1
+                    lines[f"{key.value}.{pkey.value}"] = pkey.start_mark.line + 1
     return data, lines
 
 
@@ -419,9 +433,32 @@ def _string(data: dict, field: str, lines: dict, default: str) -> str:
     return value
 
 
-def _formula(text, symbols, field, lines) -> sp.Expr:
+def _formula(text, symbols, field, lines, vectors=None, kinks=None) -> sp.Expr:
     with working_on(field, "reading the formula"):
-        return parse_formula(text, symbols, field=field, line=lines.get(field))
+        return parse_formula(text, symbols, field=field, line=lines.get(field), vectors=vectors,
+                             kinks=kinks)
+
+
+def _parse_lets(raw, symbols: dict, vectors: dict, params, lines, kinks) -> dict[str, sp.Expr]:
+    """The named sub-formulas, in order: each over the positions, the parameters and the
+    sub-formulas above it. A name stands for its expression wherever it is used."""
+    if not isinstance(raw, dict):
+        raise SpecError("'let' must be a mapping of names to formulas", field="let",
+                        line=lines.get("let"), hint="e.g. let: {r: Max(d, 0)}")
+    if len(raw) > MAX_LETS:
+        raise SpecError(f"{len(raw)} named sub-formulas; the limit is {MAX_LETS}", field="let",
+                        line=lines.get("let"))
+    taken = {p.name for p in params}
+    lets: dict[str, sp.Expr] = {}
+    for name, text in raw.items():
+        field = f"let.{name}"
+        line = lines.get(field)
+        _check_name(name, field, line, "sub-formula")
+        if name in taken:
+            raise SpecError(f"'{name}' is already a parameter", field=field, line=line,
+                            hint="give the sub-formula another name")
+        lets[name] = _formula(text, {**symbols, **lets}, field, {field: line}, vectors, kinks)
+    return lets
 
 
 def _constant(value: float) -> sp.Expr:
@@ -435,19 +472,14 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
                         field="params", line=lines.get("params"),
                         hint="e.g. params: {b: {init: 8.0, domain: positive}}")
     if len(raw) > MAX_PARAMS:
-        raise SpecError(f"{len(raw)} parameters; the limit is {MAX_PARAMS}", field="params")
+        raise SpecError(f"{len(raw)} parameters; the limit is {MAX_PARAMS}", field="params",
+                        hint="group related scalars into a vector: {size: 32, init: 0.0}")
     params = []
+    elements = 0
     for name, settings in raw.items():
         field = f"params.{name}"
         line = lines.get(field)
-        if not isinstance(name, str) or not PARAM_RE.fullmatch(name):
-            raise SpecError(f"invalid parameter name {_show(name)}", field=field, line=line,
-                            hint="use letters, digits and '_', starting with a letter")
-        why = _reserved_because(name)
-        if why:
-            better = next(n for n in (f"{name}_", f"p_{name}") if not _reserved_because(n))
-            raise SpecError(f"the parameter name '{name}' is reserved: {why}", field=field,
-                            line=line, hint=f"rename it, e.g. {better}")
+        _check_name(name, field, line, "parameter")
         if isinstance(settings, (int, float)) and not isinstance(settings, bool):
             settings = {"init": settings}
         if not isinstance(settings, dict):
@@ -455,35 +487,40 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
                             hint="e.g. {init: 1.0, domain: positive}")
         _check_fields(settings, PARAM_FIELDS, {}, where=f"parameter '{name}'", prefix=field + ".")
         with working_on(field, "reading the parameter"):
-            params.append(_parse_param(name, settings, field, line))
+            param = _parse_param(name, settings, field, line)
+        elements += param.width
+        if elements > MAX_ELEMENTS:
+            raise SpecError(f"the parameters up to this one hold {elements} scalars; the limit "
+                            f"is {MAX_ELEMENTS} in all", field=field, line=line,
+                            hint="use smaller vectors")
+        params.append(param)
     return tuple(params)
 
 
+def _check_name(name, field: str, line: int | None, what: str) -> None:
+    """A parameter's or sub-formula's name: an identifier that is not a name of the formula
+    language, a Python keyword or an argument of attention() (docs/priors.md, "Names")."""
+    if not isinstance(name, str) or not IDENTIFIER_RE.fullmatch(name):
+        raise SpecError(f"invalid {what} name {_show(name)}", field=field, line=line,
+                        hint="use ASCII letters, digits and '_', not starting with a digit "
+                             "(at most 64 characters)")
+    why = _reserved_because(name)
+    if why:
+        better = next(n for n in (f"{name}_", f"p_{name}") if not _reserved_because(n))
+        raise SpecError(f"the {what} name '{name}' is reserved: {why}", field=field,
+                        line=line, hint=f"rename it, e.g. {better}")
+
+
 def _reserved_because(name: str) -> str | None:
-    """Why ``name`` cannot be a parameter of the generated module, or None. See docs/priors.md
-    ("Parameters"): each rule stands for a way the name would break or silently change the
-    generated code."""
+    """Why ``name`` cannot name a parameter or a sub-formula, or None: only what would make it
+    mean two things in a formula or in attention()'s arguments. Every other clash with a name
+    of the generated code is the compiler's to avoid (docs/priors.md, "Names")."""
     if name in RESERVED or name in POSITION_SYMBOLS or name in SCORE_SYMBOLS or name in INIT_SYMBOLS:
         return "it is a symbol, function or constant of the formula language"
     if keyword.iskeyword(name):
         return "it is a Python keyword"
-    if name.startswith("_"):
-        return "names starting with '_' are the generated module's own"
-    if hasattr(builtins, name):
-        return "it is a Python builtin, which the generated attention() would no longer see"
-    if name in API_NAMES:
-        return ("the generated attention(), forward_block(), backward_block() or log_prior_at() "
-                "already uses this name (an argument, a local variable or a module it calls)")
-    for prefix, taken in DERIVED_CLASHES:
-        if name in taken:
-            return (f"the kernels would name a value derived from it '{prefix}{name}', a name "
-                    f"they already use")
-    if name in MODULE_ATTRIBUTES:
-        return (f"torch.nn.Module already has an attribute '{name}' (the generated module stores "
-                f"a buffer under its parameter's name)")
-    if name.startswith("raw_"):
-        return ("names starting with 'raw_' are where the generated nn.Module stores its "
-                "learnable parameters (raw_x for x)")
+    if name in ATTENTION_ARGS:
+        return "it is an argument of the generated attention()"
     return None
 
 
@@ -495,8 +532,13 @@ def _parse_param(name: str, settings: dict, field: str, line: int | None) -> Par
         if not isinstance(value, bool):
             raise SpecError(f"expected true or false, got {_show(value)}", field=f"{field}.{flag}",
                             line=line)
+    size = _parse_size(settings.get("size"), f"{field}.size", line)
     value = settings.get("value")
+    random = None
     if value is not None:
+        if size is not None:
+            raise SpecError("a vector cannot be a constant", field=f"{field}.value", line=line,
+                            hint="give it an init and learnable: false (a buffer)")
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or not abs(value) <= MAX_LITERAL or not domain.contains(float(value))):
             raise SpecError(f"the constant value {_show(value)} is not a number in the domain "
@@ -512,15 +554,65 @@ def _parse_param(name: str, settings: dict, field: str, line: int | None) -> Par
         init_text = repr(float(value))
     elif "init" not in settings:
         raise SpecError("missing 'init'", field=f"{field}.init", line=line,
-                        hint="e.g. init: 1.0 or init: \"2**(8*(h + 1)/H)\"")
+                        hint="e.g. init: 1.0, init: \"2**(8*(h + 1)/H)\" or "
+                             "init: {uniform: [-1, 1]}")
+    elif isinstance(settings["init"], dict):
+        random = _parse_random(settings["init"], domain, f"{field}.init", line)
+        init_text = f"{random[0]}({random[1]!r}, {random[2]!r})"
     else:
         init_text = settings["init"]
-    init_symbols = {s: sp.Symbol(s, integer=True, nonnegative=True) for s in INIT_SYMBOLS}
-    init_expr = parse_formula(init_text, init_symbols, field=f"{field}.init", line=line)
-    _check_init(init_expr, domain, f"{field}.init", line)
+    if random is not None:   # the scans start from the distribution's centre
+        centre = (random[1] + random[2]) / 2 if random[0] == "uniform" else random[1]
+        init_expr = sp.Float(repr(centre)) if not float(centre).is_integer() else sp.Integer(int(centre))
+    else:
+        init_symbols = {s: sp.Symbol(s, integer=True, nonnegative=True) for s in INIT_SYMBOLS}
+        init_expr = parse_formula(init_text, init_symbols, field=f"{field}.init", line=line)
+        _check_init(init_expr, domain, f"{field}.init", line)
     return ParamSpec(name=name, init=str(init_text), init_expr=init_expr, domain=domain,
                      learnable=learnable and value is None, per_head=per_head,
-                     value=float(value) if value is not None else None, line=line)
+                     value=float(value) if value is not None else None, line=line, size=size,
+                     random=random)
+
+
+def _parse_size(raw, field: str, line: int | None) -> int | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= MAX_SIZE:
+        raise SpecError(f"size must be a whole number of elements from 1 to {MAX_SIZE}, got "
+                        f"{_show(raw)}", field=field, line=line, hint="e.g. size: 32")
+    return raw
+
+
+def _parse_random(raw: dict, domain: Domain, field: str, line: int | None) -> tuple[str, float, float]:
+    """{uniform: [lo, hi]} or {normal: [mean, std]}: drawn with torch's default generator when
+    the module is built (docs/priors.md, "Random inits")."""
+    if len(raw) != 1 or next(iter(raw)) not in RANDOM_INITS:
+        raise SpecError(f"a random init is {{uniform: [lo, hi]}} or {{normal: [mean, std]}}, got "
+                        f"{_show(raw)}", field=field, line=line,
+                        hint="or give a number or a formula in h and H")
+    kind, args = next(iter(raw.items()))
+    if not (isinstance(args, list) and len(args) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and abs(x) <= MAX_LITERAL for x in args)):
+        raise SpecError(f"{kind} takes two numbers, got {_show(args)}", field=field, line=line,
+                        hint="e.g. {uniform: [-1, 1]} or {normal: [0, 0.02]}")
+    a, b = float(args[0]), float(args[1])
+    if kind == "uniform":
+        if not a < b:
+            raise SpecError(f"uniform needs lo < hi, got [{a:g}, {b:g}]", field=field, line=line)
+        outside = [x for x in (a, b) if not domain.contains(x)]
+        if outside:
+            raise SpecError(f"uniform [{a:g}, {b:g}] reaches {outside[0]:g}, outside the domain "
+                            f"{domain}", field=field, line=line,
+                            hint="keep both bounds inside the domain")
+    else:
+        if b < 0:
+            raise SpecError(f"normal needs a standard deviation >= 0, got {b:g}", field=field,
+                            line=line)
+        if domain.kind != "real" and b > 0:
+            raise SpecError(f"a normal init can leave the domain {domain}", field=field, line=line,
+                            hint="use {uniform: [lo, hi]} inside the domain, or domain: real")
+    return kind, a, b
 
 
 def _parse_domain(raw, field: str, line: int | None) -> Domain:
@@ -584,7 +676,8 @@ def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSp
     and refuse what overflows where no float can carry it (exp(exp(exp(d))), d**d**d): SymPy,
     which computes exactly, would need numbers of billions of digits for such a formula."""
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
-    values = {p.symbol(): evaluate(p.init_expr, {h: 0, H: 8}) for p in params if not p.is_constant}
+    values = {sym: evaluate(p.init_expr, {h: 0, H: 8}) for p in params if not p.is_constant
+              for sym in p.symbols()}
     pos = position_symbols()
     checks = [(field, expr)]
     if score is not None:

@@ -24,11 +24,15 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..errors import SpecError
-from .formula import MAX_TREE, tree_size
+from .formula import MAX_SUM_TERMS, MAX_TREE, tree_size
 from .spec import POSITION_SYMBOLS, PriorSpec, position_symbols
 from .timeout import cpu_budget, working_on
 
 KINK_EPSILON = 1e-5   # the BAM authors' own epsilon, used only where a limit is infinite
+# The symbolic work of a build, counted (the clock is only a far guard: timeout.py), so that
+# the same file always builds or is always refused, whatever the machine's load:
+MAX_DERIVATIVE_NODES = 200_000   # nodes of the logit's derivatives, all together (FIRE: 9,000)
+MAX_LIMITS = 32                  # symbolic limits taken at kinks, all expressions together
 MAX_KINKS = 8         # distinct Abs(u) kinks per expression; each costs a symbolic limit
 MAX_LIMIT_TREE = 500   # nodes of an expression whose limit at a kink is taken (limits are slow,
                        # and a kink without a finite limit doubles the expression)
@@ -55,8 +59,9 @@ class PriorIR:
     log_prior: sp.Expr                        # over positions and runtime parameters
     logit: sp.Expr                            # over s, positions, runtime parameters
     dlogit_ds: sp.Expr
-    grads: tuple[tuple[str, sp.Expr], ...]    # (learnable parameter, d logit / d parameter)
-    runtime_params: tuple[str, ...]           # parameters passed to kernels, in order
+    grads: tuple[tuple[str, sp.Expr], ...]    # (learnable scalar's label, d logit / d it)
+    runtime_params: tuple[str, ...]           # labels of the scalars passed to kernels, in order
+                                              # (b, or w[0] .. w[K - 1] for a vector)
     positions_used: tuple[str, ...]           # which of d, i, j, n the kernels must provide
     notes: tuple[str, ...]                    # build-time remarks (kinks, clamps)
 
@@ -101,27 +106,29 @@ def split_for_table(ir: PriorIR) -> TableIR | None:
     score = S + LOG_PRIOR if spec.score is None else _canonical_positions(spec.score)
     if not score.has(LOG_PRIOR):
         return None
-    symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
+    symbols = runtime_symbols(spec)
     notes: list[str] = []    # the kinks are already reported by the inline analysis
-    value = _guard(ir.log_prior, "the log-prior", notes)
-    tabulated = [p.name for p in spec.params
-                 if p.learnable and ir.log_prior.has(symbols[p.name])]
+    limits = [0]
+    value = _guard(ir.log_prior, "the log-prior", notes, limits=limits)
+    present = ir.log_prior.free_symbols
+    tabulated = [label for label in learnable_labels(spec) if symbols[label] in present]
     value_grads = tuple(
-        (name, _guard(_clean_derivative(sp.diff(ir.log_prior, symbols[name]), name),
-                      f"d log_prior / d {name}", notes))
-        for name in tabulated)
+        (label, _guard(_clean_derivative(sp.diff(ir.log_prior, symbols[label]), label),
+                       f"d log_prior / d {label}", notes, limits=limits))
+        for label in tabulated)
     logit = score.xreplace({LOG_PRIOR: TABLE_VALUE})
     dlds = _clean_derivative(sp.diff(logit, S), "s")
     chain = sp.diff(logit, TABLE_VALUE)
     grads = []
-    for p in spec.params:
-        if p.learnable:
-            g = sp.diff(logit, symbols[p.name])
-            if p.name in tabulated:
-                g = g + chain * table_grad_symbol(p.name)
-            grads.append((p.name, _guard(_clean_derivative(g, p.name), f"d logit / d {p.name}", notes)))
-    return TableIR(value=value, value_grads=value_grads, logit=_guard(logit, "the logit", notes),
-                   dlogit_ds=_guard(dlds, "d logit / d s", notes), grads=tuple(grads))
+    for label in learnable_labels(spec):
+        g = sp.diff(logit, symbols[label])
+        if label in tabulated:
+            g = g + chain * table_grad_symbol(label)
+        grads.append((label, _guard(_clean_derivative(g, label), f"d logit / d {label}", notes,
+                                    limits=limits)))
+    return TableIR(value=value, value_grads=value_grads,
+                   logit=_guard(logit, "the logit", notes, limits=limits),
+                   dlogit_ds=_guard(dlds, "d logit / d s", notes, limits=limits), grads=tuple(grads))
 
 
 def analyse(spec: PriorSpec) -> PriorIR:
@@ -146,9 +153,9 @@ def _analyse(spec: PriorSpec) -> PriorIR:
     else:
         logit = _canonical_positions(spec.score).xreplace({LOG_PRIOR: log_prior})
         check_size(logit, "score", "the score")
-    runtime = tuple(p.name for p in spec.params if not p.is_constant)
-    symbols = {p.name: p.symbol() for p in spec.params if not p.is_constant}
-    kinks = _kink_arguments(logit)   # before differentiating: each kink costs a limit later
+    symbols = runtime_symbols(spec)
+    runtime = tuple(symbols)
+    kinks = _written(_kink_arguments(logit), spec)   # before differentiating: each may cost a limit
     if len(kinks) > MAX_KINKS:
         raise SpecError(f"the logit has {len(kinks)} distinct kinks Abs(...); the limit is "
                         f"{MAX_KINKS}", field=field, hint="combine the Abs terms or use fewer of them")
@@ -157,16 +164,26 @@ def _analyse(spec: PriorSpec) -> PriorIR:
         dlds = _clean_derivative(sp.diff(logit, S), "s")
         check_size(dlds, "score", "d logit / d s")
     grads = []
-    for p in spec.params:
-        if p.learnable:
-            with working_on(field, f"differentiating the formula in {p.name}"):
-                grad = _clean_derivative(sp.diff(logit, symbols[p.name]), p.name)
-                check_size(grad, field, f"d logit / d {p.name}")
-            grads.append((p.name, grad))
+    present = logit.free_symbols
+    for label in learnable_labels(spec):
+        with working_on(field, f"differentiating the formula in {label}"):
+            if symbols[label] in present:
+                grad = _clean_derivative(sp.diff(logit, symbols[label]), label)
+            else:   # (an element the formula never reads: a Sum over part of a vector)
+                grad = sp.S.Zero
+            check_size(grad, field, f"d logit / d {label}")
+        grads.append((label, grad))
+    total = sum(tree_size(g, {}) for _, g in grads)
+    if total > MAX_DERIVATIVE_NODES:
+        raise SpecError(f"the derivatives of the logit in its {len(grads)} learnable scalars grow "
+                        f"to {total} terms in all; the limit is {MAX_DERIVATIVE_NODES}",
+                        field=field, hint="use fewer or smaller vectors, or simplify the formula")
     with working_on(field, "guarding the kinks of the formula"):
-        logit = _guard(logit, "the logit", notes, field)
-        dlds = _guard(dlds, "d logit / d s", notes, field)
-        grads = tuple((name, _guard(g, f"d logit / d {name}", notes, field)) for name, g in grads)
+        limits = [0]
+        logit = _guard(logit, "the logit", notes, field, limits)
+        dlds = _guard(dlds, "d logit / d s", notes, field, limits)
+        grads = tuple((name, _guard(g, f"d logit / d {name}", notes, field, limits))
+                      for name, g in grads)
     for what, expr in [("the logit", logit), ("d logit / d s", dlds)] + [
             (f"d logit / d {name}", g) for name, g in grads]:
         _check_real_constants(expr, field, what)
@@ -176,6 +193,17 @@ def _analyse(spec: PriorSpec) -> PriorIR:
     used = tuple(n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs))
     return PriorIR(spec=spec, log_prior=log_prior, logit=logit, dlogit_ds=dlds, grads=grads,
                    runtime_params=runtime, positions_used=used, notes=tuple(notes))
+
+
+def runtime_symbols(spec: PriorSpec) -> dict[str, sp.Symbol]:
+    """{label: symbol} of every scalar the kernels receive, in slot order: each scalar
+    parameter (b) and each element of a vector (w[0], w[1], ...); constants are folded."""
+    return {sym.name: sym for p in spec.params if not p.is_constant for sym in p.symbols()}
+
+
+def learnable_labels(spec: PriorSpec) -> tuple[str, ...]:
+    """The labels of the learnable scalars, in gradient-slot order."""
+    return tuple(sym.name for p in spec.params if p.learnable for sym in p.symbols())
 
 
 def check_size(expr: sp.Basic, field: str, what: str) -> None:
@@ -232,6 +260,13 @@ def _clean_derivative(expr: sp.Expr, wrt: str) -> sp.Expr:
     return expr
 
 
+def _written(kinks: list[sp.Expr], spec: PriorSpec) -> set:
+    """The kinks as the file writes them: a Sum's body counts once, not once per term
+    (PriorSpec.sum_kinks; the symbolic limits they may need are counted apart, MAX_LIMITS)."""
+    alias = dict(spec.sum_kinks)
+    return {alias.get(u, u) for u in kinks}
+
+
 def _kink_arguments(expr: sp.Expr) -> list[sp.Expr]:
     """Arguments u of Abs(u) that move with position: candidate kinks of the expression."""
     pos = set(position_symbols().values())
@@ -253,22 +288,38 @@ def _ill_defined(expr: sp.Expr) -> bool:
         a.args[0] == 0 for a in expr.atoms(sp.log))
 
 
-def _guard(expr: sp.Expr, what: str, notes: list[str], field: str = "log_prior") -> sp.Expr:
-    """Replace removable singularities at kinks by their limits (see the module docstring)."""
+def _guard(expr: sp.Expr, what: str, notes: list[str], field: str = "log_prior",
+           limits: list[int] | None = None) -> sp.Expr:
+    """Replace removable singularities at kinks by their limits (see the module docstring).
+    limits: a one-item counter of the limits taken, shared by one build's calls."""
     kinks = _kink_arguments(expr)
-    if len(kinks) > MAX_KINKS:
-        raise SpecError(f"{what} has {len(kinks)} distinct kinks Abs(...); the limit is {MAX_KINKS}",
+    if len(kinks) > MAX_KINKS * MAX_SUM_TERMS:
+        raise SpecError(f"{what} has {len(kinks)} distinct kinks Abs(...); the limit is "
+                        f"{MAX_KINKS * MAX_SUM_TERMS}",
                         field="log_prior", hint="combine the Abs terms or use fewer of them")
     for u in kinks:
         # Judge the raw expression as floating point would evaluate it: |u| = 0 but sign(u)
         # kept symbolic, so sign(u)/|u| reads as 0/0 rather than being cancelled to 0.
-        if not _ill_defined(expr.xreplace({sp.Abs(u): sp.S.Zero, sp.Abs(-u): sp.S.Zero})):
+        try:
+            at_zero = expr.xreplace({sp.Abs(u): sp.S.Zero, sp.Abs(-u): sp.S.Zero})
+        except (ValueError, TypeError):
+            # SymPy cannot even build it there (Min(15, floor(log(0))): a branch of a Piecewise
+            # that another branch covers at 0): no removable singularity to fill in; a value that
+            # really breaks is found by the scan of the printed code (bamgen/checks/scan.py)
+            continue
+        if not _ill_defined(at_zero):
             continue
         if tree_size(expr, {}) > MAX_LIMIT_TREE:
             raise SpecError(f"{what} has grown to more than {MAX_LIMIT_TREE} terms before its "
                             f"limit at {u} = 0 could be taken (each kink without a finite limit "
                             f"doubles it)", field=field,
                             hint="use fewer Abs kinks, or an epsilon: (Abs(x) + 1e-5)**b")
+        if limits is not None:
+            limits[0] += 1
+            if limits[0] > MAX_LIMITS:
+                raise SpecError(f"the formula needs more than {MAX_LIMITS} symbolic limits at its "
+                                f"kinks (0/0 or 0*log 0 where an Abs is 0)", field=field,
+                                hint="use fewer Abs kinks, or an epsilon: (Abs(x) + 1e-5)**b")
         r = sp.Dummy("r", positive=True)
         try:
             limit = sp.limit(_at_kink(expr, u, r), r, 0, "+")

@@ -5,6 +5,8 @@ the main loop computes per score:
 
 * ``light``: nothing or a causal-side ramp (NoPE, ALiBi) — the largest tiles;
 * ``table``: a gathered table entry, and in dQ the derivative tables (GGD, BAM, Cauchy, KERPLE);
+* ``dist``: a table prior whose dQ kernel sums dS per distance (T5);
+* ``heavy``: many scalars, read from memory per score (FIRE);
 * ``general``: a printed expression per score, or a score other than s + log_prior (SSMax).
 """
 from __future__ import annotations
@@ -17,5 +19,8 @@ def tile_kind(plan: KernelPlan) -> str:
     if not plan.score_is_identity:
         return "general"
     if plan.strategy == "table":
-        return "table"
+        from .codegen import dist_sums   # (codegen decides it for the traits too)
+        return "dist" if dist_sums(plan) else "table"
+    if plan.vectors_in_memory:
+        return "heavy"
     return "light" if plan.ramp is not None or not plan.has_bias_hook else "general"

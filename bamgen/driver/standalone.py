@@ -14,10 +14,11 @@ only by building it again; two standalone files of the same bamgen share one run
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
-RUNTIME_IMPORT = ("from bamgen.runtime import ParamTraits, Prior, PriorAttention, PriorTraits, "
-                  "TorchHooks, triton_hook\n")
+# the generated module's one import of bamgen: the names it binds (codegen._runtime_imports)
+RUNTIME_IMPORT = re.compile(r"^from bamgen\.runtime import (\([^)]*\)|[^\n(]*)\n", re.M)
 
 _BOOTSTRAP = '''
 
@@ -69,10 +70,8 @@ def _bamgen_runtime():
     return importlib.import_module(package)
 
 
+
 _runtime = _bamgen_runtime()
-(ParamTraits, Prior, PriorAttention, PriorTraits, TorchHooks,
- triton_hook) = (_runtime.ParamTraits, _runtime.Prior, _runtime.PriorAttention,
-                 _runtime.PriorTraits, _runtime.TorchHooks, _runtime.triton_hook)
 '''
 
 
@@ -86,8 +85,10 @@ def runtime_sources() -> dict[str, str]:
 def inline_runtime(text: str) -> str:
     """A generated module's text with bamgen's runtime inlined (the module docstring says what
     this means; the rest of the module is unchanged)."""
-    if RUNTIME_IMPORT not in text:
+    found = RUNTIME_IMPORT.search(text)
+    if found is None:
         raise ValueError("not a module built by this bamgen: its runtime import is missing")
+    names = [name.strip() for name in found.group(1).strip("()").split(",") if name.strip()]
     sources = runtime_sources()
     digest = hashlib.sha256("".join(f"{k}\n{v}" for k, v in sources.items()).encode()).hexdigest()
     package = f"_bamgen_runtime_{digest[:16]}"
@@ -98,5 +99,6 @@ def inline_runtime(text: str) -> str:
         blocks.append(f"    {name!r}: r'''{source}''',")
     body = ("\n# bamgen's runtime (bamgen/runtime), inlined: the module's prior binds to it below.\n"
             "_RUNTIME_SOURCES = {\n" + "\n".join(blocks) + "\n}\n"
-            + _BOOTSTRAP.format(package=package))
-    return text.replace(RUNTIME_IMPORT, body.lstrip("\n"), 1)
+            + _BOOTSTRAP.format(package=package)
+            + "".join(f"{name} = _runtime.{name}\n" for name in names))
+    return text[:found.start()] + body.lstrip("\n") + text[found.end():]

@@ -8,6 +8,7 @@ import torch
 from .cpu import backward as cpu_backward
 from .cpu import decode as cpu_decode
 from .cpu import forward as cpu_forward
+from .params import dtheta as make_dtheta
 from .triton import interpreting
 
 
@@ -84,8 +85,5 @@ class PriorAttention(torch.autograd.Function):
                                        theta.detach(), causal, scale, layout)
         dtheta = None
         if ctx.needs_input_grad[4]:
-            dtheta = torch.zeros_like(theta)
-            for p in prior.traits.params:
-                if p.learnable:
-                    dtheta[:, p.slot] = dparams[:, p.grad_slot]
+            dtheta = make_dtheta(prior.traits, theta, dparams)
         return None, dq, dk, dv, dtheta, None, None, None, None, None

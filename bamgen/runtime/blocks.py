@@ -15,7 +15,7 @@ from . import checks
 from .autograd import use_triton
 from .cpu import backward as cpu_backward
 from .cpu import forward as cpu_forward
-from .params import param_column, theta as make_theta
+from .params import grads_by_name, param_block, theta as make_theta
 from .tables import distance_prior
 
 
@@ -59,7 +59,6 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
     theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     out, stats = out.to(theta.dtype), stats.to(theta.dtype)
-    learnable = prior.traits.learnable
     with torch.no_grad():
         if use_triton(q, backend):
             from .triton import launch
@@ -67,11 +66,12 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
                 prior, dout, q, k, v, out, stats.permute(3, 0, 1, 2).contiguous(), out, None, theta,
                 causal, scale, q_offset, k_offset, row_sums=True, shifted=False, n=n)
         else:   # (the table path sums dS per distance and leaves the rows 0)
-            rows = torch.zeros(*q.shape[:3], 1 + len(learnable), device=q.device, dtype=theta.dtype)
+            rows = torch.zeros(*q.shape[:3], 1 + prior.traits.num_grads, device=q.device,
+                               dtype=theta.dtype)
             dq, dk, dv, dparams = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal,
                                                         scale, q_offset, k_offset, shifted=False,
                                                         rows=rows, n=n)
-    return dq, dk, dv, {name: dparams[:, g] for g, name in enumerate(learnable)}, rows
+    return dq, dk, dv, grads_by_name(prior.traits, dparams), rows
 
 
 def log_prior_at(prior, d, values, num_heads=None):
@@ -84,11 +84,21 @@ def log_prior_at(prior, d, values, num_heads=None):
     d = torch.as_tensor(d)
     if d.dim() != 1 or d.is_floating_point() and not bool((d == d.round()).all()):
         raise ValueError("d must be a 1-D tensor of integer distances")
-    heads = num_heads or max([1] + [torch.as_tensor(x).numel() for x in values.values()])
-    prm = [param_column(name, values[name], heads, d.device, torch.float64).reshape(heads, 1)
-           for name in prior.traits.param_names]
+    heads = num_heads or max([1] + [_heads_of(prior.traits.param(name), x)
+                                    for name, x in values.items()])
+    theta = torch.cat([param_block(p, values[p.name], heads, d.device, torch.float64)
+                       for p in prior.traits.params], dim=1) if prior.traits.params else None
+    prm = [theta[:, c:c + 1] for c in range(theta.shape[1])] if theta is not None else []
     value = distance_prior(prior, d.to(torch.float64)[None], prm)[0]
     return torch.as_tensor(value, dtype=torch.float64).expand(heads, d.shape[0]).clone()
+
+
+def _heads_of(param, value) -> int:
+    """How many heads a parameter value gives (1 for a float or a value shared by the heads)."""
+    value = torch.as_tensor(value)
+    if param.size is None:
+        return value.numel()
+    return value.shape[0] if value.dim() == 2 else 1
 
 
 def finish_param_grads(prior, dparams, row_sums):
@@ -96,6 +106,6 @@ def finish_param_grads(prior, dparams, row_sums):
     all blocks of keys: sum_j dS_ij g_ij minus, per row, (sum_j dS_ij)(sum_j P_ij g_ij), which is
     0 in exact arithmetic and removes the error of dS computed from a rounded P (see the dQ
     kernel). Returns {learnable name: float32 [Hq]}."""
-    correction = row_sums[..., :1] * row_sums[..., 1:]          # [B, Hq, Nq, learnable]
-    correction = correction.sum(dim=(0, 2))                      # [Hq, learnable]
-    return {name: dparams[name] - correction[:, g] for g, name in enumerate(prior.traits.learnable)}
+    correction = row_sums[..., :1] * row_sums[..., 1:]          # [B, Hq, Nq, learnable scalars]
+    correction = grads_by_name(prior.traits, correction.sum(dim=(0, 2)))   # [Hq, ...] per name
+    return {name: dparams[name] - correction[name] for name in prior.traits.learnable}

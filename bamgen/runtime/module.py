@@ -7,7 +7,7 @@ import torch
 
 from . import checks, ops
 from .functional import attend
-from .params import check_domains, from_domain, param_column, theta as make_theta, to_domain
+from .params import check_domains, from_domain, param_block, theta as make_theta, to_domain
 
 
 class PriorAttention(torch.nn.Module):
@@ -22,30 +22,32 @@ class PriorAttention(torch.nn.Module):
     def __init__(self, num_heads, *, init=None, device=None):
         super().__init__()
         traits = self._bamgen_prior.traits
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
         values = self._bamgen_prior.default_params(num_heads)
         for name, value in (init or {}).items():
             if name not in values:
                 raise ValueError(f"init: unknown parameter {name!r}; known: "
                                  f"{', '.join(traits.param_names) or 'none'}")
-            values[name] = param_column(name, value, num_heads, "cpu").detach().clone()
+            values[name] = _stored_shape(traits.param(name), param_block(
+                traits.param(name), value, num_heads, "cpu").detach().clone())
         check_domains(traits, values, what="init: ")
         for p in traits.params:
-            value = values[p.name] if p.per_head else values[p.name][:1]
+            value = values[p.name] if p.per_head or p.size is not None else values[p.name][:1]
             value = value.to(device)
             if p.learnable:
-                self.register_parameter("raw_" + p.name, torch.nn.Parameter(from_domain(p, value)))
+                self.register_parameter(p.storage, torch.nn.Parameter(from_domain(p, value)))
             else:
-                self.register_buffer(p.name, value)
+                self.register_buffer(p.storage, value)
 
     def prior_params(self):
-        """{name: tensor [num_heads] or [1]} of the parameters' current values."""
+        """{name: the parameter's current value}: a scalar [num_heads] (or [1] when the heads
+        share it), a vector [num_heads, size] (or [size] when the heads share it)."""
         out = {}
         for p in self._bamgen_prior.traits.params:
-            if p.learnable:
-                out[p.name] = to_domain(p, getattr(self, "raw_" + p.name))
-            else:
-                out[p.name] = getattr(self, p.name)
+            stored = getattr(self, p.storage)
+            out[p.name] = to_domain(p, stored) if p.learnable else stored
         return out
 
     def forward(self, q, k, v, *, causal=True, scale=None, q_offset=0, k_offset=0, key_mask=None,
@@ -65,3 +67,11 @@ class PriorAttention(torch.nn.Module):
 
     def extra_repr(self):
         return f"num_heads={self.num_heads}, prior={self._bamgen_prior.traits.name!r}"
+
+
+def _stored_shape(param, block):
+    """A [num_heads, width] block in the shape default_params gives: [num_heads] for a scalar,
+    [num_heads, size] for a vector ([size] when the heads share it)."""
+    if param.size is None:
+        return block[:, 0]
+    return block if param.per_head else block[0]

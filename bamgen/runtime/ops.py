@@ -161,7 +161,7 @@ def _op_bwd(prior, dout, q, k, v, out, stats, extra, theta, causal, scale, q_off
 def _op_bwd_fake(prior, dout, q, k, v, out, stats, extra, theta, *_settings):
     """The backward op's outputs, allocated and not computed (its fake implementation)."""
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            theta.new_empty((theta.shape[0], len(prior.traits.learnable))))
+            theta.new_empty((theta.shape[0], prior.traits.num_grads)))
 
 
 def _op_setup_context(ctx, inputs, output):

@@ -1,9 +1,11 @@
 """A prior's parameters at call time: per-head columns, their domains, and ``theta``.
 
-Parameters reach the kernels as one float32 tensor theta [Hq, P] (P = the prior's parameters, in
-slot order) built with torch.stack from the user's values, so that autograd carries theta's
-gradient back to whatever tensors the user passed, or to the nn.Module's raw parameters through
-the domain maps below (positive: exp, nonnegative: softplus, interval: scaled sigmoid).
+Parameters reach the kernels as one float32 tensor theta [Hq, P] (P = the prior's scalars in
+slot order: a scalar parameter takes a column, a vector of K elements K columns) built with
+torch.cat from the user's values, so that autograd carries theta's gradient back to whatever
+tensors the user passed, or to the nn.Module's raw parameters through the domain maps below
+(positive: exp, nonnegative: softplus, interval: scaled sigmoid). The inits of default_params
+are computed here too (init_formula, init_random).
 """
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ def outside_domain(param: ParamTraits, column):
 
 
 def check_domains(traits: PriorTraits, columns: dict, what: str = ""):
-    """Refuse parameter values outside their domains, naming the parameter: the prior's formula
-    is only valid there (a negative scale or a NaN would give NaN or silently wrong weights).
-    One device synchronisation for all parameters."""
+    """Refuse parameter values outside their domains, naming the parameter (the element of a
+    vector) and the head: the prior's formula is only valid there (a negative scale or a NaN
+    would give NaN or silently wrong weights). columns: {name: [heads] or [heads, size] or
+    [size]}. One device synchronisation for all parameters."""
     if not columns:
         return
     flags = torch.stack([outside_domain(traits.param(name), col.detach()).any()
@@ -46,12 +49,51 @@ def check_domains(traits: PriorTraits, columns: dict, what: str = ""):
         return
     for name, col in columns.items():
         param = traits.param(name)
-        bad = outside_domain(param, col.detach())
+        values = col.detach()
+        if param.size is not None and values.dim() == 1:   # a shared vector [size]: one row
+            values = values[None]
+        bad = outside_domain(param, values)
         if bool(bad.any()):
-            head = int(bad.nonzero()[0, 0])
-            value = float(col.detach()[head])
-            raise ValueError(f"{what}{name} must be {describe_domain(param)} and finite (its domain "
-                             f"in the prior file), got {value!r} for head {head}")
+            where = bad.nonzero()[0].tolist()
+            head = where[0]
+            value = float(values[tuple(where)])
+            label = name if param.size is None else f"{name}[{where[1]}]"
+            raise ValueError(f"{what}{label} must be {describe_domain(param)} and finite (its "
+                             f"domain in the prior file), got {value!r} for head {head}")
+
+
+def init_formula(name, formula, heads, size=None, per_head=True):
+    """A parameter's starting value from its init formula(h) (H bound by the caller), as
+    default_params computes it: float32 [heads] for a scalar, [heads, size] for a vector
+    ([size], head 0's value, for a vector shared by the heads). A head whose value cannot be
+    computed (a division by zero at this head count) is named in a ValueError."""
+    values = []
+    for h in range(heads if (size is None or per_head) else 1):
+        try:
+            values.append(float(formula(h)))
+        except (ArithmeticError, ValueError) as exc:
+            raise ValueError(f"the init of {name} cannot be computed for head {h} of {heads} "
+                             f"({type(exc).__name__}: {exc}); build the module for another "
+                             f"number of heads or change the init in the prior file") from None
+    column = torch.tensor(values, dtype=torch.float32)
+    if size is None:
+        return column
+    if not per_head:
+        return column.expand(size).clone()
+    return column[:, None].expand(heads, size).clone()
+
+
+def init_random(kind, a, b, heads, size=None, per_head=True):
+    """A random starting value, drawn with torch's default generator (torch.manual_seed makes
+    it reproducible): uniform on [a, b) or normal with mean a and standard deviation b. Shapes as
+    init_formula's; a scalar shared by the heads draws once and repeats it."""
+    if size is None:
+        shape = (heads,) if per_head else (1,)
+    else:
+        shape = (heads, size) if per_head else (size,)
+    value = torch.empty(shape, dtype=torch.float32)
+    value = value.uniform_(a, b) if kind == "uniform" else value.normal_(a, b)
+    return value.expand(heads).clone() if size is None and not per_head else value
 
 
 class DomainCheck:
@@ -76,10 +118,10 @@ class DomainCheck:
         if key not in self.bounds:
             rows = []
             for p in self.traits.params:
-                rows.append({"positive": (0.0, -math.inf, math.inf),
-                             "nonnegative": (-math.inf, 0.0, math.inf),
-                             "interval": (p.lo, -math.inf, p.hi)}.get(
-                                 p.domain, (-math.inf, -math.inf, math.inf)))
+                rows += [{"positive": (0.0, -math.inf, math.inf),
+                          "nonnegative": (-math.inf, 0.0, math.inf),
+                          "interval": (p.lo, -math.inf, p.hi)}.get(
+                              p.domain, (-math.inf, -math.inf, math.inf))] * p.width
             lo_open, lo_closed, hi_open = torch.tensor(rows, dtype=theta.dtype).T.to(theta.device).unbind(0)
             closed = any(p.domain == "nonnegative" for p in self.traits.params)
             self.bounds[key] = (lo_open, lo_closed if closed else None, hi_open)
@@ -99,7 +141,9 @@ class DomainCheck:
         if lo_closed is not None:
             ok &= values >= lo_closed
         if not bool(ok.all()):
-            check_domains(self.traits, {p.name: values[:, p.slot] for p in self.traits.params}, what)
+            check_domains(self.traits, {p.name: values[:, p.slot] if p.size is None
+                                        else values[:, p.slot:p.slot + p.size]
+                                        for p in self.traits.params}, what)
         if seen is not None:
             if len(self.in_domain) >= 1024:
                 self.in_domain.clear()
@@ -107,28 +151,59 @@ class DomainCheck:
 
 
 def param_column(name, value, num_heads, device, dtype=torch.float32):
-    """A parameter as a [num_heads] tensor of dtype (float32; float64 for float64 inputs), autograd
-    flowing back to a tensor value."""
+    """A scalar parameter as a [num_heads] tensor of dtype (float32; float64 for float64
+    inputs), autograd flowing back to a tensor value: a float, a 0-d tensor, [1] or
+    [num_heads]."""
+    what = f"a float or a tensor of shape [{num_heads}]"
+    value = _as_tensor(name, value, what)
+    if value.dim() > 1 or (value.numel() != 1 and value.numel() != num_heads):
+        raise ValueError(f"{name} must be {what} (one value per query head), got shape "
+                         f"{tuple(value.shape)}")
+    value = _on(value, device, dtype)
+    return value if value.shape == (num_heads,) else value.reshape(-1).expand(num_heads)
+
+
+def param_block(param: ParamTraits, value, num_heads, device, dtype=torch.float32):
+    """A parameter's columns of theta, [num_heads, width]: a scalar as param_column takes it; a
+    vector of K elements as [num_heads, K] (one row per query head), [1, K] or [K] (the same
+    for every head: a vector shared by the heads is given so)."""
+    if param.size is None:
+        return param_column(param.name, value, num_heads, device, dtype)[:, None]
+    size = param.size
+    what = (f"a tensor of shape [{num_heads}, {size}] (a row per query head) or [{size}]"
+            if param.per_head else f"a tensor of shape [{size}] (shared by the heads)")
+    value = _as_tensor(param.name, value, what)
+    # (compared dimension by dimension: under torch.compile a size may be symbolic, and a
+    # torch.Size tested for membership in a tuple of tuples does not trace)
+    shape = tuple(value.shape)
+    rows = shape[0] if len(shape) == 2 else None
+    if not (shape[-1:] == (size,) and (len(shape) == 1 or rows == num_heads or rows == 1)):
+        raise ValueError(f"{param.name} must be {what}, got shape {shape}")
+    value = _on(value, device, dtype)
+    return value if rows == num_heads else value.reshape(1, size).expand(num_heads, size)
+
+
+def _as_tensor(name, value, what):
     if isinstance(value, bool) or value is None:
-        raise ValueError(f"{name} must be a float or a tensor of shape [{num_heads}], got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     if isinstance(value, (int, float)):
-        return torch.full((num_heads,), float(value), dtype=dtype, device=device)
+        return torch.tensor(float(value), dtype=torch.float64)
     if isinstance(value, (list, tuple)):
         try:
-            value = torch.tensor([float(x) for x in value], dtype=torch.float32)
+            return torch.tensor(value, dtype=torch.float32)
         except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a float or a tensor of shape [{num_heads}], got "
-                             f"{value!r}") from None
+            raise ValueError(f"{name} must be {what}, got {value!r}") from None
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a float or a tensor of shape [{num_heads}], got {type(value).__name__}")
-    if value.dim() > 1 or (value.numel() != 1 and value.numel() != num_heads):
-        raise ValueError(f"{name} must be a float or a tensor of shape [{num_heads}] "
-                         f"(one value per query head), got shape {tuple(value.shape)}")
+        raise ValueError(f"{name} must be {what}, got {type(value).__name__}")
     if not value.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    return value
+
+
+def _on(value, device, dtype):
     if value.dtype != dtype or value.device != torch.device(device):   # (a decode step: already so)
         value = value.to(device=device, dtype=dtype)
-    return value if value.shape == (num_heads,) else value.reshape(-1).expand(num_heads)
+    return value
 
 
 def theta(traits: PriorTraits, q, values, grad, check=None):
@@ -140,11 +215,11 @@ def theta(traits: PriorTraits, q, values, grad, check=None):
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if not traits.params:
         return torch.zeros(num_heads, 0, dtype=dtype, device=q.device)
-    columns = []
+    blocks = []
     for p in traits.params:
-        column = param_column(p.name, values[p.name], num_heads, q.device, dtype)
-        columns.append(column if p.learnable else column.detach())   # a buffer: no gradient
-    stacked = torch.stack(columns, dim=1)
+        block = param_block(p, values[p.name], num_heads, q.device, dtype)
+        blocks.append(block if p.learnable else block.detach())   # a buffer: no gradient
+    stacked = torch.cat(blocks, dim=1)
     if check is not None:
         check(stacked)
     return stacked if grad else stacked.detach()
@@ -154,9 +229,16 @@ def dtheta(traits: PriorTraits, theta, dparams):
     """theta's gradient: the learnable parameters' columns of dparams, 0 for the others."""
     if not traits.params:
         return torch.zeros_like(theta)
-    zero = theta.new_zeros(theta.shape[0])
-    return torch.stack([dparams[:, p.grad_slot] if p.learnable else zero for p in traits.params],
-                       dim=1)
+    dparams = dparams.to(theta.dtype)
+    return torch.cat([dparams[:, p.grad_slot:p.grad_slot + p.width] if p.learnable
+                      else theta.new_zeros(theta.shape[0], p.width) for p in traits.params], dim=1)
+
+
+def grads_by_name(traits: PriorTraits, dparams) -> dict:
+    """{learnable name: [Hq] for a scalar, [Hq, size] for a vector} from the gradient columns."""
+    return {name: dparams[:, p.grad_slot] if p.size is None
+            else dparams[:, p.grad_slot:p.grad_slot + p.size]
+            for name in traits.learnable for p in (traits.param(name),)}
 
 
 def to_domain(param: ParamTraits, raw):
@@ -181,3 +263,35 @@ def from_domain(param: ParamTraits, value):
         unit = ((value - param.lo) / (param.hi - param.lo)).clamp(1e-6, 1 - 1e-6)
         return torch.log(unit) - torch.log1p(-unit)
     return value.clone()
+
+
+def element_at(index, elements, where=torch.where):
+    """w[index] for a vector's elements (the torch side of a printed gather, the Triton kernels'
+    is helpers._element): a chain of selects, w[0] below 1 (and for NaN), w[k] from k on, so an
+    index is clamped into [0, K - 1] (docs/priors.md, "Vectors")."""
+    out = elements[0]
+    for k in range(1, len(elements)):
+        out = where(index >= float(k), elements[k], out)
+    return out
+
+
+# An index's floor and ceiling (a vector's element, w[e]: docs/priors.md, "Vectors") snap a
+# float64 value within INDEX_SNAP of an integer, relative to max(1, |x|), to that integer: a
+# bucket boundary is where the exact value is an integer, and float64 lands a few ulps to either
+# side of it depending on the order of the operations.
+INDEX_SNAP = 1e-12
+
+
+def index_floor(x):
+    """floor(x) of an index, in float64, a near-integer snapped to it (the torch side of a
+    printed index; the Triton kernels' is helpers._index_floor)."""
+    nearest = torch.round(x)
+    near = torch.abs(x - nearest) <= INDEX_SNAP * torch.clamp(torch.abs(x), min=1.0)
+    return torch.where(near, nearest, torch.floor(x))
+
+
+def index_ceil(x):
+    """ceiling(x) of an index, as index_floor."""
+    nearest = torch.round(x)
+    near = torch.abs(x - nearest) <= INDEX_SNAP * torch.clamp(torch.abs(x), min=1.0)
+    return torch.where(near, nearest, torch.ceil(x))

@@ -71,14 +71,16 @@ class Prior:
 
     def kernels(self):
         """This prior's instance of the Triton kernels (triton/variant.py), made on first use:
-        its hooks compiled with triton.jit, `tl` and `_atan` bound in its module."""
+        its hooks compiled with triton.jit, `tl` and the helpers they call (helpers.HOOK_HELPERS)
+        bound in its module."""
         with self._kernels_lock:
             if self._kernels is None:
                 import triton.language as tl
 
                 from .triton import helpers, variant
                 for fn in self.triton_hooks.values():
-                    fn.__globals__.update(tl=tl, _atan=helpers._atan)
+                    fn.__globals__.update(tl=tl, **{name: getattr(helpers, name)
+                                                    for name in helpers.HOOK_HELPERS})
                 self._kernels = variant.instantiate(self.traits, self.triton_hooks)
             return self._kernels
 

@@ -15,8 +15,9 @@ RUNTIME_ABI = 1
 
 @dataclass(frozen=True)
 class ParamTraits:
-    """One runtime parameter of a prior: its column in the [Hq, P] parameter tensor theta and
-    its domain (kind "real", "positive", "nonnegative" or "interval" with the open bounds)."""
+    """One runtime parameter of a prior: its columns in the [Hq, P] parameter tensor theta
+    (a scalar one, a vector of ``size`` elements ``size`` from ``slot`` on) and its domain
+    (kind "real", "positive", "nonnegative" or "interval" with the open bounds)."""
     name: str
     slot: int
     learnable: bool
@@ -24,7 +25,34 @@ class ParamTraits:
     domain: str
     lo: float | None = None
     hi: float | None = None
-    grad_slot: int | None = None     # its column among the learnable parameters' gradients
+    grad_slot: int | None = None     # its first column among the learnable parameters' gradients
+    size: int | None = None          # a vector's elements; None for a scalar
+    attr: str = ""                   # where the nn.Module stores it ("" for the default:
+                                     # raw_<name> when learnable, else <name>)
+
+    @property
+    def width(self) -> int:
+        """Columns of theta it takes."""
+        return self.size or 1
+
+    @property
+    def columns(self) -> range:
+        return range(self.slot, self.slot + self.width)
+
+    @property
+    def grad_columns(self) -> range:
+        return range(self.grad_slot, self.grad_slot + self.width) if self.learnable else range(0)
+
+    @property
+    def storage(self) -> str:
+        """The nn.Module attribute that holds it (a learnable one unconstrained)."""
+        return self.attr or (f"raw_{self.name}" if self.learnable else self.name)
+
+    def labels(self) -> tuple[str, ...]:
+        """Its scalars as formulas write them: b, or w[0] .. w[size - 1]."""
+        if self.size is None:
+            return (self.name,)
+        return tuple(f"{self.name}[{k}]" for k in range(self.size))
 
 
 # How the dQ kernel takes each learnable parameter's per-score derivative (PriorTraits.grad_modes)
@@ -52,7 +80,9 @@ class PriorTraits:
     center_grads: the dQ kernel measures each printed derivative from its value at the row's own
     position (an inline prior that reads i, j or n: a part of the derivative that is constant
     along a row meets sum_j dS = 0, and in float32 its size would swamp the gradient).
-    tile_kind: which tile table the kernels use (bamgen/runtime/triton/tiles.py)."""
+    tile_kind: which tile table the kernels use (bamgen/runtime/triton/tiles.py).
+    dist_sums: the dQ kernel takes the parameters' gradients from per-distance sums of dS
+    against the derivative tables (a table prior of many tabulated scalars: T5's buckets)."""
     name: str
     class_name: str
     params: tuple[ParamTraits, ...]
@@ -74,6 +104,7 @@ class PriorTraits:
     grad_modes: tuple[int, ...] = ()
     center_grads: bool = False
     tile_kind: str = "light"
+    dist_sums: bool = False
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -84,6 +115,27 @@ class PriorTraits:
         """The learnable parameters' names, in gradient-slot order."""
         return tuple(p.name for p in sorted((p for p in self.params if p.learnable),
                                             key=lambda p: p.grad_slot))
+
+    @property
+    def num_columns(self) -> int:
+        """Columns of theta: a scalar takes one, a vector one per element."""
+        return sum(p.width for p in self.params)
+
+    @property
+    def num_grads(self) -> int:
+        """Columns of the parameter gradients: one per learnable scalar or element."""
+        return sum(p.width for p in self.params if p.learnable)
+
+    @property
+    def grad_labels(self) -> tuple[str, ...]:
+        """Each gradient column's scalar as formulas write it (b, w[0], ...), in order."""
+        return tuple(label for name in self.learnable for label in self.param(name).labels())
+
+    @property
+    def clamp_positions(self) -> bool:
+        """The logit reads i or j: a padding token's negative position reads as 0 (a formula is
+        only checked over real tokens' positions, docs/priors.md "Positions")."""
+        return "i" in self.reads or "j" in self.reads
 
     @property
     def uses_n(self) -> bool:
@@ -112,8 +164,8 @@ class PriorTraits:
     @property
     def tile_row_sums(self) -> bool:
         """The dQ kernel reduces its correction's row sums per key tile (two or more learnable
-        parameters: registers for wider tiles)."""
-        return len(self.learnable) >= 2
+        scalars: registers for wider tiles)."""
+        return self.num_grads >= 2
 
     def param(self, name: str) -> ParamTraits:
         return next(p for p in self.params if p.name == name)

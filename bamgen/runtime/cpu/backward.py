@@ -18,7 +18,7 @@ from .hooks import distance_tables, generic_tables, logit_grads, table_logit, ta
 
 def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted=True,
              rows=None, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
-    """dq, dk, dv (input dtype) and the learnable parameters' gradients [Hq, len(prior.traits.learnable)]:
+    """dq, dk, dv (input dtype) and the learnable parameters' gradients [Hq, prior.traits.num_grads]:
     the parts of the call (call_parts) as the forward split it.
     rows: see _backward_generic (the table path needs no row correction: it sums dS
     per distance in float64 against derivatives shifted to be small where it matters)."""
@@ -29,7 +29,7 @@ def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k
         return backward_call(prior, dout, q, k, v, out, stats, theta, causal, scale, parts[0][6],
                              parts[0][7], shifted, rows, n, key_mask)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dparams = torch.zeros(Hq, len(prior.traits.learnable), dtype=theta.dtype, device=q.device)
+    dparams = torch.zeros(Hq, prior.traits.num_grads, dtype=theta.dtype, device=q.device)
     if cu_seqlens_q is not None:   # packed: the forward's batches of documents
         for group in doc_groups(parts, causal, key_mask, q.device):
             # (padding rows: dO and O are 0 and their statistics those of a row that sees no
@@ -101,7 +101,7 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
     m_row, inv_l, delta = row_terms(dout, out, stats, B, Hk, G, Nq)
     dq = torch.zeros(B, Hk, G, Nq, D, dtype=cdt, device=dev)
     BM, BN = max(32, common.TORCH_BLOCK_M // G), common.TORCH_BLOCK_N  # a tile holds G * BM query rows
-    P = len(prior.traits.learnable)
+    P = prior.traits.num_grads
     score_is_s = prior.traits.score_is_s
 
     dk = torch.zeros(B, Hk, Nk, D, dtype=cdt, device=dev)
@@ -138,7 +138,8 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
                 kb, vb = kf[b, h0:h1, j0:j1], vf[b, h0:h1, j0:j1]
                 s = torch.bmm(qb, kb.transpose(1, 2)).view(n, G, bm, bn)
                 pos_d, pos_i, pos_j, pos_n, visible = positions(
-                    i0, i1, j0, j1, q_offset, k_offset, counts[b], causal, dev, cdt)
+                    i0, i1, j0, j1, q_offset, k_offset, counts[b], causal, dev, cdt,
+                    prior.traits.clamp_positions)
                 if key_mask is not None:   # padding keys: never attended
                     km = key_mask[b, j0:j1][None, :]
                     visible = km if visible is None else visible & km
@@ -307,7 +308,7 @@ def table_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_off
     anchor = _row_anchors(table2.reshape(Hq, L), Nq, Nk, causal, q_offset, k_offset)  # [Hq, Nq]
     if not row_anchor:   # the block API: k is one block of each row's keys
         row_ds = torch.zeros_like(row_ds)
-    dparams = torch.zeros(Hq, len(prior.traits.learnable), dtype=cdt, device=dev)
+    dparams = torch.zeros(Hq, prior.traits.num_grads, dtype=cdt, device=dev)
     for g, dtable in enumerate(dtables):
         # where(): a derivative may be inf/nan at a distance no visible score has
         contrib = torch.where(dsum != 0, dsum * dtable.double(), torch.zeros_like(dsum))

@@ -30,13 +30,18 @@ def tile_entries(tables, h0, h1, G, Nq, i0, i1, j0, j1):
     return [t[h0 * G:h1 * G].reshape(h1 - h0, G, -1)[..., idx] for t in tables]
 
 
-def positions(i0, i1, j0, j1, q_offset, k_offset, counts, causal, device, dtype=torch.float32):
+def positions(i0, i1, j0, j1, q_offset, k_offset, counts, causal, device, dtype=torch.float32,
+              clamp=False):
     """Position tiles (exact integers up to 2**24 in float32) and the visibility mask of one block;
-    counts: n of this batch row's queries (_row_key_counts)."""
+    counts: n of this batch row's queries (_row_key_counts). clamp (PriorTraits.clamp_positions):
+    the positions a formula sees are those of real tokens, a padding token's negative one read as
+    0 (d from the positions so read); visibility follows the positions as they are."""
     i_abs = torch.arange(i0 + q_offset, i1 + q_offset, device=device, dtype=dtype)[:, None]
     j_abs = torch.arange(j0 + k_offset, j1 + k_offset, device=device, dtype=dtype)[None, :]
     visible = j_abs <= i_abs if causal else None
     pos_n = counts[i0:i1, None].to(dtype)
+    if clamp:
+        i_abs, j_abs = i_abs.clamp_min(0), j_abs.clamp_min(0)
     return i_abs - j_abs, i_abs, j_abs, pos_n, visible
 
 

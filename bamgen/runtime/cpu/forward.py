@@ -108,7 +108,8 @@ def forward_generic(prior, q, k, v, theta, causal, scale, q_offset, k_offset, sh
                 j1 = min(Nk, j0 + BN)
                 s = torch.bmm(qb, kf[b, h0:h1, j0:j1].transpose(1, 2)).view(n, G, bm, j1 - j0)
                 pos_d, pos_i, pos_j, pos_n, visible = positions(
-                    i0, i1, j0, j1, q_offset, k_offset, counts[b], causal, dev, cdt)
+                    i0, i1, j0, j1, q_offset, k_offset, counts[b], causal, dev, cdt,
+                    prior.traits.clamp_positions)
                 if key_mask is not None:   # padding keys: never attended
                     km = key_mask[b, j0:j1][None, :]
                     visible = km if visible is None else visible & km

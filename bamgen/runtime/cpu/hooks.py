@@ -69,5 +69,5 @@ def distance_tables(prior, theta, Nq, Nk, q_offset, k_offset, causal, grads, shi
     if grads:
         zero = torch.zeros_like(table)
         by_name = dict(zip(prior.traits.table_grads, by_slot))
-        dtables = [by_name.get(name, zero) for name in prior.traits.learnable]
+        dtables = [by_name.get(label, zero) for label in prior.traits.grad_labels]
     return table, dtables

@@ -5,7 +5,16 @@ gradients: one partial sum per program, summed on the host, no atomics).
 
 Constexpr flags of the launch:
   NUM_PARAMS, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, D, DOT_PREC, UPCAST_DOT  as in the forward
-  NUM_GRADS    learnable parameters; the dQ kernel writes NUM_GRADS partial sums per program
+  NUM_GRADS    learnable scalars; the dQ kernel writes NUM_GRADS partial sums per program
+  GRAD_BASE, GRAD_COUNT  (dQ) the learnable scalars this launch sums, GRAD_BASE to
+               GRAD_BASE + GRAD_COUNT - 1: a prior with many (FIRE's 99 weights) takes one
+               launch per group of GRAD_GROUP (launch.py), each with the registers of a few;
+               the launch of the first group alone writes dQ
+  DIST_SUMS, DIST_K  (dQ; PriorTraits.dist_sums, not with ROW_SUMS) a table prior's gradients
+               from per-distance sums of dS: each key tile's dS, skewed so that its diagonals
+               (one distance each) become columns, is summed per distance and contracted with
+               the derivative tables (DIST_K >= NUM_GRADS columns, a power of two): one launch
+               and a cost that hardly grows with the parameter count (T5's 32 buckets)
   HAS_KEY_MASK, ROW_OFFSETS, VARLEN  as in the forward; with VARLEN the dK/dV kernel's Work
                lists (document, key tile) items and the dQ kernel's (document, query tile)
   ROW_SUMS     (dQ) the keys are one block of the row's (backward_block): the per-row
@@ -33,8 +42,8 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    TABLE_ROW_ARGS, _clamped, _dot, _factored_logit2, _kept_keys, _logit2, _logit_grads,
-    _logit_row2, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
+    TABLE_ROW_ARGS, _clamped, _distance, _dot, _factored_logit2, _kept_keys, _logit2, _logit_grads,
+    _logit_row2, _position, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
@@ -111,7 +120,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                 + k_start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     offs_n_abs = offs_n + k_offset
-    pos_j = offs_n_abs[:, None].to(tl.float32)
+    pos_j = _position(offs_n_abs)[:, None]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
@@ -151,8 +160,8 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
             offs_m_abs = offs_m + q_offset
             # Transposed tiles [BLOCK_N, BLOCK_M]: keys along rows, queries along columns.
             qkT = _dot(k, tl.trans(q), None, DOT_PREC, UPCAST_DOT)
-            pos_i = offs_m_abs[None, :].to(tl.float32)
-            pos_d = (offs_m_abs[None, :] - offs_n_abs[:, None]).to(tl.float32)
+            pos_i = _position(offs_m_abs)[None, :]
+            pos_d = _distance(offs_m_abs[None, :], offs_n_abs[:, None])
             visible = key_ok[:, None] & row_ok[None, :]
             n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
             pos_n = n_rows[None, :]
@@ -188,7 +197,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                         # the rows' factors, from _bwd_preprocess (bit for bit the forward's)
                         logit_r2 = tl.load(RowF + (row_base + offs_m) * 2, mask=row_ok, other=0.0)[None, :]
                     else:
-                        logit_r2 = _logit_row2(offs_m_abs.to(tl.float32), n_rows, sc)[None, :]
+                        logit_r2 = _logit_row2(_position(offs_m_abs), n_rows, sc)[None, :]
                     zT = _factored_logit2(qkT, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
                 else:
                     # (the parameter derivatives are unused here; the compiler drops them)
@@ -206,7 +215,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                 if ROW_CACHE:
                     ds_row = tl.load(RowF + (row_base + offs_m) * 2 + 1, mask=row_ok, other=0.0)
                 else:
-                    ds_row = _row_factors(offs_m_abs.to(tl.float32), n_rows, sc)[0]
+                    ds_row = _row_factors(_position(offs_m_abs), n_rows, sc)[0]
                 dsT = tl.where(visible, pT * tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :]), 0.0)
             else:
                 dsT = tl.where(visible, pT * (dpT - delta[None, :]), 0.0)
@@ -257,7 +266,9 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  Hq, GROUP, Nq, Nk, q_offset, k_offset, sm_scale, d_top_b, tab_slot, tab_stride_h, stride_nb,
                  stride_mb, row_abs,
-                 NUM_PARAMS: tl.constexpr, NUM_GRADS: tl.constexpr, CAUSAL: tl.constexpr,
+                 NUM_PARAMS: tl.constexpr, NUM_GRADS: tl.constexpr, GRAD_BASE: tl.constexpr,
+                 GRAD_COUNT: tl.constexpr, DIST_SUMS: tl.constexpr, DIST_K: tl.constexpr,
+                 CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
                  ROW_SUMS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr,
@@ -280,6 +291,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     # 32x32: its row reductions go through shared memory and turn the loop LSU-bound).
     # (ROW_FACTORS only: the other priors accumulate per score.)
     TILE_GRAD_SUMS: tl.constexpr = ROW_FACTORS and BLOCK_M * BLOCK_N >= 2048
+    WRITE_DQ: tl.constexpr = GRAD_BASE == 0   # (one group's launch writes dQ: see GRAD_BASE)
+    INTERLEAVED: tl.constexpr = TABLE_WIDTH > 0 and not DIST_SUMS   # (DIST_SUMS: the plain table)
     # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
     pid_m, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
                                                     Nk, VARLEN)
@@ -303,7 +316,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     sc = prior_scalars(Theta + off_h * NUM_PARAMS)
     offs_m_abs = offs_m + q_offset
     # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
-    if TABLE_WIDTH:
+    if INTERLEAVED:
         # the interleaved table: TABLE_WIDTH floats per distance (the log-prior, then its derivatives)
         tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + ((d_top_b - 33554433 - offs_m_abs) * TABLE_WIDTH)[:, None]
     else:
@@ -321,19 +334,19 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         # d logit / d p on the causal side is a per-head constant times ramp_d: the sums take
         # ramp_d (exact, finite) and the constant multiplies them once, after the loop
         ramp_factors = ()
-        for g in tl.static_range(NUM_GRADS):
+        for g in tl.static_range(GRAD_COUNT):
             if (RAMP_SYMMETRIC or CAUSAL) and not ROW_SUMS:
-                ramp_factors = ramp_factors + (ramp[2 + g],)
+                ramp_factors = ramp_factors + (ramp[2 + GRAD_BASE + g],)
             else:
                 ramp_factors = ramp_factors + (1.0,)
-    pos_i = offs_m_abs[:, None].to(tl.float32)
+    pos_i = _position(offs_m_abs)[:, None]
     n_hi = Nk
     n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
     pos_n = n_rows[:, None]
     if ROW_FACTORS:
         # the derivatives' row factors: the loop sums their per-score parts
-        logit_r2 = _logit_row2(offs_m_abs.to(tl.float32), n_rows, sc)[:, None]
-        row_factors = _row_factors(offs_m_abs.to(tl.float32), n_rows, sc)
+        logit_r2 = _logit_row2(_position(offs_m_abs), n_rows, sc)[:, None]
+        row_factors = _row_factors(_position(offs_m_abs), n_rows, sc)
         ds_row = row_factors[0]
     if CENTER_GRADS:
         # each derivative at the row's own position (d = 0, j = i): a per-row constant that the
@@ -341,8 +354,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         # same gradient: sum_j P_ij = 1), 0 where it is not finite
         at_row = prior_grads(0.0, pos_i * 0.0, pos_i, pos_i, pos_n, (), sc)
         centres = ()
-        for g in tl.static_range(NUM_GRADS):
-            centre = at_row[g] + tl.zeros_like(pos_i)
+        for g in tl.static_range(GRAD_COUNT):
+            centre = at_row[GRAD_BASE + g] + tl.zeros_like(pos_i)
             centres = centres + (tl.where(tl.abs(centre) < float("inf"), centre, 0.0),)
     if CAUSAL:
         n_hi = tl.minimum(Nk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + q_offset - k_offset, 0))
@@ -367,7 +380,26 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         ds_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
         ds_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sums = _grad_sums(BLOCK_M, BLOCK_N, NUM_GRADS, TILE_GRAD_SUMS)
+    sums = _grad_sums(BLOCK_M, BLOCK_N, GRAD_COUNT, TILE_GRAD_SUMS)
+    if DIST_SUMS:
+        # each key tile's dS skewed: row a's score at (a, b) lands in column u = b - a + BLOCK_M - 1,
+        # so that a column holds one distance d = i - j (table entry e_tile + u); DIST_W columns
+        # hold the tile's BLOCK_M + BLOCK_N - 1 distances
+        DIST_W: tl.constexpr = 2 * max(BLOCK_M, BLOCK_N)
+        dist_u = tl.arange(0, DIST_W)
+        # the contraction goes DIST_CHUNK derivative columns at a time, so that the slab a
+        # thread holds stays small whatever DIST_K (a 128-entry table still spills 576 bytes at
+        # 32 x 32 on sm_90: docs/performance.md, "Per-distance sums")
+        DIST_CHUNK: tl.constexpr = min(DIST_K, 16)
+        dist_k = tl.arange(0, DIST_CHUNK)
+        skew_b = dist_u[None, :] - (BLOCK_M - 1) + tl.arange(0, BLOCK_M)[:, None]
+        skew_ok = (skew_b >= 0) & (skew_b < BLOCK_N)
+        skew_at = tl.minimum(tl.maximum(skew_b, 0), BLOCK_N - 1)
+        dist_rows = (dist_u < BLOCK_M + BLOCK_N - 1)[:, None]
+        tab_grads = Table + off_h.to(tl.int64) * tab_stride_h + (1 + dist_k)[None, :] * tab_slot
+        dist_acc = ()
+        for c in tl.static_range(DIST_K // DIST_CHUNK):
+            dist_acc = dist_acc + (tl.zeros([DIST_CHUNK], dtype=tl.float32),)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < Nk
@@ -378,12 +410,12 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
         offs_n_abs = offs_n + k_offset
-        pos_j = offs_n_abs[None, :].to(tl.float32)
-        pos_d = (offs_m_abs[:, None] - offs_n_abs[None, :]).to(tl.float32)
+        pos_j = _position(offs_n_abs)[None, :]
+        pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
         visible = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n_abs[None, :] <= offs_m_abs[:, None])
-        if TABLE_WIDTH:
+        if INTERLEAVED:
             # the tile's log-prior and derivative entries, four per vector load
             tab_at = tab_rows + offs_n_abs[None, :] * TABLE_WIDTH
             tab = ()
@@ -403,7 +435,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                           - tl.abs(offs_m_abs - near)[:, None]).to(tl.float32)
             else:
                 z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
-            if NUM_GRADS > 0:
+            if GRAD_COUNT > 0:
                 if (RAMP_SYMMETRIC or CAUSAL) and not ROW_SUMS:
                     # from the row's reference too: the derivative's part that is constant along
                     # the row (ALiBi's |d_ref| / b^2, which grows with the positions) meets
@@ -414,21 +446,21 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 else:
                     dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, (), sc)   # (clamped below)
         elif SCORE_IS_S:
-            if TABLE_WIDTH:
+            if INTERLEAVED:
                 z = _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab[0], sc)
             else:
                 z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
                 tab = ()
-            if NUM_GRADS > 0:
+            if GRAD_COUNT > 0:
                 dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, tab, sc)
         else:
-            if TABLE and not TABLE_WIDTH:
+            if TABLE and not INTERLEAVED:
                 tab = (_table_load(tab_at),)
             elif not TABLE:
                 tab = ()
             if ROW_FACTORS:
                 z, logit_u = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)
-                if NUM_GRADS > 0:
+                if GRAD_COUNT > 0:
                     # each parameter's per-score factor (times its row factor, after the loop); a
                     # parameter whose factor is the logit's own u takes u (GRAD_LOGIT_FACTOR)
                     dlogit = prior_score_factors(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
@@ -440,26 +472,42 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         p = tl.where(visible, tl.exp2(z - m_row[:, None]) * inv_l[:, None], 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
         ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)   # (see the dK/dV kernel)
-        if NUM_GRADS > 0:
+        if GRAD_COUNT > 0:
             if TILE_ROW_SUMS:
                 ds_rows += tl.sum(ds, 1)
             else:
                 ds_acc += ds
+        if DIST_SUMS:
+            # dS summed per distance (the skewed tile's columns), times each derivative's
+            # table entries at those distances: sum_ij dS_ij g(i - j) = sum_d g(d) sum_{i-j=d} dS_ij
+            per_dist = tl.sum(tl.where(skew_ok, tl.gather(ds, skew_at, 1), 0.0), 0)
+            e_tile = (d_top_b - 33554433 - (pid_m * BLOCK_M + q_offset) + (start_n + k_offset)
+                      - (BLOCK_M - 1))
+            entry = e_tile + dist_u
+            in_table = dist_rows & ((entry >= 0) & (entry < tab_slot))[:, None]
+            new_acc = ()
+            for c in tl.static_range(DIST_K // DIST_CHUNK):
+                column = c * DIST_CHUNK + dist_k
+                slab = tl.load(tab_grads + c * DIST_CHUNK * tab_slot + entry[:, None],
+                               mask=in_table & (column < NUM_GRADS)[None, :], other=0.0)
+                new_acc = new_acc + (dist_acc[c] + tl.sum(per_dist[:, None] * slab, 0),)
+            dist_acc = new_acc
         new_sums = ()
-        for g in tl.static_range(NUM_GRADS):
+        for g in tl.static_range(GRAD_COUNT):
+            # (GRAD_BASE + g: its index among all the learnable scalars, a constexpr)
             if RAMP:
-                seen = dlogit[g]
+                seen = dlogit[GRAD_BASE + g]
                 if not CAUSAL or ROW_SUMS:
                     seen = tl.where(p > 0.0, _clamped(seen), 0.0)
-            elif GRAD_MODES[g] == GRAD_TABLE:
-                seen = dlogit[g]  # a table entry: clamped, 0 where P is
-            elif GRAD_MODES[g] == GRAD_LOGIT_FACTOR:
+            elif GRAD_MODES[GRAD_BASE + g] == GRAD_TABLE:
+                seen = dlogit[GRAD_BASE + g]  # a table entry: clamped, 0 where P is
+            elif GRAD_MODES[GRAD_BASE + g] == GRAD_LOGIT_FACTOR:
                 # the logit's own per-score factor: finite wherever P > 0
                 seen = tl.where(p > 0.0, logit_u, 0.0)
             elif CENTER_GRADS:
-                seen = tl.where(p > 0.0, _clamped(dlogit[g] - centres[g]), 0.0)
+                seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g] - centres[g]), 0.0)
             else:
-                seen = tl.where(p > 0.0, _clamped(dlogit[g]), 0.0)
+                seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g]), 0.0)
             if TILE_GRAD_SUMS:
                 grad = sums[2 * g] + _row_dot(ds, seen)
             else:
@@ -471,54 +519,64 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 mean = tl.fma(p, seen, sums[2 * g + 1])
             new_sums = new_sums + (grad, mean)
         sums = new_sums
-        if not SCORE_IS_S and not ROW_FACTORS:
-            ds = tl.where(p > 0.0, ds * dlogit_ds, 0.0)   # (see the dK/dV kernel)
-        dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST_DOT)
-    if ROW_FACTORS:
-        dq = dq * (sm_scale * ds_row)[:, None]   # d logit / d s, the row's alone
-    else:
-        dq = dq * sm_scale
-    # A row that sees no key (l = 0) has dQ = 0: its dS is P (dP - delta) with P = 0, but a
-    # hidden key whose V holds inf makes dP infinite there, and 0 * inf is NaN
-    dq = tl.where((inv_l == 0.0)[:, None], 0.0, dq)
-    tl.store(DQ + q_head + offs_m[:, None] * stride_qm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=qd_mask)
+        if WRITE_DQ:
+            if not SCORE_IS_S and not ROW_FACTORS:
+                ds = tl.where(p > 0.0, ds * dlogit_ds, 0.0)   # (see the dK/dV kernel)
+            dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST_DOT)
+    if WRITE_DQ:
+        if ROW_FACTORS:
+            dq = dq * (sm_scale * ds_row)[:, None]   # d logit / d s, the row's alone
+        else:
+            dq = dq * sm_scale
+        # A row that sees no key (l = 0) has dQ = 0: its dS is P (dP - delta) with P = 0, but a
+        # hidden key whose V holds inf makes dP infinite there, and 0 * inf is NaN
+        dq = tl.where((inv_l == 0.0)[:, None], 0.0, dq)
+        tl.store(DQ + q_head + offs_m[:, None] * stride_qm + offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=qd_mask)
     # one partial sum per program (tl.program_id(0): the tile, or with VARLEN the work item)
-    partial = DTheta + ((off_b * tl.num_programs(0) + tl.program_id(0)) * Hq + off_h) * NUM_GRADS
+    partial = (DTheta + ((off_b * tl.num_programs(0) + tl.program_id(0)) * Hq + off_h) * NUM_GRADS
+               + GRAD_BASE)
+    if DIST_SUMS:
+        for c in tl.static_range(DIST_K // DIST_CHUNK):
+            column = c * DIST_CHUNK + dist_k
+            tl.store(partial + column, dist_acc[c], mask=column < NUM_GRADS)
     grads = ()
     means = ()
-    for g in tl.static_range(NUM_GRADS):
+    for g in tl.static_range(GRAD_COUNT):
         grads = grads + (sums[2 * g],)
         means = means + (sums[2 * g + 1],)
-    if NUM_GRADS > 0:
+    if GRAD_COUNT > 0:
         if not TILE_ROW_SUMS:
             ds_rows = tl.sum(ds_acc, 1)
             summed = ()
-            for g in tl.static_range(NUM_GRADS):
+            for g in tl.static_range(GRAD_COUNT):
                 summed = summed + (tl.sum(means[g], 1),)
             means = summed
         if not TILE_GRAD_SUMS:
             summed = ()
-            for g in tl.static_range(NUM_GRADS):
+            for g in tl.static_range(GRAD_COUNT):
                 summed = summed + (tl.sum(grads[g], 1),)
             grads = summed
         # (ROW_FACTORS: each row's sums times its row factors, clamped as the per-score
         # derivatives would be (_clamped): the factor multiplies the corrected row sum, not its
         # two terms apart, whose products may overflow where their difference does not.)
-        row_at = RowSums + (stats_rows + offs_m) * (1 + NUM_GRADS)
-        if ROW_SUMS:
+        row_at = RowSums + (stats_rows + offs_m) * (1 + NUM_GRADS) + GRAD_BASE
+        if ROW_SUMS and WRITE_DQ:
             tl.store(row_at, ds_rows, mask=row_ok)
-    for g in tl.static_range(NUM_GRADS):
+    for g in tl.static_range(GRAD_COUNT):
+        factor = 1.0
+        if ROW_FACTORS:
+            factor = row_factors[1 + GRAD_BASE + g]
         if ROW_SUMS:
             if ROW_FACTORS:
-                tl.store(row_at + 1 + g, _clamped(row_factors[1 + g] * means[g]), mask=row_ok)
-                tl.store(partial + g, tl.sum(_clamped(row_factors[1 + g] * grads[g]), 0))
+                tl.store(row_at + 1 + g, _clamped(factor * means[g]), mask=row_ok)
+                tl.store(partial + g, tl.sum(_clamped(factor * grads[g]), 0))
             else:
                 tl.store(row_at + 1 + g, means[g], mask=row_ok)
                 tl.store(partial + g, tl.sum(grads[g], 0))
         elif RAMP:
             tl.store(partial + g, _clamped(ramp_factors[g] * tl.sum(grads[g] - ds_rows * means[g], 0)))
         elif ROW_FACTORS:
-            tl.store(partial + g, tl.sum(_clamped(row_factors[1 + g] * (grads[g] - ds_rows * means[g])), 0))
+            tl.store(partial + g, tl.sum(_clamped(factor * (grads[g] - ds_rows * means[g])), 0))
         else:
             tl.store(partial + g, tl.sum(grads[g] - ds_rows * means[g], 0))

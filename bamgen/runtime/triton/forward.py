@@ -36,9 +36,10 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    TABLE_ROW_ARGS, _dot, _factored_logit2, _kept_keys, _load_kept, _load_kv, _logit2, _logit_row2,
-    _program_span, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
-    _ramp_row_term, _row_offsets, _value_entries, _window_keys)
+    TABLE_ROW_ARGS, _distance, _dot, _factored_logit2, _kept_keys, _load_kept, _load_kv, _logit2,
+    _logit_row2, _position, _program_span, _ramp_logit2, _ramp_nearest_key,
+    _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets, _value_entries,
+    _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
     RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, prior_ramp, prior_scalars)
 
@@ -57,7 +58,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     is a line in d on the causal side (RAMP), a causal logit is s + slope * (ref - j)
     (log2 units): the tile's reference key ramp_ref, a broadcast vector per key tile
     instead of a per-score evaluation."""
-    pos_i = offs_m_abs[:, None].to(tl.float32)
+    pos_i = _position(offs_m_abs)[:, None]
     pos_n = n_visible[:, None]
     if RAMP_SYMMETRIC:
         near_ref = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)[:, None]
@@ -70,8 +71,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         if HAS_KEY_MASK:   # (a NaN in a padding key's k is hidden by the where() below)
             kept = _kept_keys(km_base, offs_n, Nk)
         qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
-        pos_j = offs_n_abs[None, :].to(tl.float32)
-        pos_d = (offs_m_abs[:, None] - offs_n_abs[None, :]).to(tl.float32)
+        pos_j = _position(offs_n_abs)[None, :]
+        pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
         if RAMP:
             if CAUSAL:   # (a hidden score, d < 0, is off the line: the mask below drops it)
                 z = qk * qk_scale + (ramp_slope * (ramp_ref - offs_n_abs).to(tl.float32))[None, :]

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from . import interpreting
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    HAS_BIAS, LOGIT_FMA, ROW_FACTORS, SCORE_IS_S, TABLE, TABLE_SLOTS, prior_bias, prior_grads,
-    prior_logit_row, prior_logit_score, prior_row_factors)
+    CLAMP_POSITIONS, HAS_BIAS, LOGIT_FMA, ROW_FACTORS, SCORE_IS_S, TABLE, TABLE_SLOTS, prior_bias,
+    prior_grads, prior_logit_row, prior_logit_score, prior_row_factors)
 
 # Gather table entries through PTX (see _table_load) when compiling for a GPU; the interpreter
 # cannot run inline assembly and takes tl.load.
@@ -59,6 +59,65 @@ def _atan(x):
     r = base + (((8.05374449538e-2 * z - 1.38776856032e-1) * z + 1.99777106478e-1) * z
                 - 3.33329491539e-1) * z * t + t
     return tl.where(x < 0, -r, r)
+
+@triton.jit
+def _position(x_abs):
+    """An absolute position as the hooks see it, float32: a padding token's negative position
+    reads as 0 where the prior reads i or j (CLAMP_POSITIONS)."""
+    if CLAMP_POSITIONS:
+        x_abs = tl.maximum(x_abs, 0)
+    return x_abs.to(tl.float32)
+
+
+@triton.jit
+def _distance(i_abs, j_abs):
+    """d = i - j as the hooks see it, float32: from the positions _position gives."""
+    if CLAMP_POSITIONS:
+        i_abs = tl.maximum(i_abs, 0)
+        j_abs = tl.maximum(j_abs, 0)
+    return (i_abs - j_abs).to(tl.float32)
+
+
+@triton.jit
+def _element(index, elements):
+    """w[index] for a vector's elements (a tuple of scalars), as the runtime's element_at: a
+    chain of selects, w[0] below 1 (and for NaN), w[k] from k on (the clamp)."""
+    out = elements[0] + tl.zeros_like(index).to(tl.float32)
+    for k in tl.static_range(1, len(elements)):
+        out = tl.where(index >= k, elements[k], out)
+    return out
+
+
+@triton.jit
+def _index_floor(x):
+    """floor of an index in float64, a value within 1e-12 (relative) of an integer snapped to
+    it: the runtime's index_floor (bamgen.runtime.params)."""
+    nearest = tl.floor(x + 0.5)
+    near = tl.abs(x - nearest) <= 1e-12 * tl.maximum(tl.abs(x), 1.0)
+    return tl.where(near, nearest, tl.floor(x))
+
+
+@triton.jit
+def _index_ceil(x):
+    """ceiling of an index, as _index_floor."""
+    nearest = tl.floor(x + 0.5)
+    near = tl.abs(x - nearest) <= 1e-12 * tl.maximum(tl.abs(x), 1.0)
+    return tl.where(near, nearest, tl.ceil(x))
+
+
+@triton.jit
+def _load_vector(ptr, SIZE: tl.constexpr):
+    """A vector parameter's SIZE elements from ptr on, as a tuple of scalars (prior_scalars)."""
+    out = ()
+    for k in tl.static_range(SIZE):
+        out = out + (tl.load(ptr + k),)
+    return out
+
+
+# The helpers a generated module's Triton hooks may call, bound into its namespace when its
+# kernels are first made (bamgen.runtime.prior.Prior.kernels).
+HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector")
+
 
 @triton.jit
 def _fma_pair(x1, w1, x2, w2):
@@ -288,7 +347,9 @@ def _logit_row2(pos_i, pos_n, sc):
     """log2(e) times the logit's row factor r (the logit is u * r, ROW_FACTORS), for rows or a
     vector of them: every kernel computes it once per row, outside its key loop, with the same
     operations, so the forward and the backward's rebuilt P agree bit for bit."""
-    return (prior_logit_row(pos_i, pos_n, sc)) * 1.4426950408889634  # log2(e)
+    # (+ 0 * pos_n: a row factor of the parameters alone, such as a temperature t, is a
+    # scalar; the kernels index it as a vector of rows)
+    return (prior_logit_row(pos_i, pos_n, sc) + tl.zeros_like(pos_n)) * 1.4426950408889634  # log2(e)
 
 
 @triton.jit

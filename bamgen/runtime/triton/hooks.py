@@ -39,6 +39,9 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
   CENTER_GRADS    (inline, SCORE_IS_S, reads i, j or n) dQ takes each derivative minus its value
                   at the row's own position (d = 0): the same gradient, without the rounding of
                   a large part that is constant along the row (SCORE_IS_S's -c * |i|, say)
+  CLAMP_POSITIONS (reads i or j) the hooks see a padding token's negative position as 0, and d
+                  from the positions so read: a formula is only ever evaluated at real tokens'
+                  positions (helpers._position, _distance); masks follow the positions as they are
 
 Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
 tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
@@ -74,9 +77,11 @@ SKIP = tl.constexpr(False)
 GRAD_MODES = tl.constexpr(())
 TILE_ROW_SUMS = tl.constexpr(False)
 CENTER_GRADS = tl.constexpr(False)
+CLAMP_POSITIONS = tl.constexpr(False)
 
 FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
-         "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS")
+         "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS",
+         "CLAMP_POSITIONS")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
          "prior_score_factors", "prior_logit_row", "prior_logit_score")
 

@@ -24,7 +24,7 @@ from ..constants import LOG2E, TABLE_PAD
 from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
-from .tiles import INTERPRET_TILES, TILES
+from .tiles import GRAD_GROUPS, INTERPRET_TILES, TILES
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -463,39 +463,67 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
             num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
 
     launch(prior, "bwd_dkdv", D, q.device, key, run_dkdv, lay.masked, wrap is not eager_kernel)
-    if prior.traits.table_width:
+    dist_sums = prior.traits.dist_sums and not row_sums
+    if prior.traits.table_width and not dist_sums:
         # the dQ kernel reads the log-prior and its derivatives together: interleaved per distance
         table_dq = interleaved_table(table, prior.traits.table_width)
         dq_stride_h = table_dq.shape[1] * table_dq.shape[2]
     else:
         table_dq, dq_stride_h = table, tab_stride_h
+    groups = [(0, 0)] if dist_sums else grad_groups(prior.traits.num_grads, prior.traits.tile_kind)
     dq = torch.empty_like(q)
     partials = {}   # one partial sum per dQ program: its shape follows the tile
 
     def run_dq(config):
         block_m, block_n, warps, stages = config
         m_blocks = lay.grid0(0, block_m, Nq)
-        partials["sums"] = torch.zeros(B * m_blocks, Hq, max(len(prior.traits.learnable), 1),
+        partials["sums"] = torch.zeros(B * m_blocks, Hq, max(prior.traits.num_grads, 1),
                                        device=q.device, dtype=torch.float32)
         if isinstance(m_blocks, int) and m_blocks == 0:   # (packed documents with no query)
             return None
-        return wrap(kernels["bwd_dq"])[(m_blocks, B * Hq)](
-            q, k, v, theta, dout, stats[0], stats[1], delta, dq, partials["sums"], rows, table_dq, window, counts,
-            *lay.pointers(0, block_m),
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            Hq, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, dq_stride_h,
-            counts.stride(0), lay.stride_mb, row_abs_flag(shifted),
-            NUM_PARAMS=num_params, NUM_GRADS=len(prior.traits.learnable), CAUSAL=causal, BLOCK_M=block_m,
-            BLOCK_N=block_n, HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast,
-            ROW_SUMS=row_sums, **lay.flags(), num_warps=warps, num_stages=stages,
-            enable_fp_fusion=FP_FUSION)
+        out = None
+        for base, count in groups:
+            out = wrap(kernels["bwd_dq"])[(m_blocks, B * Hq)](
+                q, k, v, theta, dout, stats[0], stats[1], delta, dq, partials["sums"], rows, table_dq,
+                window, counts, *lay.pointers(0, block_m),
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                Hq, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, dq_stride_h,
+                counts.stride(0), lay.stride_mb, row_abs_flag(shifted),
+                NUM_PARAMS=num_params, NUM_GRADS=prior.traits.num_grads, GRAD_BASE=base,
+                GRAD_COUNT=count, DIST_SUMS=dist_sums, DIST_K=dist_width(prior.traits.num_grads),
+                CAUSAL=causal, BLOCK_M=block_m,
+                BLOCK_N=block_n, HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast,
+                ROW_SUMS=row_sums, **lay.flags(), num_warps=warps, num_stages=stages,
+                enable_fp_fusion=FP_FUSION)
+        return out
 
-    rows = torch.zeros(B, Hq, Nq, 1 + len(prior.traits.learnable), device=q.device, dtype=torch.float32) \
+    rows = torch.zeros(B, Hq, Nq, 1 + prior.traits.num_grads, device=q.device, dtype=torch.float32) \
         if row_sums else delta   # (a placeholder the kernel does not touch)
     launch(prior, "bwd_dq", D, q.device, key, run_dq, lay.masked, wrap is not eager_kernel)
-    dparams = partials["sums"].sum(0)[:, :len(prior.traits.learnable)]
+    dparams = partials["sums"].sum(0)[:, :prior.traits.num_grads]
     return (dq, dk, dv, dparams, rows) if row_sums else (dq, dk, dv, dparams)
+
+
+# Learnable scalars one dQ launch sums (GRAD_BASE, GRAD_COUNT in backward.py), unless the
+# prior's tile kind says otherwise (tiles.GRAD_GROUPS): a prior with more takes a launch per
+# group, each with the registers of a few accumulators (FIRE's 99 in one launch would need 198
+# of them per row, and spill); every group recomputes P and dS, and the first also writes dQ.
+GRAD_GROUP = 8
+
+
+def dist_width(num_grads: int) -> int:
+    """The per-distance sums' columns (DIST_K): a power of two >= the learnable scalars."""
+    return triton.next_power_of_2(max(num_grads, 1))
+
+
+def grad_groups(num_grads: int, kind: str = "") -> list[tuple[int, int]]:
+    """(first learnable scalar, how many) of each dQ launch: one launch for up to the group
+    size of the prior's tile kind."""
+    size = GRAD_GROUPS.get(kind, GRAD_GROUP)
+    if num_grads <= size:
+        return [(0, num_grads)]
+    return [(base, min(size, num_grads - base)) for base in range(0, num_grads, size)]
 
 
 def interleaved_table(table, width):
@@ -521,7 +549,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
     specs = []
     flags = {"plain": (False, False, False), "padded": (True, True, False),
              "packed": (True, False, True)}[layout]
-    common = dict(NUM_PARAMS=len(prior.traits.param_names), CAUSAL=causal, HEAD_DIM=padded, D=head_dim,
+    common = dict(NUM_PARAMS=prior.traits.num_columns, CAUSAL=causal, HEAD_DIM=padded, D=head_dim,
                   DOT_PREC=precision, UPCAST_DOT=False,
                   **dict(zip(("HAS_KEY_MASK", "ROW_OFFSETS", "VARLEN"), flags)))
     layout_ptrs = dict(KeyMask="*u8", QOff="*i32", KOff="*i32", CuSeqQ="*i32", CuSeqK="*i32",
@@ -542,7 +570,12 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32", Delta="*fp32",
               DQ=ptr, DTheta="*fp32", RowSums="*fp32", Table="*fp32", Window="*i32", NRow="*fp32",
               **layout_ptrs),
-         dict(NUM_GRADS=len(prior.traits.learnable), ROW_SUMS=False)),
+         # (the first group's launch: the one that also writes dQ)
+         dict(NUM_GRADS=prior.traits.num_grads, GRAD_BASE=0,
+              GRAD_COUNT=0 if prior.traits.dist_sums
+              else grad_groups(prior.traits.num_grads, prior.traits.tile_kind)[0][1],
+              DIST_SUMS=prior.traits.dist_sums, DIST_K=dist_width(prior.traits.num_grads),
+              ROW_SUMS=False)),
     ]
     if layout != "packed":   # (packed documents always take the prefill kernel)
         plans += [
@@ -564,7 +597,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
             options = candidates(prior, config, head_dim, arch, layout != "plain")
             block_m, block_n, warps, stages = options[min(candidate, len(options) - 1)]
         constexprs = {"BLOCK_M": block_m, "BLOCK_S": DECODE_COMBINE_SPLITS, "HEAD_DIM": padded,
-                      "D": head_dim, "NUM_PARAMS": len(prior.traits.param_names)}
+                      "D": head_dim, "NUM_PARAMS": prior.traits.num_columns}
         if extra is not None:
             constexprs.update(common, BLOCK_N=block_n, **extra)
         constexprs = {key: value for key, value in constexprs.items() if key in fn.arg_names}

@@ -10,6 +10,8 @@ and it depends on what the main loop computes per score:
   four entries) with one [BLOCK_M, BLOCK_N] accumulator per learnable parameter (GGD, BAM,
   Cauchy, KERPLE). On sm_90 both backward kernels keep the warpgroup MMA: 64 rows in dQ, 64
   keys in dK/dV (below that the warps re-read their operands through shared memory);
+* ``dist``: a table prior whose dQ kernel sums dS per distance (T5's 32 buckets);
+* ``heavy``: many scalars, read from memory per score (FIRE's MLP);
 * ``general``: a printed expression per score, or a score other than s + log_prior (SSMax).
 
 Every entry compiles with no register spills and within the family's shared memory for every
@@ -54,6 +56,38 @@ TILES = {
             256: _HEAD_256,
         },
     },
+    # a table prior whose dQ kernel sums dS per distance (DIST_SUMS: T5's buckets): the skewed
+    # [BLOCK_M, 2 * max(BLOCK_M, BLOCK_N)] tile and the derivative tables' slab take registers,
+    # so dQ keeps 32 rows (sm_90 included: 64 rows spill 216-1272 bytes with 4 or 8 warps)
+    "dist": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(128, 32, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+    # a prior of many scalars read from memory per score (FIRE's MLP: 99 weights, about 100
+    # FP32 operations per score): small tiles, since the per-score work, not the MMA, bounds
+    # them; dQ sums 4 learnable scalars a launch (GRAD_GROUPS) at 16 x 16
+    "heavy": {
+        "sm_90": {
+            64: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            # dK/dV at head dim 128: 32x32 spills 16 bytes (32x16: 0, modelled 2289 cycles / 1k)
+            128: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(32, 16, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            # forward at head dim 128: 64x32 spills 112 bytes (32x64: 0, modelled 2758 / 1k)
+            128: {"fwd": [(32, 64, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
     "general": {
         "sm_90": {
             64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
@@ -79,6 +113,10 @@ for _families in TILES.values():
     for _by_dim in _families.values():
         for _dim, _kernels in _by_dim.items():
             _by_dim[_dim] = {**_kernels, "decode": _DECODE[_dim]}
+
+# Learnable scalars one dQ launch sums, per kind (8 where not named): a launch per group
+# (launch.grad_groups), each with the registers of that many accumulators.
+GRAD_GROUPS = {"heavy": 4}
 
 # Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly.
 INTERPRET_TILES = {
