@@ -36,8 +36,8 @@ def _inspect(prior, arch, head_dim, *extra):
 # priors' compiles there are marked aot_full and run in `make test-full` (each costs ~20 s of a
 # core). At head dim 128 on sm_90, the register-bound case on the GPU of record, every prior
 # compiles in every run. GGD stands for the table kind: it has the most learnable parameters,
-# hence the most registers in dQ.
-REPRESENTATIVE = {"uniform", "laplace", "generalized_gaussian", "bam_ssmax"}
+# hence the most registers in dQ; T5 for the dist kind (per-distance sums), FIRE for heavy.
+REPRESENTATIVE = {"uniform", "laplace", "generalized_gaussian", "bam_ssmax", "t5", "fire"}
 
 
 def _matrix_param(prior, arch, head_dim):

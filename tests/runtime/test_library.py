@@ -17,6 +17,33 @@ def _bam(d, p):
     return -torch.exp(p["ta"]) * (torch.abs(-d - 2 * torch.sinh(p["tm"])) + 1e-5) ** p["tb"]
 
 
+def _t5(bidirectional):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    def log_prior(d, p):   # T5's own bucketing of j - i, then the head's bias of the bucket
+        bucket = T5Attention._relative_position_bucket((-d).long(), bidirectional=bidirectional,
+                                                       num_buckets=32, max_distance=128)
+        w = p["w"]
+        return w.gather(-1, bucket[..., None].expand(*w.shape[:-1], 1)).squeeze(-1)
+    return log_prior
+
+
+def _fire(d, p):
+    """FIRE's bias materialised as its paper's code computes it: the MLP on every (i, j)."""
+    x = torch.log(p["c"] * torch.abs(d) + 1) / torch.log(p["c"] * torch.maximum(p["i"], p["L"]) + 1)
+    hidden = torch.relu(p["w1"] * x[..., None] + p["b1"])
+    return (p["w2"] * hidden).sum(-1) + p["b2"]
+
+
+def _sandwich(d, p):
+    return p["a"] * sum(torch.cos(d / 10000 ** (2 * k / 128)) for k in range(1, 65))
+
+
+def _pattern(rows, cols, scale=1.0, shift=0.0):
+    """Deterministic, varied values (rows x cols) for the vector parameters."""
+    return [[scale * math.sin(1.7 * r + 0.61 * c + shift) for c in range(cols)] for r in range(rows)]
+
+
 LIBRARY = {
     # name: (log_prior, score, {param: per-head values}, learnable params, kink)
     "bam": (_bam, None,
@@ -36,6 +63,14 @@ LIBRARY = {
     "kerple_power": (lambda d, p: -p["r1"] * torch.abs(d) ** p["r2"], None,
                      {"r1": [0.5, 0.1, 1.0, 0.05], "r2": [1.0, 0.4, 1.9, 0.1]}, ("r1", "r2"),
                      lambda d, p: d == 0),
+    # vectors: a per-head one is [Hq, K], a shared one [K], a shared scalar a 0-d value
+    "t5": (_t5(False), None, {"w": _pattern(4, 32)}, ("w",), None),
+    "t5_bidirectional": (_t5(True), None, {"w": _pattern(4, 32, shift=0.3)}, ("w",), None),
+    "sandwich": (_sandwich, None, {"a": [0.05, 0.01, 0.2, 0.002]}, ("a",), None),
+    "fire": (_fire, None, {"c": 0.3, "L": 8.0, "w1": _pattern(1, 32, 2.0)[0],
+                           "b1": _pattern(1, 32, 1.0, 0.5)[0], "w2": _pattern(4, 32, 0.5, 1.0),
+                           "b2": [0.1, -0.2, 0.3, 0.0]},
+             ("c", "L", "w1", "b1", "w2", "b2"), None),
 }
 
 
@@ -65,6 +100,24 @@ def test_ssmax_dq_with_per_tile_parameter_sums(dq_tile, monkeypatch):
 DEVICE = torch.device(os.environ.get("BAMGEN_TEST_DEVICE", "cpu"))
 
 
+def as_reference(module, params):
+    """Parameters as the reference takes them: a vector as [heads, K] ([1, K] when the heads
+    share it)."""
+    return {n: t[None] if t.dim() == 1 and module.TRAITS.param(n).size else t
+            for n, t in params.items()}
+
+
+def fold_shared(module, *results):
+    """The reference gives per-head gradients: a value the heads share has their sum (its
+    gradient's gross magnitude too)."""
+    for r in results:
+        shared = {n for n in r.dparams if not module.TRAITS.param(n).per_head}
+        r.dparams = {n: g.sum(0) if n in shared else g for n, g in r.dparams.items()}
+        for n in shared:
+            if r.gross.get("d" + n) is not None:
+                r.gross["d" + n] = r.gross["d" + n].sum(0)
+
+
 def _check_against_reference(name, backend):
     log_prior, score, values, learnable, kink = LIBRARY[name]
     dev = DEVICE if backend == "triton" else torch.device("cpu")
@@ -81,8 +134,10 @@ def _check_against_reference(name, backend):
     wrt = leaves + [p_leaves[n] for n in learnable]
     out, *grads = (t.cpu() for t in (out, *torch.autograd.grad(out, wrt, dout.to(dev))))
     kw = dict(causal=True, q_offset=Nk - Nq, score=score, kink=kink, dout=dout)
-    ref = reference_attention(q, k, v, params, log_prior, **kw)
-    pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
+    ref = reference_attention(q, k, v, as_reference(module, params), log_prior, **kw)
+    pt = reference_attention(q, k, v, as_reference(module, params), log_prior,
+                             compute_dtype=torch.float32, **kw)
+    fold_shared(module, ref, pt)
     results = [("out", out, ref.out, pt.out), ("dq", grads[0], ref.dq, pt.dq),
                ("dk", grads[1], ref.dk, pt.dk), ("dv", grads[2], ref.dv, pt.dv)]
     results += [(f"d{n}", g, ref.dparams[n], pt.dparams[n]) for n, g in zip(learnable, grads[3:])]
