@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from bamgen.distributed import ring_attention, shard, unshard
 from tests.reference import reference_attention
+from tests.runtime.test_library import LIBRARY, as_reference, fold_shared
 from tests.tolerance import assert_all_close
 
 WORLD = 4
@@ -61,6 +62,10 @@ PRIORS = {   # name: (log_prior, score, kink, per-head values for 4 heads)
                    "tm": [0.0, 0.3, -1.2, 2.0], "ssmax": [0.4, 0.2, 0.7, 1.1]}),
     "laplace": (lambda d, p: -torch.abs(d) / p["b"], None, lambda d, p: d == 0,
                 {"b": [1.0, 4.0, 16.0, 0.5]}),
+    # vector parameters (tests/runtime/test_library.py): T5's tables, FIRE's shared MLP layer
+    "t5": (LIBRARY["t5"][0], None, None, LIBRARY["t5"][2]),
+    "t5_bidirectional": (LIBRARY["t5_bidirectional"][0], None, None, LIBRARY["t5_bidirectional"][2]),
+    "fire": (LIBRARY["fire"][0], None, None, LIBRARY["fire"][2]),
     "uniform": (None, None, None, {}),
 }
 
@@ -174,7 +179,8 @@ def _ring_case(rank, group_name, prior, causal, B, Hq, Hk, chunk, D, cuts=None):
     log_prior, score, kink, values = PRIORS[prior]
     N = 2 * world * chunk
     q, k, v, dout = _inputs(B, Hq, Hk, N, D, seed=N + Hk)
-    params = {n: torch.tensor(vals[:Hq]) for n, vals in values.items()}
+    params = {n: torch.tensor(vals[:Hq] if mod.TRAITS.param(n).per_head else vals)
+              for n, vals in values.items()}
     docs = {} if cuts is None else dict(cu_seqlens_q=torch.tensor(cuts), cu_seqlens_k=torch.tensor(cuts))
 
     # the one-process run
@@ -194,8 +200,10 @@ def _ring_case(rank, group_name, prior, causal, B, Hq, Hk, chunk, D, cuts=None):
     ring += [p_ring[n].grad for n in mod.LEARNABLE]
 
     kw = dict(causal=causal, score=score, kink=kink, dout=dout, **docs)
-    ref = reference_attention(q, k, v, params, log_prior, **kw)
-    pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
+    ref = reference_attention(q, k, v, as_reference(mod, params), log_prior, **kw)
+    pt = reference_attention(q, k, v, as_reference(mod, params), log_prior,
+                             compute_dtype=torch.float32, **kw)
+    fold_shared(mod, ref, pt)
     names = ["out", "dq", "dk", "dv"] + [f"d{n}" for n in mod.LEARNABLE]
     refs = [ref.out, ref.dq, ref.dk, ref.dv] + [ref.dparams[n] for n in mod.LEARNABLE]
     pts = [pt.out, pt.dq, pt.dk, pt.dv] + [pt.dparams[n] for n in mod.LEARNABLE]
@@ -223,6 +231,9 @@ CASES = [   # (group, prior, causal, B, Hq, Hk, chunk, D)
     ("all", "bam_ssmax", True, 1, 4, 4, 3, 16),
     ("all", "bam_ssmax", False, 1, 4, 2, 3, 8),
     ("all", "laplace", True, 2, 2, 1, 3, 16),
+    ("pair", "t5", True, 1, 4, 2, 5, 16),
+    ("all", "t5_bidirectional", False, 1, 4, 4, 3, 8),
+    ("pair", "fire", True, 1, 4, 2, 4, 8),
 ]
 
 
@@ -536,7 +547,7 @@ def test_ring_attention_argument_errors():
         ring_attention(mod, q, q, q, alpha=1.0, beta=1.0)
     with pytest.raises(ValueError, match="unknown parameter.*'gamma'"):
         ring_attention(mod, q, q, q, **p, gamma=1.0)
-    with pytest.raises(ValueError, match=r"alpha must be a float or a floating-point tensor of shape \[2\]"):
+    with pytest.raises(ValueError, match=r"alpha must be a float or a tensor of shape \[2\] \(one value per query head\)"):
         ring_attention(mod, q, q, q, **{**p, "alpha": torch.ones(3)})
     with pytest.raises(ValueError, match="not its nn.Module"):
         ring_attention(mod.GeneralizedGaussianAttention(2), q, q, q, **p)

@@ -226,3 +226,41 @@ def test_documents_packed_by_position_ids_each_see_only_themselves(absolute):
         start += len(doc)
     with pytest.raises(ValueError, match="position_ids: documents packed into a batch of 2"):
         model(ids.repeat(2, 1), position_ids=positions.repeat(2, 1))
+
+
+@pytest.mark.parametrize("prior", ["t5", "fire"])
+def test_vector_priors_train_save_and_reload(tmp_path, prior):
+    """T5's bucket table (a [H, 32] vector per layer) and FIRE's MLP (its hidden layer shared by
+    the heads) inside a model: every bucket a 12-token batch trains gets a gradient and moves,
+    as do FIRE's c, L, w1 and w2; save/reload gives the same parameters and logits. FIRE's b2
+    adds the same value to every score of a head, which softmax ignores: its gradient is 0 up
+    to rounding (and b1's is where no ReLU changes side within a row)."""
+    model = tiny_llama(prior=prior).train()
+    priors = {name: p for name, p in model.named_parameters() if "bamgen_prior" in name}
+    short = {name: name.rsplit(".", 1)[-1].removeprefix("raw_") for name in priors}
+    assert {short[n]: tuple(p.shape) for n, p in priors.items()} == (
+        {"w": (4, 32)} if prior == "t5" else
+        {"c": (1,), "L": (1,), "w1": (32,), "b1": (32,), "w2": (4, 32), "b2": (4,)})
+    before = prior_params(model)
+    optimizer = torch.optim.AdamW(bamgen.param_groups(model, weight_decay=0.1), lr=1e-2)
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        for name, p in priors.items():
+            assert torch.isfinite(p.grad).all(), name
+            if short[name] == "w":   # d = 0..10: the last position predicts no label, so its
+                assert (p.grad[:, :11] != 0).all(), name   # row, the only one at d = 11, sends none
+            elif short[name] == "b2":
+                assert p.grad.abs().max() < 1e-12, name
+            elif short[name] != "b1":
+                assert (p.grad != 0).any(), name
+        optimizer.step()
+    after = prior_params(model)
+    assert [k for k in before if torch.equal(before[k], after[k]) and not k.endswith(("b1", "b2"))] == []
+    model.eval().save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path).eval()
+    got = prior_params(loaded)
+    assert got.keys() == after.keys() and all(torch.equal(got[k], after[k]) for k in got)
+    assert torch.equal(loaded(ids).logits, model(ids).logits)

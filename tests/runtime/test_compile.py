@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from bamgen.generated import bam_ssmax, gaussian, generalized_gaussian as ggd, uniform
+from bamgen.generated import bam_ssmax, fire, gaussian, generalized_gaussian as ggd, t5, uniform
 from bamgen.runtime.ops import TritonOps, op_name
 from tests.helpers import ROOT
 
@@ -120,6 +120,32 @@ def test_attention_function_compiles(causal):
         for fn in (compiled, f):
             out = fn(q, k, v)
             results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, sigma))))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize("module", [t5, fire], ids=["t5", "fire"])
+def test_vector_parameters_compile(module):
+    """Vector parameters (T5's [H, 32] table; FIRE's shared [32] layer, shared scalars and
+    per-head [H, 32] layer) go into the op as tensors: one graph for every length, the same
+    output and gradients of every element as eager."""
+    torch.manual_seed(4)
+    params = {n: t.clone().requires_grad_() for n, t in module.default_params(4).items()}
+    if module is fire:   # (shared scalars as a user passes them: 0-d)
+        params["c"], params["L"] = (torch.tensor(v, requires_grad=True) for v in (0.3, 6.5))
+
+    def f(q, k, v):
+        return module.attention(q, k, v, **params, causal=True)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in LENGTHS:
+        q, k, v = (torch.randn(1, 4, n, 8, requires_grad=True) for _ in range(3))
+        results = []
+        for fn in (compiled, f):
+            out = fn(q, k, v)
+            results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, *params.values()))))
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == 1
