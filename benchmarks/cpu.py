@@ -4,6 +4,8 @@
     python benchmarks/cpu.py --quick              # tiny smoke run (used by tests/runtime/test_cpu_path.py)
     python benchmarks/cpu.py --memory-scaling     # peak memory of fwd+bwd up to N=16384
     python benchmarks/cpu.py --decode             # one decode step (1 query, N cached keys)
+    python benchmarks/cpu.py --field              # t5, fire, sandwich against GGD and their
+                                                  # materialised biases, N = 1024 4096
 
 Peers, all in one process, run alternately (one repeat of every peer, then the next repeat) and
 reported as medians, so that load from other processes on a shared machine hits them alike:
@@ -378,6 +380,93 @@ def decode_benchmark(args) -> None:
               flush=True)
 
 
+# --------------------------------------------------------------------------------------------
+# the field's priors (--field): each against its bias materialised as an [H, N, N] tensor from
+# the same parameters (with autograd) and passed to SDPA, the way their papers' code runs them
+
+
+def _t5_bias(n, w):
+    """transformers' causal T5 buckets (32, max distance 128) gathered from w [H, 32]."""
+    i = torch.arange(n)
+    r = (i[:, None] - i[None, :]).clamp(min=0)
+    large = 16 + (torch.log(r.float().clamp(min=1) / 16) / math.log(128 / 16) * 16).long()
+    bucket = torch.where(r < 16, r, large.clamp(max=31))
+    return w[:, bucket]
+
+
+def _fire_bias(n, c, L, w1, b1, w2, b2):
+    """FIRE's MLP over psi(i - j) / psi(max(i, L)), psi(x) = log(c|x| + 1), for every (i, j)
+    (c and L are shared: default_params repeats them per head)."""
+    c, L = c.reshape(-1)[0], L.reshape(-1)[0]
+    i = torch.arange(n, dtype=torch.float32)
+    x = torch.log(c * (i[:, None] - i[None, :]).abs() + 1) / torch.log(c * torch.maximum(i, L) + 1)[:, None]
+    hidden = torch.relu(x[..., None] * w1 + b1)                  # [N, N, 32]
+    return (hidden @ w2.T + b2).permute(2, 0, 1)                 # [H, N, N]
+
+
+def _sandwich_bias(n, a):
+    """a[h] * sum_{k=1..64} cos(d / 10000^(2k/128))."""
+    i = torch.arange(n, dtype=torch.float32)
+    d = i[:, None] - i[None, :]
+    waves = torch.cos(d[..., None] / 10000 ** (2 * torch.arange(1, 65) / 128)).sum(-1)
+    return a[:, None, None] * waves
+
+
+FIELD = {"t5": _t5_bias, "fire": _fire_bias, "sandwich": _sandwich_bias}
+
+
+def field_benchmark(args) -> None:
+    """t5, fire and sandwich (bamgen's CPU path) against GGD and against their materialised
+    biases, forward + backward with every parameter learnable, medians of alternating repeats."""
+    ns = args.n or [1024, 4096]
+    heads, dim = args.heads, args.dim
+    print(f"\nThe field's priors, H={heads} D={dim} B=1 causal fp32, threads={torch.get_num_threads()}, "
+          f"fwd+bwd ms, median of {args.reps} alternating repeats\n")
+    print("| N | prior | bamgen | materialised bias + SDPA | bias / bamgen | bamgen / GGD | max abs diff |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for n in ns:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, heads, n, dim, generator=g) for _ in range(4))
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        calls = {}
+        for name in ("generalized_gaussian", *FIELD):
+            module = _load_generated(name, args.module_dir)
+            torch.manual_seed(0)
+            params = {key: t.clone().requires_grad_() for key, t in module.default_params(heads).items()}
+            calls[(name, "bamgen")] = lambda m=module, p=params: m.attention(q, k, v, **p, causal=True)
+            if name in FIELD:
+                def materialised(p=params, make=FIELD[name]):
+                    bias = make(n, *p.values()).masked_fill(~causal, -math.inf)
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
+                calls[(name, "bias")] = materialised
+        leaves = [q, k, v]
+        for t in leaves:
+            t.requires_grad_()
+
+        def step(call):
+            out = call()
+            out.backward(dout)
+            for t in leaves:
+                t.grad = None
+
+        for call in calls.values():   # warm-up
+            step(call)
+        samples = {key: [] for key in calls}
+        for _ in range(args.reps):
+            for key, call in calls.items():
+                gc.collect()
+                samples[key].append(_time(lambda: step(call)))
+        t = {key: statistics.median(ts) for key, ts in samples.items()}
+        ggd = t[("generalized_gaussian", "bamgen")]
+        print(f"| {n} | ggd | {_ms(ggd)} | - | - | 1.00 | - |", flush=True)
+        for name in FIELD:
+            ours, bias = t[(name, "bamgen")], t[(name, "bias")]
+            with torch.no_grad():   # the peers compute the same attention
+                diff = (calls[(name, "bamgen")]() - calls[(name, "bias")]()).abs().max().item()
+            print(f"| {n} | {name} | {_ms(ours)} | {_ms(bias)} | {_ratio(bias, ours)} | "
+                  f"{_ratio(ours, ggd)} | {diff:.1e} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, nargs="*", help="sequence lengths (default 1024 2048 4096 8192)")
@@ -397,6 +486,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-scaling", action="store_true")
     ap.add_argument("--decode", action="store_true",
                     help="one decode step (1 query against N keys) against SDPA (default N 1024 4096 16384)")
+    ap.add_argument("--field", action="store_true",
+                    help="t5, fire, sandwich against GGD and their materialised biases (default N 1024 4096)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     ap.add_argument("--module-dir", default=None, help="load the generated modules from this folder")
     ap.add_argument("--set", action="append", metavar="NAME=INT",
@@ -424,6 +515,11 @@ def main(argv=None) -> int:
         if args.quick:
             args.n, args.reps = args.n or [64], 1
         decode_benchmark(args)
+        return 0
+    if args.field:
+        if args.quick:
+            args.n, args.reps = args.n or [64], 1
+        field_benchmark(args)
         return 0
     if args.quick:
         args.n = args.n or [256]

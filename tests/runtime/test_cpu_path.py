@@ -286,3 +286,15 @@ def test_quick_decode_benchmark_runs():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| 64 |" in res.stdout and "ggd / sdpa" in res.stdout, res.stdout
+
+
+def test_quick_field_benchmark_runs_and_its_peers_agree():
+    """The field's priors against their materialised biases: the peers compute the same
+    attention (the last column), so the timings compare like with like."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu.py"), "--field", "--quick"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| 64 |")]
+    diffs = {row[2].strip(): float(row[-2]) for row in rows if row[2].strip() != "ggd"}
+    assert sorted(diffs) == ["fire", "sandwich", "t5"], res.stdout
+    assert max(diffs.values()) < 1e-4, res.stdout
