@@ -510,7 +510,8 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         first, rest = _first_output_first(plan.distance_table.code)
         distance = dict(prm=_prm_unpack(plan, "prm"),
                         hoisted=plan.distance_table.code.hoisted, first=first, rest=rest,
-                        outputs=plan.distance_table.code.outputs)
+                        outputs=plan.distance_table.code.outputs,
+                        returned=_tuple(plan.distance_table.code.outputs, always=True))
     triton_side = triton_hooks(plan)
     return dict(
         spec=spec, plan=plan, header=header, source_name=source_name, abi=RUNTIME_ABI,
