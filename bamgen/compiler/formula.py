@@ -107,6 +107,8 @@ def clamp_index(value: float, size: int) -> int:
     the runtime's element_at does)."""
     if value != value:
         return 0
+    if math.isinf(value):   # (log(0) and 1/0 clamp to an end like any index out of range)
+        return 0 if value < 0 else size - 1
     return int(min(max(math.floor(value), 0), size - 1))
 
 

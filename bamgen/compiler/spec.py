@@ -583,6 +583,16 @@ def _parse_size(raw, field: str, line: int | None) -> int | None:
     return raw
 
 
+def _yaml_number(x):
+    """x, or the float a string such as "2e-2" spells (PyYAML 1.1 needs a dot in a float)."""
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return x
+    return x
+
+
 def _parse_random(raw: dict, domain: Domain, field: str, line: int | None) -> tuple[str, float, float]:
     """{uniform: [lo, hi]} or {normal: [mean, std]}: drawn with torch's default generator when
     the module is built (docs/priors.md, "Random inits")."""
@@ -591,6 +601,8 @@ def _parse_random(raw: dict, domain: Domain, field: str, line: int | None) -> tu
                         f"{_show(raw)}", field=field, line=line,
                         hint="or give a number or a formula in h and H")
     kind, args = next(iter(raw.items()))
+    if isinstance(args, list):   # (YAML reads 2e-2, with no dot, as a string)
+        args = [_yaml_number(x) for x in args]
     if not (isinstance(args, list) and len(args) == 2 and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
             and abs(x) <= MAX_LITERAL for x in args)):

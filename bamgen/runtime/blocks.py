@@ -28,7 +28,8 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
     [B, Nq] or [Nq] (default: the keys of this block it sees)."""
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_block_offsets(q, k, q_offset, k_offset)
-    theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check)
+    theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check,
+                       head_rows=True)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     with torch.no_grad():
         if use_triton(q, backend):
@@ -56,7 +57,8 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(q.shape)}")
     if not isinstance(stats, torch.Tensor) or stats.shape != (*q.shape[:3], 2):
         raise ValueError(f"stats must be a float32 tensor of shape {(*q.shape[:3], 2)}")
-    theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check)
+    theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check,
+                       head_rows=True)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     out, stats = out.to(theta.dtype), stats.to(theta.dtype)
     with torch.no_grad():
@@ -86,7 +88,7 @@ def log_prior_at(prior, d, values, num_heads=None):
         raise ValueError("d must be a 1-D tensor of integer distances")
     heads = num_heads or max([1] + [_heads_of(prior.traits.param(name), x)
                                     for name, x in values.items()])
-    theta = torch.cat([param_block(p, values[p.name], heads, d.device, torch.float64)
+    theta = torch.cat([param_block(p, values[p.name], heads, d.device, torch.float64, True)
                        for p in prior.traits.params], dim=1) if prior.traits.params else None
     prm = [theta[:, c:c + 1] for c in range(theta.shape[1])] if theta is not None else []
     value = distance_prior(prior, d.to(torch.float64)[None], prm)[0]

@@ -163,10 +163,12 @@ def param_column(name, value, num_heads, device, dtype=torch.float32):
     return value if value.shape == (num_heads,) else value.reshape(-1).expand(num_heads)
 
 
-def param_block(param: ParamTraits, value, num_heads, device, dtype=torch.float32):
+def param_block(param: ParamTraits, value, num_heads, device, dtype=torch.float32,
+                head_rows=False):
     """A parameter's columns of theta, [num_heads, width]: a scalar as param_column takes it; a
     vector of K elements as [num_heads, K] (one row per query head), [1, K] or [K] (the same
-    for every head: a vector shared by the heads is given so)."""
+    for every head: a vector shared by the heads is given so, and [num_heads, K] only with
+    head_rows)."""
     if param.size is None:
         return param_column(param.name, value, num_heads, device, dtype)[:, None]
     size = param.size
@@ -177,7 +179,10 @@ def param_block(param: ParamTraits, value, num_heads, device, dtype=torch.float3
     # torch.Size tested for membership in a tuple of tuples does not trace)
     shape = tuple(value.shape)
     rows = shape[0] if len(shape) == 2 else None
-    if not (shape[-1:] == (size,) and (len(shape) == 1 or rows == num_heads or rows == 1)):
+    # (a vector the heads share takes no row per head: its heads would silently differ)
+    # (head_rows: the block API, whose caller, the ring, holds every parameter per head)
+    heads_ok = rows == 1 or ((param.per_head or head_rows) and rows == num_heads)
+    if not (shape[-1:] == (size,) and (len(shape) == 1 or heads_ok)):
         raise ValueError(f"{param.name} must be {what}, got shape {shape}")
     value = _on(value, device, dtype)
     return value if rows == num_heads else value.reshape(1, size).expand(num_heads, size)
@@ -206,7 +211,7 @@ def _on(value, device, dtype):
     return value
 
 
-def theta(traits: PriorTraits, q, values, grad, check=None):
+def theta(traits: PriorTraits, q, values, grad, check=None, head_rows=False):
     """The parameters as one float32 [Hq, P] tensor (float64 for float64 inputs) in slot order;
     autograd flows back to the learnable ones when grad is true. check (a DomainCheck): refuse
     values outside their domains (the nn.Module skips it: its values are in their domains by
@@ -217,7 +222,7 @@ def theta(traits: PriorTraits, q, values, grad, check=None):
         return torch.zeros(num_heads, 0, dtype=dtype, device=q.device)
     blocks = []
     for p in traits.params:
-        block = param_block(p, values[p.name], num_heads, q.device, dtype)
+        block = param_block(p, values[p.name], num_heads, q.device, dtype, head_rows)
         blocks.append(block if p.learnable else block.detach())   # a buffer: no gradient
     stacked = torch.cat(blocks, dim=1)
     if check is not None:

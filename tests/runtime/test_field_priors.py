@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers.models.t5.modeling_t5 import T5Attention
 
+import bamgen
 import generated.fire as fire
 import generated.sandwich as sandwich
 import generated.t5 as t5
@@ -156,6 +157,27 @@ def test_a_shared_vector_of_the_wrong_shape_is_named():
     with pytest.raises(ValueError, match=r"w1 must be a tensor of shape \[32\] \(shared by the "
                                          r"heads\), got shape \(4, 31\)"):
         fire.attention(q, q, q, **{**p, "w1": torch.zeros(4, 31)})
+    # a row per head for a vector the heads share would let them silently differ
+    with pytest.raises(ValueError, match=r"w1 must be a tensor of shape \[32\] \(shared by "
+                                         r"the heads\), got shape \(4, 32\)"):
+        fire.attention(q, q, q, **{**p, "w1": torch.zeros(4, 32)})
+    with pytest.raises(ValueError, match=r"w1 must be a tensor of shape \[32\]"):
+        fire.FireAttention(num_heads=4, init={"w1": torch.zeros(4, 32)})
+    assert fire.attention(q, q, q, **{**p, "w1": p["w1"][None]}).shape == q.shape   # [1, size]
+
+
+def test_an_infinite_index_is_clamped_like_any_other(tmp_path):
+    """log2 buckets: at d = 0 the index formula is -inf, which clamps to w[0] (it built with
+    Max(0, ...) around it, and must build without); a random init written as 2e-2 (which YAML
+    reads as a string) is a number."""
+    (tmp_path / "log_buckets.yaml").write_text(
+        "name: log_buckets\n"
+        "params:\n  w: {size: 8, init: {normal: [0, 2e-2]}}\n"
+        "log_prior: w[Min(7, floor(log(Abs(d))/log(2)))]\n")
+    module = bamgen.load(tmp_path / "log_buckets.yaml", cache_dir=tmp_path / "cache")
+    d = torch.tensor([0, 1, 2, 3, 4, 7, 8, 200, -5])
+    got = module.log_prior_at(d, w=torch.arange(8.0, dtype=torch.float64)[None].expand(2, 8))
+    assert got[0].tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 7.0, 2.0]
 
 
 def test_the_module_stores_vectors_and_draws_random_inits_from_torch():
