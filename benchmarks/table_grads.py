@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bamgen.aot import compile_spec, loop_model  # noqa: E402
 from bamgen.driver.loader import load_prior  # noqa: E402
 from bamgen.resources import shipped_priors  # noqa: E402
-from bamgen.runtime.triton.launch import GRAD_GROUP  # noqa: E402
+from bamgen.runtime.triton.launch import GRAD_GROUP, grad_groups  # noqa: E402
 
 # dQ tiles tried for the per-scalar accumulators (the best spill-free one counts)
 PER_SCALAR_DQ_TILES = ((64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2))
@@ -81,7 +81,7 @@ def per_scalar_dq(module, args):
     grads = saved.num_grads
     best = None
     for size in (GRAD_GROUP, GRAD_GROUP // 2, GRAD_GROUP // 4):
-        groups = [(base, min(size, grads - base)) for base in range(0, grads, size)]
+        groups = grad_groups(grads, size=size)
         for tile in PER_SCALAR_DQ_TILES:
             first = compile_spec(with_constexprs(spec, tile, GRAD_BASE=0, GRAD_COUNT=groups[0][1]),
                                  args.arch)

@@ -517,10 +517,10 @@ def dist_width(num_grads: int) -> int:
     return triton.next_power_of_2(max(num_grads, 1))
 
 
-def grad_groups(num_grads: int, kind: str = "") -> list[tuple[int, int]]:
+def grad_groups(num_grads: int, kind: str = "", size: int | None = None) -> list[tuple[int, int]]:
     """(first learnable scalar, how many) of each dQ launch: one launch for up to the group
-    size of the prior's tile kind."""
-    size = GRAD_GROUPS.get(kind, GRAD_GROUP)
+    size of the prior's tile kind (or `size`, for a benchmark that tries others)."""
+    size = size or GRAD_GROUPS.get(kind, GRAD_GROUP)
     if num_grads <= size:
         return [(0, num_grads)]
     return [(base, min(size, num_grads - base)) for base in range(0, num_grads, size)]
