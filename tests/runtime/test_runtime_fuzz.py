@@ -354,6 +354,17 @@ FOUND = [
          D=1, causal=False, q_offset=0, k_offset=0, layouts=("contiguous", "contiguous", "contiguous"),
          params={"alpha": [1.0, 1.0], "beta": [300.0, 300.0], "mu": [-2.35, -2.35]},
          poison=None, seed=0, use_module=False),
+    # A NaN in key 15 of head 1 (BAM-SSMax, tb = 50): the head's other log-priors overflow
+    # float32 to -inf, so its rows see keys 14-16 only and are NaN. The Triton dK/dV kernel
+    # rebuilt P = exp2(-inf - m) / NaN = NaN at the hidden keys and gave NaN dk and dv to all
+    # 17; a row that a NaN reached now sends it only to the keys whose logit is NaN
+    # (docs/reliability.md).
+    Case(prior="bam_ssmax", backend="triton", dtype="fp16", B=1, Hq=2, Hk=2, Nq=2, Nk=17, D=8,
+         causal=False, q_offset=5, k_offset=3, layouts=("expanded", "narrow", "strided_slice"),
+         params={"ta": [2.873811953324914, 2.6514425972809526], "tb": [50.0, 50.0],
+                 "tm": [2.6449806258672077, 2.78989989236185],
+                 "ssmax": [8.494586372957613, 8.494586372957613]},
+         poison=("k", 1075, math.nan), seed=293124, use_module=False),
 ]
 
 

@@ -157,6 +157,15 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
             do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd_mask, other=0.0)
             m_row, inv_l = _softmax_stats(Mrow, Lrow, row_base + offs_m, row_ok)
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+            # A row that a NaN reached (a NaN logit: its l and delta are NaN, and m may be) gives
+            # P = 0 and dS = 0 to every key whose logit is a number or -inf, NaN to a key whose
+            # logit is NaN: a key its prior hides (-inf, float32's overflow included) gets no NaN
+            # from it. Per row, not per score: a where() per score spilled registers
+            # (docs/reliability.md).
+            poisoned = inv_l != inv_l
+            m_row = tl.where(poisoned, float("inf"), m_row)
+            inv_l = tl.where(poisoned, 1.0, inv_l)
+            delta = tl.where(poisoned, 0.0, delta)
             offs_m_abs = offs_m + q_offset
             # Transposed tiles [BLOCK_N, BLOCK_M]: keys along rows, queries along columns.
             qkT = _dot(k, tl.trans(q), None, DOT_PREC, UPCAST_DOT)
