@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 from .driver.cache import install_import_hook as _install_import_hook  # noqa: E402
 from .errors import SpecError  # noqa: E402
 
-__all__ = ["SpecError", "build", "load", "param_groups", "__version__"]
+__all__ = ["SpecError", "build", "load", "param_groups", "positions", "__version__"]
 
 # Modules from bamgen.load are named bamgen._cache.<artifact>; this resolves those names in any
 # process (unpickling, torch.multiprocessing), finding or rebuilding the artifact in the cache.
@@ -36,3 +36,12 @@ def param_groups(model, weight_decay=0.01, *, prior_lr=None):
     :func:`bamgen.optim.param_groups`."""
     from .optim import param_groups as groups
     return groups(model, weight_decay, prior_lr=prior_lr)
+
+
+def __getattr__(name):
+    """bamgen.positions (grid(h, w), docs/positions.md), imported on first use: it needs torch,
+    and the compiler does not."""
+    if name == "positions":
+        import importlib
+        return importlib.import_module(".positions", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -89,6 +89,8 @@ class RefResult:
     dk: Optional[Tensor] = None
     dv: Optional[Tensor] = None
     dparams: dict = field(default_factory=dict)
+    dpos_q: Optional[Tensor] = None   # with positions=: the gradients of pos_q and pos_k
+    dpos_k: Optional[Tensor] = None
     visible: Optional[Tensor] = None  # [B, Nq, Nk] bool
     out_must_be_nonfinite: Optional[Tensor] = None  # [B, Hq, Nq, D] bool (see the body)
     empty_rows: Optional[Tensor] = None  # [B, Nq] bool: rows with no visible key
@@ -208,6 +210,7 @@ def reference_attention(
     dout: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float64,
     clamp_positions: bool = False,
+    positions: Optional[tuple] = None,
 ) -> RefResult:
     """Naive attention with a positional prior; with ``dout`` also all gradients.
 
@@ -216,6 +219,9 @@ def reference_attention(
     ``batch_positions``; ``n`` counts the keys a query really sees (after all of them).
     ``clamp_positions``: the prior sees a padding token's negative position as 0, and d from
     the positions so read (the runtime's rule for a prior in i or j); the masks do not.
+    ``positions``: (pos_q [B, Hq, Nq], pos_k [B, Hq, Nk]) float position tensors (one channel,
+    per head; docs/positions.md): the prior reads i, j and d = i - j from them, the masks
+    still follow token order; with ``dout`` their gradients are ``dpos_q``, ``dpos_k``.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, H, N, D]")
@@ -263,8 +269,14 @@ def reference_attention(
         if clamp_positions:
             i_seen, j_seen = i_pos.clamp_min(0), j_pos.clamp_min(0)
             d_seen = i_seen[:, :, None] - j_seen[:, None, :]
-        lp = log_prior(d_seen[:, None], {**leaves, "i": i_seen[:, None, :, None],
-                                         "j": j_seen[:, None, None, :]})
+        if positions is not None:
+            pos_leaves = [t.detach().to(prior_dtype).requires_grad_(dout is not None)
+                          for t in positions]
+            i4, j4 = pos_leaves[0][..., :, None], pos_leaves[1][..., None, :]
+            lp = log_prior(i4 - j4, {**leaves, "i": i4, "j": j4})
+        else:
+            lp = log_prior(d_seen[:, None], {**leaves, "i": i_seen[:, None, :, None],
+                                             "j": j_seen[:, None, None, :]})
         if is_ref:
             lp = _float32_range(lp, visible[:, None])
             if score is not default_score and score in ROW_SHIFTABLE:
@@ -310,7 +322,9 @@ def reference_attention(
     kink_mask = torch.zeros(bsz, hq, nq, nk, dtype=torch.bool)
     if kink is not None:
         p64 = {name: t.reshape(1, hq, 1, 1) for name, t in heads64.items()}
-        kink_mask = kink_mask | torch.as_tensor(kink(d.double()[:, None], p64), dtype=torch.bool)
+        d_kink = d.double()[:, None] if positions is None else \
+            (positions[0].double()[..., :, None] - positions[1].double()[..., None, :])
+        kink_mask = kink_mask | torch.as_tensor(kink(d_kink, p64), dtype=torch.bool)
     excused = kink_mask | ~visible4
 
     def clean(g, leaf):  # the kink convention: NaN -> 0 only at kinks and masked elements
@@ -343,7 +357,13 @@ def reference_attention(
                                   retain_graph=True, allow_unused=True)
         ds = torch.autograd.grad(out, logit_raw, dout_c, retain_graph=True)[0]
     inputs = [qc, kc, vc] + list(leaves.values())
-    grads = torch.autograd.grad(out, inputs, grad_outputs=dout_c, allow_unused=True)
+    if positions is not None and log_prior is not None:
+        grads = torch.autograd.grad(out, inputs + pos_leaves, grad_outputs=dout_c, allow_unused=True)
+        res.dpos_q, res.dpos_k = (torch.zeros_like(x) if g is None else g
+                                  for g, x in zip(grads[-2:], pos_leaves))
+        grads = grads[:-2]
+    else:
+        grads = torch.autograd.grad(out, inputs, grad_outputs=dout_c, allow_unused=True)
     res.dq, res.dk, res.dv = (g if g is not None else torch.zeros_like(x) for g, x in zip(grads[:3], inputs[:3]))
     for (name, leaf), g in zip(leaves.items(), grads[3:]):
         res.dparams[name] = clean(g, leaf).sum(dim=(0, 2, 3))

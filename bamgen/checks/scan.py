@@ -378,8 +378,9 @@ def check_plan(plan, names: dict) -> None:
     params = [p for p in spec.params if not p.is_constant]
     log_prior = guarded(ir.log_prior, "the log-prior")
     exprs = [log_prior, ir.logit, *(g for _, g in ir.grads)]
-    pos = position_symbols()
-    used = {n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs)}
+    pos = position_symbols(spec.channels)
+    # (with several channels, every channel takes the grid's values: d0 = d1 = d, ...)
+    used = {n[0] for n in pos if any(e.has(pos[n]) for e in exprs)}
     lp_code = _Code((print_expr(prepare(log_prior, target="torch"), names, target="torch"),))
     checker = _Checker(plan, spec, lp_code, names)
     # the work is counted, not timed: a prior whose printed code is long scans fewer parameter
@@ -396,17 +397,18 @@ def check_plan(plan, names: dict) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # small tensors: one thread beats an OpenMP team on a busy machine
     try:
-        _scan_chunks(checker, combos, grid, s, points, operations)
+        _scan_chunks(checker, combos, grid, s, points, operations, spec.channels)
     finally:
         torch.set_num_threads(threads)
 
 
-def _scan_chunks(checker, combos, grid, s, points, operations):
+def _scan_chunks(checker, combos, grid, s, points, operations, channels=1):
     # a chunk's temporaries (the printed code keeps each statement's value) stay a few 100 MB
     step = max(1, (CHUNK * 64 // max(operations, 64)) // max(points, 1))
     for start in range(0, len(combos), step):
         chunk = combos[start:start + step]
-        inputs = {"s": s[None, :], **{f"pos_{k}": v[None, :] for k, v in grid.items()}}
+        inputs = {"s": s[None, :], **{f"pos_{k}": v[None, :] if channels == 1 or k == "n"
+                                      else (v[None, :],) * channels for k, v in grid.items()}}
         for k in POSITION_SYMBOLS:
             inputs.setdefault(f"pos_{k}", None)
         for label, name in checker.kernel_name.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import pprint
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
         grad_modes=_grad_modes(plan), tile_kind=tile_kind(plan),
         center_grads=(plan.strategy == "inline" and plan.score_is_identity and plan.ramp is None
                       and bool(plan.learnable) and bool(set(plan.positions_used) & {"i", "j", "n"})),
-        dist_sums=dist_sums(plan))
+        dist_sums=dist_sums(plan), channels=spec.channels, tensor_positions=plan.tensor_positions)
 
 
 # A table prior with more tabulated learnable scalars than this sums dS per distance in the dQ
@@ -205,6 +206,13 @@ def torch_hooks(plan: KernelPlan) -> list[Hook]:
              Hook("torch_logit_grads", f"s, {pos}",
                   "(logit, d logit / d s, d logit / d p per learnable p) of a block of scores", prm,
                   plan.torch_bwd.hoisted + plan.torch_bwd.body, _tuple(plan.torch_bwd.outputs))]
+    grads = plan.torch_position_grads
+    if grads is not None:
+        labels = ", ".join(label for label, _ in plan.ir.position_grads)
+        hooks.append(Hook("torch_position_grads", f"s, {pos}",
+                          f"(d logit / d {labels}) of a block of scores: the gradients of "
+                          f"position tensors", prm, grads.hoisted + grads.body,
+                          _tuple(grads.outputs, always=True)))
     table = plan.distance_table
     if table is not None:
         if not plan.score_is_identity:
@@ -228,13 +236,21 @@ def _scalar_blocks(plan: KernelPlan) -> list[CodeBlock]:
     blocks = [plan.triton_fwd, plan.triton_bwd] if plan.score_is_identity else [plan.triton_bwd]
     if plan.row_factors is not None:
         blocks.append(plan.row_factors.score)
+    if plan.triton_position_grads is not None:
+        blocks.append(plan.triton_position_grads)
     return blocks
 
 
-def triton_hooks(plan: KernelPlan) -> list[Hook]:
-    """The prior printed for the Triton kernels (bamgen/runtime/triton/hooks.py)."""
+def triton_hooks(plan: KernelPlan, prefix: str = "") -> list[Hook]:
+    """The prior printed for the Triton kernels (bamgen/runtime/triton/hooks.py); prefix: before
+    each hook's name (pos_: the hooks of the positional plan, beside the main plan's)."""
     if not plan.params and plan.score_is_identity and not plan.has_bias_hook:
         return []    # NoPE: the library's defaults
+    hooks = _triton_hooks(plan)
+    return [dataclasses.replace(h, name=prefix + h.name) for h in hooks] if prefix else hooks
+
+
+def _triton_hooks(plan: KernelPlan) -> list[Hook]:
     scalars = [f"prm_{p.name}" for p in plan.params]
     num_scalars = len(scalars)
     hoisted = [item for block in _scalar_blocks(plan) for item in block.hoisted]
@@ -285,6 +301,12 @@ def triton_hooks(plan: KernelPlan) -> list[Hook]:
                  else "the logit's per-score factor u", prm + tab(factors.logit_score),
                  factors.logit_score.hoisted + factors.logit_score.body,
                  factors.logit_score.outputs[0], triton=True)]
+    grads = plan.triton_position_grads
+    if grads is not None:
+        labels = ", ".join(label for label, _ in plan.ir.position_grads)
+        hooks.append(Hook("prior_position_grads", f"s, {pos}, sc",
+                          f"(d logit / d {labels}): the gradients of position tensors", unpack,
+                          grads.body, _tuple(grads.outputs, always=True), triton=True))
     return hooks
 
 
@@ -513,6 +535,8 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
                         outputs=plan.distance_table.code.outputs,
                         returned=_tuple(plan.distance_table.code.outputs, always=True))
     triton_side = triton_hooks(plan)
+    positional = plan.positional
+    pos_side = [] if positional is None else triton_hooks(positional, prefix="pos_")
     return dict(
         spec=spec, plan=plan, header=header, source_name=source_name, abi=RUNTIME_ABI,
         prior_meta=pprint.pformat(meta, sort_dicts=False, width=96),
@@ -522,8 +546,14 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         learnable_names=repr(tuple(p.name for p in plan.learnable)), init_lines=_init_lines(plan),
         param_docs=[_param_doc(p) for p in plan.params], own=own_names(plan),
         imports=_wrap(_runtime_imports(plan), "from bamgen.runtime import (", " " * 28, ")"),
-        triton_globals=_triton_globals(triton_side),
+        triton_globals=_triton_globals(triton_side + pos_side),
+        pos_hooks=pos_side,
+        pos_traits=None if positional is None else _traits_source(traits(spec, positional)),
+        pos_binding=_wrap([h.name for h in pos_side], "(", " " * 8,
+                          ",)" if len(pos_side) == 1 else ")", column=35) if pos_side else "()",
         score_text=score_text, log_prior_text=log_prior_text,
+        channel_doc=(f"; this prior's {spec.channels} channels: [B, N, {spec.channels}] or "
+                     f"[B, Hq, N, {spec.channels}], required") if spec.channels > 1 else "",
         distance=distance, torch_hooks=torch_side, triton_hooks=triton_side,
         torch_binding=_torch_binding(torch_side, distance is not None),
         triton_binding=_wrap([h.name for h in triton_side], "(", " " * 5,
@@ -536,6 +566,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
 def _torch_binding(hooks: list[Hook], distance: bool) -> str:
     """TorchHooks' arguments: each printed torch hook under its field's name."""
     fields = {"torch_logit": "logit", "torch_logit_grads": "logit_grads",
+              "torch_position_grads": "position_grads",
               "torch_table_logit": "table_logit", "torch_table_logit_grads": "table_logit_grads"}
     args = [f"{fields[h.name]}={h.name}" for h in hooks]
     if distance:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import sympy as sp
@@ -27,12 +28,14 @@ import sympy as sp
 from ..errors import SpecError
 from .formula import ElementSymbol, Gather, Selects, unique_nodes
 from .printers import ExpressionTooLarge, NotARealNumber, prepare, print_expr
-from .spec import Domain, position_symbols
+from .spec import MAX_CHANNELS, Domain, position_symbols
 from .symbolic import (S, TABLE_VALUE, InternalSymbol, PriorIR, TableIR, formula_field,
                        runtime_symbols, split_for_table, table_grad_symbol)
 from .timeout import cpu_budget
 
 STRATEGIES = ("inline", "table")
+# every position symbol of any channel count: never hoisted as a per-program scalar
+ALL_POSITIONS = frozenset({**position_symbols(MAX_CHANNELS), **position_symbols()}.values())
 
 # The cost model, in FP32-instruction equivalents per score element on one SM (docs/architecture.md, "Kernels").
 # Calibrated against the SASS of the shipped priors (docs/performance.md): what a score costs on
@@ -152,6 +155,16 @@ class KernelPlan:
     # the Triton hooks read each vector's elements from memory at their use (tl.load(prm_w + k),
     # prm_w a pointer) and hoist nothing of them: see MAX_REGISTER_SCALARS
     vectors_in_memory: bool = False
+    # d logit / d i_c, then d logit / d j_c, for every channel (PriorIR.position_grads): the
+    # gradients of position tensors
+    torch_position_grads: CodeBlock | None = None
+    # The plan of a call whose positions are tensors (docs/positions.md): inline, without a
+    # ramp or row factors (both read token positions), with the position derivatives among the
+    # Triton hooks (tensor_positions). A prior over one channel has both plans (positional:
+    # the second); a prior over several has this one alone.
+    tensor_positions: bool = False
+    triton_position_grads: CodeBlock | None = None
+    positional: "KernelPlan | None" = None
 
     @property
     def has_bias_hook(self) -> bool:
@@ -174,7 +187,15 @@ def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
     field = formula_field(ir.spec)
     with cpu_budget(field, "lowering the formula"):
         try:
+            if ir.spec.channels > 1:   # positions come as tensors only
+                if strategy == "table":
+                    raise SpecError("--strategy table needs a log-prior in d = i - j alone; a "
+                                    "prior over several position channels is inline",
+                                    field="positions", hint="build without --strategy")
+                return _plan(ir, "inline", positional=True)
             kernel_plan = _plan(ir, strategy)
+            kernel_plan = dataclasses.replace(kernel_plan,
+                                              positional=_plan(ir, "inline", positional=True))
         except NotARealNumber as exc:
             raise SpecError(f"{exc} (the log or a fractional power of a negative number?)",
                             field=field, hint="the formula must be real for every position "
@@ -186,12 +207,13 @@ def plan(ir: PriorIR, strategy: str | None = None) -> KernelPlan:
     return kernel_plan
 
 
-def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
-    split = split_for_table(ir)
+def _plan(ir: PriorIR, strategy: str | None, positional: bool = False) -> KernelPlan:
+    """positional: the plan of calls with position tensors (KernelPlan.tensor_positions)."""
+    split = None if positional else split_for_table(ir)
     names = kernel_names(ir)
-    ramp = _causal_ramp(ir, names)
+    ramp = None if positional else _causal_ramp(ir, names)
     cost = _costs(ir, split, ramp is not None)
-    skippable = _skippable(ir, split)
+    skippable = False if positional else _skippable(ir, split)   # (no table: no window to skip)
     if strategy is None:
         strategy = "table" if skippable or _table_wins(dict(cost)) else "inline"
     if strategy == "table" and split is None:
@@ -228,8 +250,9 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
             backward=_code_block([split.logit, split.dlogit_ds] + [g for _, g in split.grads],
                                  table_names, "torch"))
     row_factors = None
-    if not ir.score_is_identity:
+    if not ir.score_is_identity and not positional:
         row_factors = _row_factors(ir, split if strategy == "table" else None, names)
+    position_grads = [g for _, g in ir.position_grads]
     skip = None
     if strategy == "table" and skippable:
         skip = -ir.spec.skip_below if ir.spec.skip_below else -math.inf
@@ -241,21 +264,28 @@ def _plan(ir: PriorIR, strategy: str | None) -> KernelPlan:
                       triton_fwd=blocks["triton", "fwd"], triton_bwd=blocks["triton", "bwd"],
                       torch_fwd=blocks["torch", "fwd"], torch_bwd=blocks["torch", "bwd"],
                       table=table, distance_table=distance_table, cost=cost,
-                      row_factors=row_factors)
+                      row_factors=row_factors,
+                      torch_position_grads=_code_block(position_grads, names, "torch")
+                      if position_grads else None,
+                      tensor_positions=positional,
+                      triton_position_grads=_code_block(position_grads, names, "triton", prefix="e")
+                      if positional and position_grads else None)
 
 
 def _row_factors(ir: PriorIR, split: TableIR | None, names: dict) -> RowFactors | None:
     """Split d logit / d s and each parameter derivative into (row part) * (per-score part), the
     row part a function of i, n and the parameters alone; None unless d logit / d s is all row
     part (then dS times it reaches dQ and dK as a per-row scale)."""
-    pos = position_symbols()
+    pos = position_symbols(ir.spec.channels)
+    along_row = [sym for name, sym in pos.items() if name[0] in "dj"]   # d, j (d_c, j_c)
+    row_i = [sym for name, sym in pos.items() if name[0] == "i"]
     if split is not None:
         names = {**names, **_table_names(split, ir)}
         dlogit_ds, grads = split.dlogit_ds, split.grads
         table_symbols = [TABLE_VALUE, *(table_grad_symbol(n) for n, _ in split.value_grads)]
     else:
         dlogit_ds, grads, table_symbols = ir.dlogit_ds, ir.grads, []
-    per_score = [S, pos["d"], pos["j"], *table_symbols]
+    per_score = [S, *along_row, *table_symbols]
     row_s, rest = dlogit_ds.as_independent(*per_score, as_Add=False)
     if rest != 1:
         return None
@@ -272,7 +302,7 @@ def _row_factors(ir: PriorIR, split: TableIR | None, names: dict) -> RowFactors 
                       logit_fma=logit_fma,
                       logit_factor=tuple(name for (name, _), (_, score) in zip(grads, parts)
                                          if score == logit_score and score.has(S)),
-                      reads_i=any(e.has(pos["i"]) for e in [row_s, logit_row, *(r for r, _ in parts)]))
+                      reads_i=any(e.has(*row_i) for e in [row_s, logit_row, *(r for r, _ in parts)]))
 
 
 def _skippable(ir: PriorIR, split: TableIR | None) -> bool:
@@ -335,7 +365,7 @@ def _table_blocks(split: TableIR, names: dict, ir: PriorIR) -> tuple[TablePlan, 
 def _costs(ir: PriorIR, split: TableIR | None, has_ramp: bool) -> tuple[tuple[str, int], ...]:
     """Per-score cost of the forward logit: inline, as a causal-side ramp (where the prior is a
     line in d there), and as a table gather (where the log-prior is a function of d)."""
-    varying = {S, TABLE_VALUE, *position_symbols().values()}
+    varying = {S, TABLE_VALUE, *ALL_POSITIONS}
     inline = _per_score_cost(ir.logit, varying)
     if ir.positions_used:
         inline += POSITION_COST
@@ -416,7 +446,11 @@ class _Invariance:
 
 def kernel_names(ir: PriorIR) -> dict[sp.Symbol, str]:
     names: dict[sp.Symbol, str] = {S: "s"}
-    names.update({sym: f"pos_{name}" for name, sym in position_symbols().items()})
+    if ir.spec.channels == 1:
+        names.update({sym: f"pos_{name}" for name, sym in position_symbols().items()})
+    else:   # channel c of a position is element c of a tuple in the hooks: pos_d[1]
+        names.update({sym: f"pos_{name[0]}[{name[1:]}]" if name != "n" else "pos_n"
+                      for name, sym in position_symbols(ir.spec.channels).items()})
     for p in ir.spec.params:
         if p.is_constant:
             continue
@@ -541,7 +575,7 @@ def _code_block(exprs: list[sp.Expr], names: dict, target: str, prefix: str = "c
     """Hoisted constants are named <prefix>0, <prefix>1, ... (two blocks a kernel uses together
     need different prefixes), per-score temporaries x0, x1, ...; both skip the names of the
     symbols already in use (parameters, positions, table entries)."""
-    varying = {S, TABLE_VALUE, *position_symbols().values(),
+    varying = {S, TABLE_VALUE, *ALL_POSITIONS,
                *(sym for sym in names if isinstance(sym, InternalSymbol))}
     scalars = [sym for sym in names if sym not in varying]
     if target == "triton" and len(scalars) > MAX_REGISTER_SCALARS:

@@ -37,10 +37,12 @@ IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")   # parameter and let
 
 # Symbols a formula may use (docs/priors.md). Positions are real numbers in the kernel.
 POSITION_SYMBOLS = ("d", "i", "j", "n")
+# A prior over C position channels (`positions: C`, docs/positions.md) writes d0, i0, j0, ...
+MAX_CHANNELS = 4
 SCORE_SYMBOLS = ("s", "log_prior")
 INIT_SYMBOLS = ("h", "H")
 TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params",
-                    "let", "skip_below")
+                    "let", "skip_below", "positions")
 MAX_SKIP_BELOW = 1000.0   # nats; beyond this float32 softmax cannot tell the difference anyway
 PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value", "size")
 DOMAINS = ("real", "positive", "nonnegative")
@@ -49,7 +51,7 @@ RANDOM_INITS = ("uniform", "normal")
 # parameter cannot have their names. Every other identifier is the user's: the compiler renames
 # its own names around them (docs/priors.md, "Names").
 ATTENTION_ARGS = ("q", "k", "v", "causal", "scale", "q_offset", "k_offset", "key_mask",
-                  "cu_seqlens_q", "cu_seqlens_k", "backend")
+                  "cu_seqlens_q", "cu_seqlens_k", "pos_q", "pos_k", "backend")
 # A module <name>.py in a folder on sys.path hides an importable module of that name, for the
 # generated module itself (`import torch`) and for the user's program: the standard library,
 # and what the generated module imports, directly or through torch and triton.
@@ -154,6 +156,7 @@ class PriorSpec:
     # (u, u as a Sum's body writes it) for each kink Abs(u) of an expanded Sum term: the limit
     # on kinks counts a body once (formula.parse_formula)
     sum_kinks: tuple[tuple[sp.Expr, sp.Expr], ...] = ()
+    channels: int = 1          # position channels: 1 (d, i, j) or C (d0, i0, j0, ...)
 
     @property
     def class_name(self) -> str:
@@ -178,8 +181,16 @@ def element_symbol(vector: str, index: int, domain: Domain) -> sp.Symbol:
     return ElementSymbol(vector, index, **_assumptions(domain))
 
 
-def position_symbols() -> dict[str, sp.Symbol]:
-    return {name: sp.Symbol(name, real=True) for name in POSITION_SYMBOLS}
+def position_names(channels: int = 1) -> tuple[str, ...]:
+    """The position symbols of a prior over `channels` channels: d, i, j, n for one; d0, d1, ..,
+    i0, .., j0, .., n for more (d_c = i_c - j_c; n stays the count of visible keys)."""
+    if channels == 1:
+        return POSITION_SYMBOLS
+    return tuple(f"{x}{c}" for x in "dij" for c in range(channels)) + ("n",)
+
+
+def position_symbols(channels: int = 1) -> dict[str, sp.Symbol]:
+    return {name: sp.Symbol(name, real=True) for name in position_names(channels)}
 
 
 def _show(value) -> str:
@@ -273,8 +284,10 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
     description = _string(data, "description", lines, default="")
     source = _string(data, "source", lines, default="")
 
+    channels = _channels(data, lines)
     params = _parse_params({} if data.get("params") is None else data["params"], lines)
-    symbols = {**position_symbols(),
+    _check_channel_names(channels, params, data.get("let"), lines)
+    symbols = {**position_symbols(channels),
                **{p.name: p.symbol() if not p.is_constant else _constant(p.value) for p in params
                   if p.size is None}}
     vectors = {p.name: p.symbols() for p in params if p.size is not None}
@@ -298,7 +311,7 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
         if sp.Symbol("s", real=True) not in score.free_symbols:
             raise SpecError("the score does not use s, the content score", field="score",
                             line=lines.get("score"), hint="e.g. (s + log_prior) * t * log(n)")
-    _check_evaluable(expr, score, params, field, lines)
+    _check_evaluable(expr, score, params, field, lines, channels)
     formulas = tuple((f, str(data[f])) for f in ("log_prior", "density", "score")
                      if data.get(f) is not None)
     return PriorSpec(name=name, description=description, source=source, log_prior=expr,
@@ -307,7 +320,30 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
                      skip_below=_skip_below(data, lines),
                      lets=tuple((name, str(text)) for name, text in data["let"].items())
                      if lets else (),
-                     sum_kinks=tuple(sorted(kinks.items(), key=lambda kv: sp.default_sort_key(kv[0]))))
+                     sum_kinks=tuple(sorted(kinks.items(), key=lambda kv: sp.default_sort_key(kv[0]))),
+                     channels=channels)
+
+
+def _channels(data: dict, lines: dict) -> int:
+    """`positions: C`, the number of position channels (docs/positions.md): 1 by default."""
+    value = data.get("positions", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHANNELS:
+        raise SpecError(f"expected a whole number of position channels from 1 to {MAX_CHANNELS}, "
+                        f"got {_show(value)}", field="positions", line=lines.get("positions"),
+                        hint="positions: 2 for a 2-D grid (the formula then reads d0, d1, i0, ...)")
+    return value
+
+
+def _check_channel_names(channels: int, params, lets, lines: dict) -> None:
+    """With C channels, d0 .. j{C-1} are the formula's symbols: no parameter or let may take one."""
+    if channels == 1:
+        return
+    taken = set(position_names(channels))
+    for name in [p.name for p in params] + list(lets or {}):
+        if name in taken:
+            raise SpecError(f"'{name}' is a position symbol of a prior with positions: {channels}",
+                            field="positions", line=lines.get("positions"),
+                            hint=f"rename the parameter or sub-formula, e.g. {name}_")
 
 
 def _skip_below(data: dict, lines: dict) -> float | None:
@@ -683,21 +719,22 @@ def _check_init(expr: sp.Expr, domain: Domain, field: str, line: int | None) -> 
 
 
 def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSpec, ...],
-                     field: str, lines: dict) -> None:
+                     field: str, lines: dict, channels: int = 1) -> None:
     """Compute the log-prior and the score in float64 at CHECK_POINTS with the initial parameters,
     and refuse what overflows where no float can carry it (exp(exp(exp(d))), d**d**d): SymPy,
     which computes exactly, would need numbers of billions of digits for such a formula."""
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
     values = {sym: evaluate(p.init_expr, {h: 0, H: 8}) for p in params if not p.is_constant
               for sym in p.symbols()}
-    pos = position_symbols()
+    pos = position_symbols(channels)
     checks = [(field, expr)]
     if score is not None:
         checks.append(("score", score.xreplace({sp.Symbol("log_prior", real=True): expr})))
     for where, formula in checks:
         for i, j in CHECK_POINTS:
-            point = {pos["d"]: i - j, pos["i"]: i, pos["j"]: j, pos["n"]: i + 1,
-                     sp.Symbol("s", real=True): 0.5}
+            point = {pos["n"]: i + 1, sp.Symbol("s", real=True): 0.5}
+            for c in (("",) if channels == 1 else range(channels)):
+                point.update({pos[f"d{c}"]: i - j, pos[f"i{c}"]: i, pos[f"j{c}"]: j})
             try:
                 evaluate(formula, {**values, **point})
             except OverflowError as exc:

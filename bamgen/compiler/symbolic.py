@@ -25,7 +25,7 @@ import sympy as sp
 
 from ..errors import SpecError
 from .formula import MAX_SUM_TERMS, MAX_TREE, tree_size
-from .spec import POSITION_SYMBOLS, PriorSpec, position_symbols
+from .spec import MAX_CHANNELS, PriorSpec, position_names, position_symbols
 from .timeout import cpu_budget, working_on
 
 KINK_EPSILON = 1e-5   # the BAM authors' own epsilon, used only where a limit is infinite
@@ -48,6 +48,10 @@ class InternalSymbol(sp.Symbol):
 
 
 S = sp.Symbol("s", real=True)
+# every position symbol of any channel count (d, i, j, n and d0, i0, j0, ...): a prior's formula
+# holds those of its own count only
+_ALL_POSITIONS = {**position_symbols(MAX_CHANNELS), **position_symbols()}
+_SUFFIXES = ("",) + tuple(str(c) for c in range(MAX_CHANNELS))
 LOG_PRIOR = sp.Symbol("log_prior", real=True)
 TABLE_VALUE = InternalSymbol("tab_v", real=True)   # a gathered table entry: log_prior(d)
 
@@ -64,6 +68,9 @@ class PriorIR:
                                               # (b, or w[0] .. w[K - 1] for a vector)
     positions_used: tuple[str, ...]           # which of d, i, j, n the kernels must provide
     notes: tuple[str, ...]                    # build-time remarks (kinks, clamps)
+    # (i_c or j_c, d logit / d it) for every channel, i's first: the derivatives of the logit in
+    # a query's and a key's position, d_c = i_c - j_c counted in (docs/positions.md)
+    position_grads: tuple[tuple[str, sp.Expr], ...] = ()
 
     @property
     def distance_only(self) -> bool:
@@ -188,11 +195,35 @@ def _analyse(spec: PriorSpec) -> PriorIR:
             (f"d logit / d {name}", g) for name, g in grads]:
         _check_real_constants(expr, field, what)
 
+    with working_on(field, "differentiating the formula in the positions"):
+        position_grads = _position_grads(spec, logit, notes, field, limits)
     exprs = [logit, dlds] + [g for _, g in grads]
-    pos = position_symbols()
-    used = tuple(n for n in POSITION_SYMBOLS if any(e.has(pos[n]) for e in exprs))
+    pos = position_symbols(spec.channels)
+    used = tuple(n for n in position_names(spec.channels) if any(e.has(pos[n]) for e in exprs))
     return PriorIR(spec=spec, log_prior=log_prior, logit=logit, dlogit_ds=dlds, grads=grads,
-                   runtime_params=runtime, positions_used=used, notes=tuple(notes))
+                   runtime_params=runtime, positions_used=used, notes=tuple(notes),
+                   position_grads=position_grads)
+
+
+def _position_grads(spec: PriorSpec, logit: sp.Expr, notes: list[str], field: str,
+                    limits: list[int]) -> tuple[tuple[str, sp.Expr], ...]:
+    """d logit / d i_c and d logit / d j_c for every channel c, where the formula's d_c is
+    i_c - j_c: a query position moves d_c with it, a key position against it. (n, a count of
+    keys, is no position.) These give the gradients of position tensors: row and column sums
+    of dS times them."""
+    pos = position_symbols(spec.channels)
+    suffixes = ("",) if spec.channels == 1 else tuple(str(c) for c in range(spec.channels))
+    by_d = {c: sp.diff(logit, pos[f"d{c}"]) for c in suffixes}
+    out = []
+    for side, sign in (("i", 1), ("j", -1)):
+        for c in suffixes:
+            label = f"{side}{c}"
+            g = _clean_derivative(sp.diff(logit, pos[label]) + sign * by_d[c], label)
+            check_size(g, field, f"d logit / d {label}")
+            g = _guard(g, f"d logit / d {label}", notes, field, limits)
+            _check_real_constants(g, field, f"d logit / d {label}")
+            out.append((label, g))
+    return tuple(out)
 
 
 def runtime_symbols(spec: PriorSpec) -> dict[str, sp.Symbol]:
@@ -229,9 +260,10 @@ def guarded(expr: sp.Expr, what: str) -> sp.Expr:
 
 
 def _canonical_positions(expr: sp.Expr) -> sp.Expr:
-    """Write i as d + j, so a formula in j - i (BAM's own form) is seen to depend on d alone."""
-    pos = position_symbols()
-    return expr.xreplace({pos["i"]: pos["d"] + pos["j"]})
+    """Write i as d + j (i_c as d_c + j_c), so a formula in j - i (BAM's own form) is seen to
+    depend on d alone."""
+    pos = _ALL_POSITIONS
+    return expr.xreplace({pos[f"i{c}"]: pos[f"d{c}"] + pos[f"j{c}"] for c in _SUFFIXES})
 
 
 def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
@@ -269,7 +301,7 @@ def _written(kinks: list[sp.Expr], spec: PriorSpec) -> set:
 
 def _kink_arguments(expr: sp.Expr) -> list[sp.Expr]:
     """Arguments u of Abs(u) that move with position: candidate kinks of the expression."""
-    pos = set(position_symbols().values())
+    pos = set(_ALL_POSITIONS.values())
     args = {a.args[0] for a in expr.atoms(sp.Abs) if a.args[0].free_symbols & pos}
     return sorted(args, key=sp.default_sort_key)
 

@@ -7,15 +7,29 @@ the main loop computes per score:
 * ``table``: a gathered table entry, and in dQ the derivative tables (GGD, BAM, Cauchy, KERPLE);
 * ``dist``: a table prior whose dQ kernel sums dS per distance (T5);
 * ``heavy``: many scalars, read from memory per score (FIRE);
-* ``general``: a printed expression per score, or a score other than s + log_prior (SSMax).
+* ``general``: a printed expression per score, or a score other than s + log_prior (SSMax);
+* ``positions_light`` and ``positions``: the positional plan (position tensors,
+  docs/positions.md), whose kernels also load each tile's positions and keep the positions'
+  gradient terms: a bias of a few operations and no learnable parameter (FoX's d), or more.
 """
 from __future__ import annotations
 
 from .lower import KernelPlan
 
 
+# the positional plan's per-score cost (lower._costs' units) up to which a prior without
+# learnable parameters takes the light tiles (FoX: 3); a learnable one keeps two accumulators
+# per parameter in dQ beside the positions' three
+POSITIONS_LIGHT_COST = 6
+
+
 def tile_kind(plan: KernelPlan) -> str:
     """Which tile table a prior's kernels use (see the module docstring)."""
+    if plan.tensor_positions:
+        if plan.vectors_in_memory:
+            return "heavy"
+        light = not plan.learnable and dict(plan.cost)["inline"] <= POSITIONS_LIGHT_COST
+        return "positions_light" if light else "positions"
     if not plan.score_is_identity:
         return "general"
     if plan.strategy == "table":

@@ -15,6 +15,7 @@ custom ops are that prior's view of this package (docs/architecture.md, "The run
     autograd.py    the backend dispatch and the autograd Function
     ops.py         torch.library custom ops and triton ops (torch.compile, export, torch.func)
     functional.py  attention()
+    positions.py   positions as tensors: grid() and the checks of pos_q / pos_k
     blocks.py      forward_block, backward_block, finish_param_grads, log_prior_at
     module.py      PriorAttention, the nn.Module base class
 """

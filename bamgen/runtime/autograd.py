@@ -87,3 +87,57 @@ class PriorAttention(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             dtheta = make_dtheta(prior.traits, theta, dparams)
         return None, dq, dk, dv, dtheta, None, None, None, None, None
+
+
+def positional_forward(prior, q, k, v, theta, pos, causal, scale, key_mask, use_triton,
+                       for_backward):
+    """(out, then what the backend's backward needs) of a call with position tensors pos
+    (docs/positions.md; offsets 0, no documents, no decode step)."""
+    if use_triton:
+        from .triton import launch
+        return launch.forward(prior, q, k, v, theta, causal, scale, 0, 0,
+                              for_backward=for_backward, key_mask=key_mask, pos=pos)
+    return cpu_forward.forward(prior, q, k, v, theta, causal, scale, 0, 0, key_mask=key_mask,
+                               pos=pos)
+
+
+class PositionalAttention(torch.autograd.Function):
+    """Attention whose positions are tensors (docs/positions.md): gradients for q, k, v, theta
+    and the positions pos_q, pos_k ([B, Hq, N, C]), these in closed form, the row and column
+    sums of dS * d logit / d i and dS * d logit / d j, on either backend."""
+
+    @staticmethod
+    def forward(ctx, prior, q, k, v, theta, pos_q, pos_k, causal, scale, layout, use_triton):
+        ctx.settings = (prior, causal, scale, layout, use_triton)
+        if q.numel() == 0 or k.shape[2] == 0:   # no query, or no key: every row is 0
+            ctx.empty = True
+            ctx.save_for_backward(q, k, v, theta, pos_q, pos_k)
+            return torch.zeros_like(q, memory_format=torch.contiguous_format)
+        ctx.empty = False
+        pos = (pos_q.detach(), pos_k.detach())
+        out, *saved = positional_forward(prior, q, k, v, theta.detach(), pos, causal, scale,
+                                         layout.key_mask, use_triton, True)
+        ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if ctx.empty:
+            return (None, *(torch.zeros_like(t) for t in ctx.saved_tensors), None, None, None,
+                    None)
+        q, k, v, theta, pos_q, pos_k, out, *saved = ctx.saved_tensors
+        prior, causal, scale, layout, use_triton = ctx.settings
+        pos = (pos_q.detach(), pos_k.detach())
+        if use_triton:
+            from .triton import launch
+            dq, dk, dv, dparams, dpos_q, dpos_k = launch.backward(
+                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,
+                key_mask=layout.key_mask, pos=pos)
+        else:
+            dq, dk, dv, dparams, dpos_q, dpos_k = cpu_backward.backward(
+                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,
+                key_mask=layout.key_mask, pos=pos)
+        dtheta = make_dtheta(prior.traits, theta, dparams) if ctx.needs_input_grad[4] else None
+        return (None, dq, dk, dv, dtheta,
+                dpos_q.to(pos_q.dtype) if ctx.needs_input_grad[5] else None,
+                dpos_k.to(pos_k.dtype) if ctx.needs_input_grad[6] else None, None, None, None, None)

@@ -8,6 +8,7 @@ import torch
 from . import checks, ops
 from .functional import attend
 from .params import check_domains, from_domain, param_block, theta as make_theta, to_domain
+from .positions import positions_of
 
 
 class PriorAttention(torch.nn.Module):
@@ -51,7 +52,7 @@ class PriorAttention(torch.nn.Module):
         return out
 
     def forward(self, q, k, v, *, causal=True, scale=None, q_offset=0, k_offset=0, key_mask=None,
-                cu_seqlens_q=None, cu_seqlens_k=None, backend="auto"):
+                cu_seqlens_q=None, cu_seqlens_k=None, backend="auto", pos_q=None, pos_k=None):
         """attention() with this module's prior parameters; the arguments are attention()'s."""
         prior = self._bamgen_prior
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
@@ -59,6 +60,13 @@ class PriorAttention(torch.nn.Module):
                              f"num_heads={self.num_heads}")
         checks.check_inputs(q, k, v, causal, scale, backend)
         theta = make_theta(prior.traits, q, self.prior_params(), grad=True)
+        pos = positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q)
+        if pos is not None and ops.tracing(q):
+            return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale,
+                                         backend, key_mask, check=False)
+        if pos is not None:
+            layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
+            return attend(prior, q, k, v, theta, causal, scale, layout, backend, pos)
         if ops.tracing(q):
             return ops.attend(prior, q, k, v, theta, causal, scale, backend, q_offset, k_offset,
                               key_mask, cu_seqlens_q, cu_seqlens_k, check=False)

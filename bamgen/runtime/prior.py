@@ -25,12 +25,16 @@ class TorchHooks:
     with_grads=True) -> (log_prior, d log_prior / d p per traits.table_grads) over distances,
     for a prior in d alone (evaluated in float64 on the host); table_logit(s, tab_v, ...) and
     table_logit_grads(s, tab_v, tabs, ...), the logit of a score other than s + log_prior with
-    the log-prior read from the distance table. prm: one tensor per parameter, in slot order."""
+    the log-prior read from the distance table; position_grads(s, pos_d, ...) -> (d logit / d i_c
+    per channel, then d logit / d j_c), the gradients of position tensors (with several
+    channels pos_d, pos_i, pos_j are tuples, one tile per channel). prm: one tensor per
+    parameter, in slot order."""
     logit: Callable
     logit_grads: Callable
     distance_prior: Optional[Callable] = None
     table_logit: Optional[Callable] = None
     table_logit_grads: Optional[Callable] = None
+    position_grads: Optional[Callable] = None
 
 
 def triton_hook(fn):
@@ -47,7 +51,7 @@ class Prior:
     the module's @triton_hook functions."""
 
     def __init__(self, traits: PriorTraits, meta: dict, default_params: Callable,
-                 torch_hooks: TorchHooks, triton_hooks=(), abi: int = RUNTIME_ABI):
+                 torch_hooks: TorchHooks, triton_hooks=(), abi: int = RUNTIME_ABI, positional=None):
         if abi != RUNTIME_ABI:
             raise ImportError(f"the module of the prior {traits.name!r} was built for bamgen's "
                               f"runtime ABI {abi}, and this bamgen runs ABI {RUNTIME_ABI}: rebuild "
@@ -65,6 +69,15 @@ class Prior:
         self.op_name = op_name(meta)     # torch.ops.bamgen.<op_name>_fwd / _bwd
         self.ops = shared_ops(self, "ops", Ops)
         self.triton_ops = shared_ops(self, "triton", TritonOps) if TritonOps.wanted() else None
+        # the prior as the kernels of calls with position tensors see it (docs/positions.md):
+        # (traits, hooks named pos_<hook>) of the module's positional plan; a prior over several
+        # channels is positional itself
+        if traits.tensor_positions:
+            self.positional = self
+        elif positional is not None:
+            self.positional = PositionalPrior(self, *positional)
+        else:
+            self.positional = None
 
     def __repr__(self):
         return f"<bamgen prior {self.traits.name!r} ({self.traits.strategy}), ops {self.op_name!r}>"
@@ -107,3 +120,25 @@ class Prior:
         (name, jit function, signature, constexprs, num_warps, num_stages)."""
         from .triton import launch
         return launch.kernel_specs(self, dtype, head_dim, causal, arch, candidate, layout)
+
+
+class PositionalPrior:
+    """A prior's kernels for calls whose positions are tensors: its positional plan's traits
+    and hooks (the generated module's pos_<hook> functions) with the prior's own torch hooks,
+    parameters and checks. The Triton launches take it where they take a Prior."""
+
+    def __init__(self, prior: Prior, traits: PriorTraits, triton_hooks):
+        self.traits = traits
+        self.meta = prior.meta
+        self.torch = prior.torch
+        self.domain_check = prior.domain_check
+        self.triton_hooks = {fn.__name__.removeprefix("pos_"): fn for fn in triton_hooks}
+        self.tuned = {}
+        self._kernels = None
+        self._kernels_lock = threading.Lock()
+        self.positional = self
+
+    def __repr__(self):
+        return f"<bamgen prior {self.traits.name!r} (positions as tensors)>"
+
+    kernels = Prior.kernels

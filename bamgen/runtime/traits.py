@@ -82,7 +82,11 @@ class PriorTraits:
     along a row meets sum_j dS = 0, and in float32 its size would swamp the gradient).
     tile_kind: which tile table the kernels use (bamgen/runtime/triton/tiles.py).
     dist_sums: the dQ kernel takes the parameters' gradients from per-distance sums of dS
-    against the derivative tables (a table prior of many tabulated scalars: T5's buckets)."""
+    against the derivative tables (a table prior of many tabulated scalars: T5's buckets).
+    channels: position channels (`positions: C`): a prior over more than one reads d0, i0, j0,
+    ... and takes its positions as tensors only (docs/positions.md). tensor_positions: these
+    are the traits of the kernels whose positions come from tensors (pos_q, pos_k): inline,
+    with the position derivatives among the hooks."""
     name: str
     class_name: str
     params: tuple[ParamTraits, ...]
@@ -105,6 +109,8 @@ class PriorTraits:
     center_grads: bool = False
     tile_kind: str = "light"
     dist_sums: bool = False
+    channels: int = 1
+    tensor_positions: bool = False
 
     @property
     def param_names(self) -> tuple[str, ...]:

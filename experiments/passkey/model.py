@@ -34,7 +34,9 @@ def _ssmax_init(train_length, num_heads):
 
 # The variants of the study. module: the generated module; init: its parameters' start
 # (a function of the training length and the head count); frozen: parameters kept fixed;
-# rope: rotary embedding of q and k before the attention call.
+# rope: rotary embedding of q and k before the attention call; forget_gate: the Forgetting
+# Transformer's gates, a projection of x per head whose log-sigmoid cumulative sums are the
+# positions (docs/positions.md).
 VARIANTS = {
     "nope": dict(label="NoPE", module="uniform"),
     "rope": dict(label="RoPE", module="uniform", rope=True),
@@ -43,6 +45,7 @@ VARIANTS = {
                      init=lambda n, h: {"ta": 0.0, "tb": 0.0}),
     "ggd_alibi": dict(label="GGD, ALiBi-like start", module="bam"),
     "bam_ssmax": dict(label="BAM-SSMax", module="bam_ssmax", init=_ssmax_init),
+    "fox": dict(label="Forgetting Transformer", module="forget_gate", forget_gate=True),
 }
 
 
@@ -68,14 +71,24 @@ MATERIALISED_BIAS = {"uniform": None, "laplace": _bias_laplace, "bam": _bias_bam
                      "bam_ssmax": _bias_bam}
 
 
-def materialised_attention(module_name, params, q, k, v):
+def forget_gate_positions(gates):
+    """FoX's positions: the cumulative sums of the log forget gates, [B, H, N] from the gate
+    logits [B, H, N]; c_i - c_j = sum of log f_t for t in (j, i]."""
+    return F.logsigmoid(gates).cumsum(-1)
+
+
+def materialised_attention(module_name, params, q, k, v, positions=None):
     """Causal attention with the prior as a materialised [H, N, N] bias (autograd through it).
     For bam_ssmax the logit (s + bias) * ssmax * log(n_i) is made by scaling q and the bias
-    row by row, n_i = i + 1 visible keys."""
+    row by row, n_i = i + 1 visible keys. positions (forget_gate): [B, H, N], the bias
+    c_i - c_j per batch row, [B, H, N, N]."""
     n = q.shape[2]
     pos = torch.arange(n, device=q.device, dtype=torch.float32)
     d = pos[:, None] - pos[None, :]
     causal = torch.zeros(n, n, device=q.device).masked_fill(d < 0, -math.inf)
+    if positions is not None:   # FoX: the prior's d is c_i - c_j
+        bias = positions[..., :, None] - positions[..., None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(bias + causal).to(q.dtype))
     bias_fn = MATERIALISED_BIAS[module_name]
     bias = torch.zeros(1, n, n, device=q.device) if bias_fn is None else bias_fn(params, d)
     if module_name == "bam_ssmax":
@@ -124,6 +137,11 @@ class Attention(nn.Module):
         self.prior = getattr(mod, mod.PRIOR["class_name"])(num_heads=n_heads, init=init)
         for name in spec.get("frozen", ()):
             getattr(self.prior, "raw_" + name).requires_grad_(False)
+        # FoX: one forget gate per head and token, from x (its bias starts the gates open)
+        self.fgate = None
+        if spec.get("forget_gate"):
+            self.fgate = nn.Linear(d_model, n_heads)
+            nn.init.constant_(self.fgate.bias, 3.0)
 
     def forward(self, x, cu_seqlens=None):
         """x [B, N, C]; with cu_seqlens, x is one packed row (B = 1) of documents that attend
@@ -137,10 +155,19 @@ class Attention(nn.Module):
         if self.rope:
             positions = None if cu_seqlens is None else document_positions(cu_seqlens, x.device)
             q, k = rotary(q, positions=positions), rotary(k, positions=positions)
-        if self.backend == "generated":
+        gates = None
+        if self.fgate is not None:
+            if cu_seqlens is not None:
+                raise ValueError("the FoX variant takes no packed documents (position tensors "
+                                 "with cu_seqlens are refused: docs/positions.md)")
+            gates = forget_gate_positions(self.fgate(x).transpose(1, 2))   # [B, H, N]
+        if self.backend == "generated" and gates is not None:
+            y = self.prior(q, k, v, causal=True, pos_q=gates, pos_k=gates)
+        elif self.backend == "generated":
             y = self.prior(q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
         else:
-            y = materialised_attention(self.module_name, self.prior.prior_params(), q, k, v)
+            y = materialised_attention(self.module_name, self.prior.prior_params(), q, k, v,
+                                       gates)
         return self.out(y.transpose(1, 2).reshape(b, n, c))
 
 

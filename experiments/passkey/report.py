@@ -257,7 +257,8 @@ def plot_priors(runs, max_distance, train_length, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    with_prior = [v for v in runs if VARIANTS[v]["module"] != "uniform"]
+    # (a prior over the model's own positions, FoX's gates, has no curve over distances)
+    with_prior = [v for v in runs if MATERIALISED_BIAS.get(VARIANTS[v]["module"]) is not None]
     if not with_prior:
         return False
     layers = sorted(next(iter(runs[with_prior[0]].values()))["learned_prior"], key=int)

@@ -88,6 +88,16 @@ def test_rejected_formulas_name_the_problem(formula, words):
     ("name: x\nlog_prior: -d/b\nparams:\n  b: {init: 1, learnable: maybe}\n", "params.b.learnable", "true or false"),
     ("name: x\nlog_prior: -(" + " + ".join(f"Abs(d - {k})" for k in range(17)) + ")\n",
      "log_prior", "distinct kinks"),
+    # position channels (docs/positions.md)
+    ("name: x\npositions: 0\nlog_prior: -Abs(d0)\n", "positions", "from 1 to 4"),
+    ("name: x\npositions: 5\nlog_prior: -Abs(d0)\n", "positions", "from 1 to 4"),
+    ("name: x\npositions: two\nlog_prior: -Abs(d0)\n", "positions", "whole number"),
+    ("name: x\npositions: true\nlog_prior: -Abs(d0)\n", "positions", "whole number"),
+    ("name: x\npositions: 2\nlog_prior: -Abs(d)\n", "log_prior", "unknown symbol 'd'"),
+    ("name: x\npositions: 2\nlog_prior: -Abs(d2)\n", "log_prior", "unknown symbol 'd2'"),
+    ("name: x\npositions: 2\nlog_prior: -Abs(d0)/d1\nparams:\n  d1: 1.0\n", "positions",
+     "position symbol"),
+    ("name: x\nlog_prior: -Abs(d)/pos_q\nparams:\n  pos_q: 1.0\n", "params.pos_q", "reserved"),
 ])
 def test_bad_files_name_the_field(text, field, words):
     with pytest.raises(SpecError) as err:
@@ -387,3 +397,17 @@ def test_the_build_budget_is_cpu_time_and_can_be_raised(monkeypatch):
     assert stage_cpu_seconds() == 12.5
     monkeypatch.setenv("BAMGEN_BUILD_CPU_SECONDS", "nonsense")
     assert stage_cpu_seconds() == 60.0
+
+
+def test_a_prior_over_two_channels_reads_each_and_differentiates_in_each():
+    """positions: 2 gives d0, d1, i0, .. (d_c = i_c - j_c): the derivatives in a query's and a
+    key's position, channel by channel, with the kink at d_c = 0 read as 0."""
+    from bamgen.compiler.symbolic import analyse
+    ir = analyse(parse_spec("name: grid\npositions: 2\nlog_prior: -(Abs(d0) + 2*Abs(d1))/b\n"
+                            "params:\n  b: {init: 1.0, domain: positive}\n"))
+    assert ir.positions_used == ("d0", "d1")
+    grads = dict(ir.position_grads)
+    assert list(grads) == ["i0", "i1", "j0", "j1"]
+    d0, d1, b = sp.Symbol("d0", real=True), sp.Symbol("d1", real=True), sp.Symbol("b", positive=True)
+    assert sp.simplify(grads["i1"] - (-2 * sp.sign(d1) / b)) == 0
+    assert sp.simplify(grads["j0"] - sp.sign(d0) / b) == 0

@@ -212,3 +212,30 @@ def test_aot_report_prints_every_kernel_with_a_key_loop():
     assert names == KERNELS - NO_MMA, res.stdout
     summary = [row for row in rows if len(row) == 5]  # the backward's sum
     assert len(summary) == 1 and summary[0][4] == "1.00x |", res.stdout
+
+
+# Positions as tensors (docs/positions.md): each prior's positional kernels (`--layout
+# positions`: the pos_prior_* hooks, POSITIONS = 1; alibi_2d's two channels in its plain
+# layout). FoX and GGD (the most registers in dQ) at head dim 128 on sm_90 in every run; the
+# rest of the matrix in `make test-full`. FIRE is not in it: its positional dK/dV kernel spills
+# (docs/performance.md, "Positions as tensors").
+POSITIONAL_EVERY_RUN = {("forget_gate", 128, "sm_90"), ("generalized_gaussian", 128, "sm_90")}
+POSITIONAL_MATRIX = [
+    pytest.param(prior, arch, head_dim, id=f"{prior.stem}-{head_dim}-{arch}",
+                 marks=[] if (prior.stem, head_dim, arch) in POSITIONAL_EVERY_RUN
+                 else [pytest.mark.aot_full])
+    for prior in PRIORS if prior.stem not in ("fire", "alibi_2d")
+    for head_dim in (64, 128) for arch in ("sm_80", "sm_90")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prior, arch, head_dim", POSITIONAL_MATRIX)
+def test_positional_kernels_compile_without_spills(prior, arch, head_dim):
+    report = _inspect(prior, arch, head_dim, "--layout", "positions")
+    assert {k["name"] for k in report["kernels"]} == KERNELS - DECODE
+    for kernel in report["kernels"]:
+        assert 0 < kernel["registers"] <= 255, kernel
+        assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
+        assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
+        if kernel["name"] not in NO_MMA:
+            assert kernel["main_loop"]["mma"] > 0, kernel["name"]

@@ -298,3 +298,13 @@ def test_quick_field_benchmark_runs_and_its_peers_agree():
     diffs = {row[2].strip(): float(row[-2]) for row in rows if row[2].strip() != "ggd"}
     assert sorted(diffs) == ["fire", "sandwich", "t5"], res.stdout
     assert max(diffs.values()) < 1e-4, res.stdout
+
+
+def test_quick_positions_benchmark_runs_and_its_peers_agree():
+    """FoX over position tensors against FoX materialised: the same attention (the last column)."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu.py"), "--positions", "--quick"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| 64 |")]
+    assert len(rows) == 1, res.stdout
+    assert float(rows[0][-2]) < 1e-4, res.stdout

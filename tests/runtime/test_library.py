@@ -67,6 +67,8 @@ LIBRARY = {
     "t5": (_t5(False), None, {"w": _pattern(4, 32)}, ("w",), None),
     "t5_bidirectional": (_t5(True), None, {"w": _pattern(4, 32, shift=0.3)}, ("w",), None),
     "sandwich": (_sandwich, None, {"a": [0.05, 0.01, 0.2, 0.002]}, ("a",), None),
+    # FoX's log-prior over token positions (its use is over position tensors: test_positions.py)
+    "forget_gate": (lambda d, p: d, None, {}, (), None),
     "fire": (_fire, None, {"c": 0.3, "L": 8.0, "w1": _pattern(1, 32, 2.0)[0],
                            "b1": _pattern(1, 32, 1.0, 0.5)[0], "w2": _pattern(4, 32, 0.5, 1.0),
                            "b2": [0.1, -0.2, 0.3, 0.0]},
@@ -75,9 +77,10 @@ LIBRARY = {
 
 
 def test_library_is_all_shipped():
+    """(alibi_2d reads two position channels, given as tensors: tests/runtime/test_positions.py)"""
     from bamgen.resources import shipped_priors
     shipped = {p.stem for p in shipped_priors()}
-    assert set(LIBRARY) | {"uniform", "laplace", "generalized_gaussian"} == shipped
+    assert set(LIBRARY) | {"uniform", "laplace", "generalized_gaussian", "alibi_2d"} == shipped
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -461,3 +461,22 @@ def test_module_initialisation_forward_backward(prior, backend):
         assert p.grad is not None and p.grad.shape == p.shape
         assert bool(torch.isfinite(p.grad).all())
         assert bool((p.grad != 0).any())
+
+
+@pytest.mark.xfail(strict=True, reason="open: the Triton dK/dV kernel's dS of one row is 1.1% off "
+                   "in bf16 (docs/reliability.md, 'An open bf16 case')")
+def test_bf16_dk_of_a_two_row_case_the_property_test_found():
+    """Found by the property test (the same numbers on the code before this wave's positions):
+    GGD, bf16, two query rows against 81 keys at head dim 128, causal. The Triton dk of key 0
+    is 2 bf16 ulps from the float64 answer (3.1e-2 at 2.31) where the bound allows 3.0e-2; the
+    torch path passes. The error lies along row 1's q: that row's dS for key 0 (-9.5) is 1.1%
+    off. delta = rowsum(dO * O) from O = bf16(P) @ V explains 0.007 of the 0.031 (float64
+    simulation), so the rest is open. Strict: this fails once the kernel is right, and then
+    belongs with the passing cases."""
+    run_case(Case(prior="generalized_gaussian", backend="triton", dtype="bf16", B=2, Hq=4, Hk=4,
+                  Nq=2, Nk=81, D=128, causal=True, q_offset=0, k_offset=0,
+                  params={"alpha": [16.0, 4.948937892913818, 1.0, 11.112985610961914],
+                          "beta": [2.0, 2.0, 2.0, 2.0],
+                          "mu": [9.776874542236328, -2.0, 3.0, 1.100000023841858]},
+                  param_form={"alpha": "tensor", "beta": "float", "mu": "tensor"}, scale=None,
+                  seed=1524))

@@ -12,16 +12,25 @@ from .forward import forward_call
 from . import common
 from .common import (
     call_parts, doc_groups, gather_items, hide_padding, inputs_finite, key_limit, masks_nothing,
-    param_columns, positions, quiet_dead_rows, row_terms, table_tile, tile_entries, work_items)
+    param_columns, positions, quiet_dead_rows, row_terms, table_tile, tensor_positions, tile_entries,
+    work_items)
 from .hooks import distance_tables, generic_tables, logit_grads, table_logit, table_logit_grads
 
 
 def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted=True,
-             rows=None, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+             rows=None, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, pos=None):
     """dq, dk, dv (input dtype) and the learnable parameters' gradients [Hq, prior.traits.num_grads]:
     the parts of the call (call_parts) as the forward split it.
     rows: see _backward_generic (the table path needs no row correction: it sums dS
-    per distance in float64 against derivatives shifted to be small where it matters)."""
+    per distance in float64 against derivatives shifted to be small where it matters).
+    pos: the forward's position tensors (see forward.forward): then the generic path, and the
+    positions' gradients after the others, (dpos_q, dpos_k) like pos."""
+    if pos is not None:
+        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+        k, v = hide_padding(k, v, key_mask)
+        q, dout, out, v = quiet_dead_rows(q, dout, out, v, stats.contiguous())
+        return backward_generic(prior, dout, q, k, v, out, stats.contiguous(), theta, causal, scale,
+                                0, 0, shifted, rows, n, key_mask, pos)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     parts = call_parts(B, Nq, Nk, q_offset, k_offset, cu_seqlens_q, cu_seqlens_k)
@@ -83,14 +92,18 @@ def backward_call(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offs
 
 
 def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset,
-                     shifted=True, rows=None, n=None, key_mask=None):
+                     shifted=True, rows=None, n=None, key_mask=None, pos=None):
     """Closed-form backward: P rebuilt from the forward's statistics, dS = P * (dP - rowsum(dO * O)).
     z is computed exactly as the forward computed it (same tiles, same logit hook).
     rows (backward_block): a [B, Hq, Nq, 1 + P] tensor that receives the row sums of the
-    correction below instead of applying it (see finish_param_grads)."""
+    correction below instead of applying it (see finish_param_grads).
+    pos: position tensors (backward()): the result has their gradients after the others, the
+    row sums of dS * d logit / d i_c for pos_q and the column sums of dS * d logit / d j_c for
+    pos_k, in float64 tiles (a FoX row's dS sums to 0 against a derivative of 1)."""
     B, Hq, Nq, D = q.shape
     cdt = acc_dtype(q)   # the compute dtype
-    tables = generic_tables(prior, theta, Nq, k.shape[2], q_offset, k_offset, causal, True, shifted)
+    tables = None if pos is not None else generic_tables(prior, theta, Nq, k.shape[2], q_offset,
+                                                         k_offset, causal, True, shifted)
     counts = row_key_counts(prior, q.shape[0], Nq, k.shape[2], q_offset, k_offset, causal, q.device, n, key_mask)
     Hk, Nk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -110,6 +123,9 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
     # (s + log_prior) log n) cancel over each row, and a float32 dot of a tile's terms lost
     # several ulps of their magnitude
     dparams = torch.zeros(B, Hk * G, P, dtype=torch.float64, device=dev)
+    C = 0 if pos is None else pos[0].shape[-1]
+    dpos_q = torch.zeros(B, Hk, G, Nq, C, dtype=torch.float64, device=dev)
+    dpos_k = torch.zeros(B, Hk, G, Nk, C, dtype=torch.float64, device=dev)
 
     def run(item, private):
         b, h0, h1, blocks = item
@@ -118,8 +134,10 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
         if private:
             dk_t, dv_t = (torch.zeros(n, Nk, D, dtype=cdt, device=dev) for _ in range(2))
             dp_t = torch.zeros(n * G, P, dtype=torch.float64, device=dev)
+            dpk_t = torch.zeros(n, G, Nk, C, dtype=torch.float64, device=dev)
         else:
             dk_t, dv_t, dp_t = dk[b, h0:h1], dv[b, h0:h1], dparams[b, h0 * G:h1 * G]
+            dpk_t = dpos_k[b, h0:h1]
         for i0 in blocks:
             i1 = min(Nq, i0 + BM)
             bm = i1 - i0
@@ -143,6 +161,8 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
                 if key_mask is not None:   # padding keys: never attended
                     km = key_mask[b, j0:j1][None, :]
                     visible = km if visible is None else visible & km
+                if pos is not None:
+                    pos_d, pos_i, pos_j = tensor_positions(pos, b, h0, h1, G, i0, i1, j0, j1)
                 # z as the forward had it (its own hook: the CSE of the derivatives may round the
                 # logit otherwise), into a fresh buffer (a derivative printed as `s` may alias s)
                 if tables is None:
@@ -163,7 +183,10 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
                 if visible is not None:   # dS = 0 where masked, even in a row whose delta is NaN
                     ds.masked_fill_(~visible, 0.0)
                 # where(): a derivative may be inf/nan on a masked score, where ds is 0
-                seen = p > 0 if dlogit_dparams or not score_is_s else None
+                seen = p > 0 if dlogit_dparams or not score_is_s or pos is not None else None
+                if pos is not None:   # (dS here is d loss / d logit)
+                    _position_sums(prior, ds, seen, s, pos_d, pos_i, pos_j, pos_n, prm, C,
+                                   dpos_q[b, h0:h1, :, i0:i1], dpk_t[:, :, j0:j1])
                 if dlogit_dparams:
                     row_ds += ds.view(n * G, bm, bn).sum(-1, dtype=torch.float64)
                 for g, dlogit_dparam in enumerate(dlogit_dparams):
@@ -186,19 +209,35 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
             else:
                 rows[b, h0 * G:h1 * G, i0:i1, 0] = row_ds.to(rows.dtype)
                 rows[b, h0 * G:h1 * G, i0:i1, 1:] = row_pg.to(rows.dtype)
-        return dk_t, dv_t, dp_t
+        return dk_t, dv_t, dp_t, dpk_t
 
-    def add(item, dk_t, dv_t, dp_t):
+    def add(item, dk_t, dv_t, dp_t, dpk_t):
         b, h0, h1, _ = item
         dk[b, h0:h1] += dk_t
         dv[b, h0:h1] += dv_t
         dparams[b, h0 * G:h1 * G] += dp_t
+        dpos_k[b, h0:h1] += dpk_t
 
     first = max(0, k_offset - q_offset) if causal else 0   # rows before it see no key: dq = 0
     items, shared = work_items(B, Hk, G, list(range(first, Nq, BM)))
     gather_items(items, shared, run, add, B * Hq * Nq * Nk)
     dparams = dparams.sum(0).to(cdt)
-    return (dq.reshape(B, Hq, Nq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams)
+    grads = (dq.reshape(B, Hq, Nq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams)
+    if pos is None:
+        return grads
+    return (*grads, dpos_q.reshape(B, Hq, Nq, C).to(cdt), dpos_k.reshape(B, Hq, Nk, C).to(cdt))
+
+
+def _position_sums(prior, ds, seen, s, pos_d, pos_i, pos_j, pos_n, prm, C, into_q, into_k):
+    """Add one tile's share of the position gradients: into_q [n, G, rows, C] += the row sums of
+    dS * d logit / d i_c, into_k [n, G, keys, C] += the column sums of dS * d logit / d j_c
+    (0 where P is: a derivative may be infinite on a masked score)."""
+    grads = prior.torch.position_grads(s, pos_d, pos_i, pos_j, pos_n, prm)
+    ds64 = ds.double()
+    for c in range(C):
+        for g, into, axis in ((grads[c], into_q, -1), (grads[C + c], into_k, -2)):
+            g = torch.where(seen, torch.as_tensor(g, dtype=ds.dtype, device=ds.device), 0.0)
+            into[..., c] += (ds64 * g).sum(axis)
 
 
 def table_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted=True,

@@ -45,6 +45,23 @@ def positions(i0, i1, j0, j1, q_offset, k_offset, counts, causal, device, dtype=
     return i_abs - j_abs, i_abs, j_abs, pos_n, visible
 
 
+def tensor_positions(pos, b, h0, h1, G, i0, i1, j0, j1):
+    """(pos_d, pos_i, pos_j) of one block from position tensors (docs/positions.md): pos =
+    (pos_q [B, Hq, Nq, C], pos_k [B, Hq, Nk, C]); KV heads h0..h1 of batch row b, each of its G
+    query heads with its own positions. Tiles [h1 - h0, G, rows, 1] and [.., 1, keys]; with
+    several channels, a tuple of C such tiles each (the hooks read pos_d[c])."""
+    pq, pk = pos
+    n = h1 - h0
+    rows = pq[b, h0 * G:h1 * G, i0:i1].reshape(n, G, i1 - i0, 1, -1)
+    cols = pk[b, h0 * G:h1 * G, j0:j1].reshape(n, G, 1, j1 - j0, -1)
+    if rows.shape[-1] == 1:
+        pos_i, pos_j = rows[..., 0], cols[..., 0]
+        return pos_i - pos_j, pos_i, pos_j
+    pos_i = tuple(rows[..., c] for c in range(rows.shape[-1]))
+    pos_j = tuple(cols[..., c] for c in range(cols.shape[-1]))
+    return tuple(a - b_ for a, b_ in zip(pos_i, pos_j)), pos_i, pos_j
+
+
 def key_limit(i1, n_keys, causal, q_offset, k_offset):
     """One past the last key any query row < i1 can see."""
     if not causal:

@@ -11,18 +11,25 @@ from ..tables import acc_dtype, row_key_counts
 from . import common
 from .common import (
     call_parts, doc_groups, empty_stats, hide_padding, inputs_finite, key_limit, masks_nothing,
-    param_columns, positions, run_items, table_tile, tile_entries, work_items)
+    param_columns, positions, run_items, table_tile, tensor_positions, tile_entries, work_items)
 from .hooks import distance_tables, generic_tables, table_logit
 
 
 def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted=True, n=None,
-            key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+            key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, pos=None):
     """CPU forward: (out [B, Hq, Nq, D] in q's dtype, softmax statistics [B, Hq, Nq, 2]).
 
     The statistics are, per row, the base-2 row max m of z = logit * log2(e) and the sum
     l = sum_j exp2(z - m) (m = -inf, l = 0 for a row that sees no key): the backward rebuilds
     P = exp2(z - m) / l, exact for the largest z, where a rounded log-sum-exp m + log2(l) would
-    be off by eps * |z| (a row whose every key sits far from the prior's mode has |z| ~ 1e6)."""
+    be off by eps * |z| (a row whose every key sits far from the prior's mode has |z| ~ 1e6).
+    pos: (pos_q [B, Hq, Nq, C], pos_k [B, Hq, Nk, C]) in the compute dtype, the positions as
+    tensors (docs/positions.md; offsets 0, no documents), or None."""
+    if pos is not None:
+        k, v = hide_padding(k.contiguous(), v.contiguous(), key_mask)
+        out, stats = forward_generic(prior, q.contiguous(), k, v, theta, causal, scale, 0, 0,
+                                     shifted, n, key_mask, pos)
+        return out.to(q.dtype), stats
     out, stats = forward_f32(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted, n,
                              key_mask, cu_seqlens_q, cu_seqlens_k)
     return out.to(q.dtype), stats
@@ -76,13 +83,15 @@ def forward_call(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shift
 
 
 def forward_generic(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted=True, n=None,
-                    key_mask=None):
+                    key_mask=None, pos=None):
     """Blockwise online-softmax forward in float32 (base 2), the prior evaluated per score (from
-    the float64 distance table where the log-prior is a function of d).
+    the float64 distance table where the log-prior is a function of d; from the position
+    tensors pos where given, see forward()).
     Returns (out [B, Hq, Nq, D] float32, statistics [B, Hq, Nq, 2])."""
     B, Hq, Nq, D = q.shape
     cdt = acc_dtype(q)   # the compute dtype
-    tables = generic_tables(prior, theta, Nq, k.shape[2], q_offset, k_offset, causal, False, shifted)
+    tables = None if pos is not None else generic_tables(prior, theta, Nq, k.shape[2], q_offset,
+                                                         k_offset, causal, False, shifted)
     counts = row_key_counts(prior, q.shape[0], Nq, k.shape[2], q_offset, k_offset, causal, q.device, n, key_mask)
     Hk, Nk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -113,6 +122,8 @@ def forward_generic(prior, q, k, v, theta, causal, scale, q_offset, k_offset, sh
                 if key_mask is not None:   # padding keys: never attended
                     km = key_mask[b, j0:j1][None, :]
                     visible = km if visible is None else visible & km
+                if pos is not None:
+                    pos_d, pos_i, pos_j = tensor_positions(pos, b, h0, h1, G, i0, i1, j0, j1)
                 if tables is None:
                     logit = prior.torch.logit(s, pos_d, pos_i, pos_j, pos_n, prm)
                 else:

@@ -42,13 +42,15 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    TABLE_ROW_ARGS, _clamped, _distance, _dot, _factored_logit2, _kept_keys, _logit2, _logit_grads,
-    _logit_row2, _position, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
+    TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _distance, _dot, _factored_logit2, _kept_keys,
+    _logit2, _logit_grads, _logit_row2, _position, _position_diff, _position_reduce,
+    _position_terms, _store_positions, _tensor_positions, _zero_tiles, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    CENTER_GRADS, GRAD_MODES, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, SCORE_IS_S, SKIP, TABLE,
-    TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_ramp, prior_scalars, prior_score_factors)
+    CENTER_GRADS, GRAD_MODES, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, SCORE_IS_S,
+    SKIP, TABLE, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
+    prior_scalars, prior_score_factors)
 
 GRAD_TABLE = tl.constexpr(1)          # (bamgen.runtime.traits: GRAD_TABLE, GRAD_LOGIT_FACTOR)
 GRAD_LOGIT_FACTOR = tl.constexpr(2)
@@ -88,7 +90,7 @@ def _bwd_preprocess(O, DO, Delta, Theta, NRow, RowF, stride_ob, stride_oh, strid
 
 @triton.jit(do_not_specialize=TABLE_ROW_ARGS)
 def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, Window, NRow,
-                   KeyMask, QOff, KOff, CuSeqQ, CuSeqK, Work,
+                   KeyMask, QOff, KOff, CuSeqQ, CuSeqK, Work, PosQ, PosK, DPosK,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dkb, stride_dkh, stride_dkn,
@@ -99,11 +101,13 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
                    ROW_OFFSETS: tl.constexpr, VARLEN: tl.constexpr):
     """One program: one key tile of one (batch, kv head); loops over the GQA group's query
-    heads and every query tile that can see it, so dK and dV need no atomics."""
+    heads and every query tile that can see it, so dK and dV need no atomics (POSITIONS: and
+    each query head's column sums for the keys' positions, DPosK)."""
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hk
     off_hk = pid_bh % Hk
     rows_all = Nq   # the row stride of the statistics: every row of the call
+    keys_all = Nk
     # this program's key tile, and the rows and keys it lives in (a document's, VARLEN)
     pid_n, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
                                                     Nk, VARLEN)
@@ -120,7 +124,8 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                 + k_start.to(tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     offs_n_abs = offs_n + k_offset
-    pos_j = _position(offs_n_abs)[:, None]
+    if POSITIONS == 0:   # (position tensors: per query head, in the loop below)
+        pos_j = _position(offs_n_abs)[:, None]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
@@ -137,6 +142,9 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
         do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + q_start.to(tl.int64) * stride_dom
         row_base = off_bh.to(tl.int64) * rows_all + q_start   # this head's rows in Mrow, Lrow, Delta
+        if POSITIONS > 0:   # this query head's positions of the keys, and their gradient sums
+            pos_j = _as_rows(_tensor_positions(PosK, off_bh.to(tl.int64) * keys_all, offs_n, key_ok))
+            dpos_k = _zero_tiles(BLOCK_N, BLOCK_M)
         # this head's table, at d_top - (query position - key position)
         # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
         tab_cols = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 + offs_n_abs)[:, None]
@@ -169,8 +177,12 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
             offs_m_abs = offs_m + q_offset
             # Transposed tiles [BLOCK_N, BLOCK_M]: keys along rows, queries along columns.
             qkT = _dot(k, tl.trans(q), None, DOT_PREC, UPCAST_DOT)
-            pos_i = _position(offs_m_abs)[None, :]
-            pos_d = _distance(offs_m_abs[None, :], offs_n_abs[:, None])
+            if POSITIONS > 0:
+                pos_i = _as_cols(_tensor_positions(PosQ, row_base, offs_m, row_ok))
+                pos_d = _position_diff(pos_i, pos_j)
+            else:
+                pos_i = _position(offs_m_abs)[None, :]
+                pos_d = _distance(offs_m_abs[None, :], offs_n_abs[:, None])
             visible = key_ok[:, None] & row_ok[None, :]
             n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
             pos_n = n_rows[None, :]
@@ -228,11 +240,17 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                 dsT = tl.where(visible, pT * tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :]), 0.0)
             else:
                 dsT = tl.where(visible, pT * (dpT - delta[None, :]), 0.0)
+            if POSITIONS > 0:   # column sums of dS * d logit / d j_c (dS: d loss / d logit)
+                pos_grads = prior_position_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
+                dpos_k = _position_terms(dpos_k, dsT, pT, pos_grads, POSITIONS)
             if not SCORE_IS_S and not ROW_FACTORS:
                 # where(): d logit / d s may be infinite where P is 0 (SSMax's log(n) of a row
                 # that sees no key), and 0 * inf would be NaN
                 dsT = tl.where(pT > 0.0, dsT * dlogit_ds, 0.0)
             dk = _dot(dsT.to(q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
+        if POSITIONS > 0:
+            _store_positions(DPosK, off_bh.to(tl.int64) * keys_all, offs_n, key_ok,
+                             _position_reduce(dpos_k, 1))
     dk = dk * sm_scale
     if HAS_KEY_MASK:
         # A padding key: no query sees it, so its dK and dV are 0. The loop above treats it as
@@ -270,7 +288,7 @@ def _grad_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_GRADS: tl.const
 
 @triton.jit(do_not_specialize=TABLE_ROW_ARGS)
 def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Table, Window, NRow,
-                 KeyMask, QOff, KOff, CuSeqQ, CuSeqK, Work,
+                 KeyMask, QOff, KOff, CuSeqQ, CuSeqK, Work, PosQ, PosK, DPosQ,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  Hq, GROUP, Nq, Nk, q_offset, k_offset, sm_scale, d_top_b, tab_slot, tab_stride_h, stride_nb,
@@ -294,6 +312,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     off_h = pid_bh % Hq
     off_hk = off_h // GROUP
     rows_all = Nq   # the row stride of the statistics: every row of the call
+    keys_all = Nk
     # The parameters' sums dS * g reduced per key tile (into [BLOCK_M]) where a tile's
     # [BLOCK_M, BLOCK_N] accumulators would take 16 registers a thread or more (64x32 with
     # 4 warps: it frees them for that tile on sm_90), else accumulated per score (sm_80's
@@ -348,7 +367,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 ramp_factors = ramp_factors + (ramp[2 + GRAD_BASE + g],)
             else:
                 ramp_factors = ramp_factors + (1.0,)
-    pos_i = _position(offs_m_abs)[:, None]
+    if POSITIONS > 0:
+        pos_i = _as_rows(_tensor_positions(PosQ, stats_rows, offs_m, row_ok))
+    else:
+        pos_i = _position(offs_m_abs)[:, None]
     n_hi = Nk
     n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
     pos_n = n_rows[:, None]
@@ -409,6 +431,12 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         dist_acc = ()
         for c in tl.static_range(DIST_K // DIST_CHUNK):
             dist_acc = dist_acc + (tl.zeros([DIST_CHUNK], dtype=tl.float32),)
+    if POSITIONS > 0 and WRITE_DQ:
+        # the rows' positions' gradients, sum_j dS g - (sum_j dS)(sum_j P g) per channel (the
+        # parameters' correction: a FoX row's derivative is 1, and sum_j dS = 0)
+        dpos_q = _zero_tiles(BLOCK_M, BLOCK_N)
+        pos_means = _zero_tiles(BLOCK_M, BLOCK_N)
+        pos_ds = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < Nk
@@ -419,8 +447,13 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
         offs_n_abs = offs_n + k_offset
-        pos_j = _position(offs_n_abs)[None, :]
-        pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
+        if POSITIONS > 0:
+            pos_j = _as_cols(_tensor_positions(PosK, pid_bh.to(tl.int64) * keys_all, offs_n,
+                                               offs_n < Nk))
+            pos_d = _position_diff(pos_i, pos_j)
+        else:
+            pos_j = _position(offs_n_abs)[None, :]
+            pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
         visible = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n_abs[None, :] <= offs_m_abs[:, None])
@@ -481,6 +514,11 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         p = tl.where(visible, tl.exp2(z - m_row[:, None]) * inv_l[:, None], 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
         ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)   # (see the dK/dV kernel)
+        if POSITIONS > 0 and WRITE_DQ:
+            pos_grads = prior_position_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
+            dpos_q = _position_terms(dpos_q, ds, p, pos_grads, 0)
+            pos_means = _position_terms(pos_means, p, p, pos_grads, 0)
+            pos_ds += ds
         if GRAD_COUNT > 0:
             if TILE_ROW_SUMS:
                 ds_rows += tl.sum(ds, 1)
@@ -542,6 +580,14 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         dq = tl.where((inv_l == 0.0)[:, None], 0.0, dq)
         tl.store(DQ + q_head + offs_m[:, None] * stride_qm + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=qd_mask)
+        if POSITIONS > 0:
+            dpos_q = _position_reduce(dpos_q, 1)
+            pos_means = _position_reduce(pos_means, 1)
+            pos_ds = tl.sum(pos_ds, 1)
+            corrected = ()
+            for c in tl.static_range(POSITIONS):
+                corrected = corrected + (dpos_q[c] - pos_ds * pos_means[c],)
+            _store_positions(DPosQ, stats_rows, offs_m, row_ok, corrected)
     # one partial sum per program (tl.program_id(0): the tile, or with VARLEN the work item)
     partial = (DTheta + ((off_b * tl.num_programs(0) + tl.program_id(0)) * Hq + off_h) * NUM_GRADS
                + GRAD_BASE)

@@ -36,18 +36,18 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    TABLE_ROW_ARGS, _distance, _dot, _factored_logit2, _kept_keys, _load_kept, _load_kv, _logit2,
-    _logit_row2, _position, _program_span, _ramp_logit2, _ramp_nearest_key,
-    _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets, _value_entries,
-    _window_keys)
+    TABLE_ROW_ARGS, _as_cols, _as_rows, _distance, _dot, _factored_logit2, _kept_keys, _load_kept,
+    _load_kv, _logit2, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
+    _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
+    _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, prior_ramp, prior_scalars)
+    POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, prior_ramp, prior_scalars)
 
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                     offs_m_abs, n_visible, row_ok, offs_d, n_lo, n_hi, Nk, k_offset, qk_scale,
-                    sm_scale, tab_rows, ramp_slope, ramp_ref, km_base, sc,
+                    sm_scale, tab_rows, ramp_slope, ramp_ref, km_base, sc, pos_rows, PosK, pk_head,
                     CAUSAL: tl.constexpr, STEADY: tl.constexpr, BLOCK_N: tl.constexpr,
                     D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
                     UPCAST_DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
@@ -57,8 +57,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     causal part strictly left of the diagonal tile), so nothing is masked. Where the prior
     is a line in d on the causal side (RAMP), a causal logit is s + slope * (ref - j)
     (log2 units): the tile's reference key ramp_ref, a broadcast vector per key tile
-    instead of a per-score evaluation."""
-    pos_i = _position(offs_m_abs)[:, None]
+    instead of a per-score evaluation. POSITIONS: the rows' positions are pos_rows, the keys'
+    read from PosK (this head's first key at pk_head)."""
+    if POSITIONS > 0:
+        pos_i = pos_rows
+    else:
+        pos_i = _position(offs_m_abs)[:, None]
     pos_n = n_visible[:, None]
     if RAMP_SYMMETRIC:
         near_ref = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)[:, None]
@@ -71,8 +75,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         if HAS_KEY_MASK:   # (a NaN in a padding key's k is hidden by the where() below)
             kept = _kept_keys(km_base, offs_n, Nk)
         qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
-        pos_j = _position(offs_n_abs)[None, :]
-        pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
+        if POSITIONS > 0:
+            pos_j = _as_cols(_tensor_positions(PosK, pk_head, offs_n, offs_n < Nk))
+            pos_d = _position_diff(pos_i, pos_j)
+        else:
+            pos_j = _position(offs_n_abs)[None, :]
+            pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
         if RAMP:
             if CAUSAL:   # (a hidden score, d < 0, is off the line: the mask below drops it)
                 z = qk * qk_scale + (ramp_slope * (ramp_ref - offs_n_abs).to(tl.float32))[None, :]
@@ -114,7 +122,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
 
 @triton.jit(do_not_specialize=TABLE_ROW_ARGS)
 def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, QOff, KOff,
-              CuSeqQ, CuSeqK, Work,
+              CuSeqQ, CuSeqK, Work, PosQ, PosK,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               Hq, GROUP, Nq, Nk, q_offset, k_offset, sm_scale, d_top_b, tab_slot, tab_stride_h, stride_nb,
@@ -131,6 +139,7 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     off_h = pid_bh % Hq
     off_hk = off_h // GROUP
     rows_all = Nq   # the row stride of the statistics: every row of the call
+    keys_all = Nk
     # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
     pid_m, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
                                                     Nk, VARLEN)
@@ -138,6 +147,11 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Nq
+    pk_head = pid_bh.to(tl.int64) * keys_all   # this head's first key in PosK (POSITIONS)
+    if POSITIONS > 0:   # (packed documents take no position tensors: q_start is 0)
+        pos_rows = _as_rows(_tensor_positions(PosQ, pid_bh.to(tl.int64) * rows_all, offs_m, row_ok))
+    else:
+        pos_rows = 0.0
     d_ok = offs_d < D
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
@@ -185,12 +199,12 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, n_lo, n_full, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
-                                    ramp_ref, km_base, sc, CAUSAL, True, BLOCK_N,
+                                    ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, True, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, n_full, n_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
-                                    ramp_ref, km_base, sc, CAUSAL, False, BLOCK_N,
+                                    ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, False, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference (what the backward rebuilds)

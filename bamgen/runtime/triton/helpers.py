@@ -20,8 +20,9 @@ import triton.language as tl
 
 from . import interpreting
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    CLAMP_POSITIONS, HAS_BIAS, LOGIT_FMA, ROW_FACTORS, SCORE_IS_S, TABLE, TABLE_SLOTS, prior_bias,
-    prior_grads, prior_logit_row, prior_logit_score, prior_row_factors)
+    CLAMP_POSITIONS, HAS_BIAS, LOGIT_FMA, POSITIONS, ROW_FACTORS, SCORE_IS_S, TABLE, TABLE_SLOTS,
+    prior_bias, prior_grads, prior_logit_row, prior_logit_score, prior_position_grads,
+    prior_row_factors)
 
 # Gather table entries through PTX (see _table_load) when compiling for a GPU; the interpreter
 # cannot run inline assembly and takes tl.load.
@@ -76,6 +77,98 @@ def _distance(i_abs, j_abs):
         i_abs = tl.maximum(i_abs, 0)
         j_abs = tl.maximum(j_abs, 0)
     return (i_abs - j_abs).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# Positions as tensors (POSITIONS = C > 0): [B, Hq, N, C] float32, contiguous. One channel is a
+# tile; several are a tuple of tiles, channel by channel (the hooks read pos_d[c]).
+@triton.jit
+def _tensor_positions(Pos, head_row0, offs, ok):
+    """The positions of tokens offs of one head ([len(offs)] per channel); head_row0: the
+    index of the head's first token, (b * Hq + h) * N (int64)."""
+    at = Pos + (head_row0 + offs) * POSITIONS
+    if POSITIONS == 1:
+        out = tl.load(at, mask=ok, other=0.0)
+    else:
+        out = ()
+        for c in tl.static_range(POSITIONS):
+            out = out + (tl.load(at + c, mask=ok, other=0.0),)
+    return out
+
+
+@triton.jit
+def _as_rows(p):
+    """[M] positions (per channel) as a column [M, 1]: one per query row."""
+    if POSITIONS == 1:
+        out = p[:, None]
+    else:
+        out = ()
+        for c in tl.static_range(POSITIONS):
+            out = out + (p[c][:, None],)
+    return out
+
+
+@triton.jit
+def _as_cols(p):
+    """[N] positions (per channel) as a row [1, N]: one per key."""
+    if POSITIONS == 1:
+        out = p[None, :]
+    else:
+        out = ()
+        for c in tl.static_range(POSITIONS):
+            out = out + (p[c][None, :],)
+    return out
+
+
+@triton.jit
+def _position_diff(pos_i, pos_j):
+    """d = i - j, channel by channel."""
+    if POSITIONS == 1:
+        out = pos_i - pos_j
+    else:
+        out = ()
+        for c in tl.static_range(POSITIONS):
+            out = out + (pos_i[c] - pos_j[c],)
+    return out
+
+
+@triton.jit
+def _position_terms(accs, ds, p, grads, FIRST: tl.constexpr):
+    """accs[c] + dS * grads[FIRST + c] for each channel c, score by score (0 where P is: a
+    derivative may be infinite on a hidden score, and 0 * inf is NaN). The tiles are summed
+    once, after the loop (_position_reduce): a row reduction per key tile goes through shared
+    memory and made the dQ loop LSU-bound."""
+    out = ()
+    for c in tl.static_range(POSITIONS):
+        g = tl.where(p > 0.0, grads[FIRST + c], 0.0)
+        out = out + (tl.fma(ds, g, accs[c]),)
+    return out
+
+
+@triton.jit
+def _position_reduce(accs, AXIS: tl.constexpr):
+    """Each channel's accumulated tile summed along AXIS."""
+    out = ()
+    for c in tl.static_range(POSITIONS):
+        out = out + (tl.sum(accs[c], AXIS),)
+    return out
+
+
+@triton.jit
+def _zero_tiles(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """One [ROWS, COLS] float32 accumulator per channel."""
+    out = ()
+    for c in tl.static_range(POSITIONS):
+        out = out + (tl.zeros([ROWS, COLS], dtype=tl.float32),)
+    return out
+
+
+@triton.jit
+def _store_positions(Pos, head_row0, offs, ok, sums):
+    """Write one [len(offs)] sum per channel at the tokens offs of one head."""
+    at = Pos + (head_row0 + offs) * POSITIONS
+    for c in tl.static_range(POSITIONS):
+        tl.store(at + c, sums[c], mask=ok)
 
 
 @triton.jit

@@ -42,6 +42,11 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
   CLAMP_POSITIONS (reads i or j) the hooks see a padding token's negative position as 0, and d
                   from the positions so read: a formula is only ever evaluated at real tokens'
                   positions (helpers._position, _distance); masks follow the positions as they are
+  POSITIONS       0: positions are the tokens' (the offsets); C > 0: they come from the tensors
+                  PosQ, PosK ([B, Hq, N, C] float32: pos_q, pos_k, docs/positions.md), C
+                  channels, and the backward kernels write their gradients (DPosQ, DPosK) from
+                  prior_position_grads; with C > 1 the hooks' pos_d, pos_i, pos_j are tuples of
+                  C tiles (the positional plan: inline, no ramp, no row factors)
 
 Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
 tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
@@ -59,6 +64,8 @@ pos_d = i - j, pos_i, pos_j, pos_n (the visible keys) are float32 tiles):
                                   factor (d logit / d p over its row factor)
   prior_logit_row(pos_i, pos_n, sc)     the logit's row factor r (the logit is u * r)
   prior_logit_score(s, pos_d, pos_i, pos_j, pos_n, tab, sc)    u, or with LOGIT_FMA v (u = s + v)
+  prior_position_grads(s, pos_d, pos_i, pos_j, pos_n, sc)     (POSITIONS) d logit / d i_c for
+                                  each channel c, then d logit / d j_c
 """
 import triton
 import triton.language as tl
@@ -78,12 +85,13 @@ GRAD_MODES = tl.constexpr(())
 TILE_ROW_SUMS = tl.constexpr(False)
 CENTER_GRADS = tl.constexpr(False)
 CLAMP_POSITIONS = tl.constexpr(False)
+POSITIONS = tl.constexpr(0)
 
 FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
          "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS",
-         "CLAMP_POSITIONS")
+         "CLAMP_POSITIONS", "POSITIONS")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
-         "prior_score_factors", "prior_logit_row", "prior_logit_score")
+         "prior_score_factors", "prior_logit_row", "prior_logit_score", "prior_position_grads")
 
 
 @triton.jit
@@ -132,3 +140,9 @@ def prior_logit_row(pos_i, pos_n, sc):
 def prior_logit_score(s, pos_d, pos_i, pos_j, pos_n, tab, sc):
     """(not called: ROW_FACTORS is off)"""
     return s
+
+
+@triton.jit
+def prior_position_grads(s, pos_d, pos_i, pos_j, pos_n, sc):
+    """NoPE: the logit does not read the positions (one channel)."""
+    return (0.0, 0.0)

@@ -54,7 +54,8 @@ def gpu_family(device=None):
 
 def candidates(prior, kernel, head_dim, arch, masked=False):
     """The tile configs of a kernel; masked (key_mask, per-row offsets or packed documents): each
-    with half the tile's scores (_masked_tile)."""
+    with half the tile's scores (_masked_tile). (The kernels of position tensors have tile
+    kinds of their own: tiles.py, positions_light and positions.)"""
     table = TILES[prior.traits.tile_kind][arch]
     bucket = min(b for b in table if b >= head_dim_padded(head_dim))
     configs = table[bucket][kernel]
@@ -205,8 +206,14 @@ class KernelLayout:
     bytes [B, Nk], per-row offsets as int32 [B], cu_seqlens as int32, and for packed documents
     the work lists of (document, tile) items, built per tile size on first use."""
 
-    def __init__(self, q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k):
+    def __init__(self, q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k, pos=None):
         placeholder = torch.zeros(2, device=q.device, dtype=torch.int32)
+        # position tensors: [B, Hq, N, C] float32, contiguous (docs/positions.md)
+        self.positions = pos is not None
+        if self.positions:
+            self.pos_q, self.pos_k = (p.to(torch.float32).contiguous() for p in pos)
+        else:
+            self.pos_q = self.pos_k = torch.zeros(2, device=q.device, dtype=torch.float32)
         self.row_offsets = isinstance(q_offset, torch.Tensor) or isinstance(k_offset, torch.Tensor)
         if self.row_offsets:
             self.q_off = torch.as_tensor(q_offset, device=q.device).to(torch.int32).expand(q.shape[0]).contiguous()
@@ -285,7 +292,7 @@ def skipped_kernel(kernel):
 
 
 def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backward=False,
-            shifted=True, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+            shifted=True, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, pos=None):
     """Launch the forward kernel. Returns (out, stats, out32, table): stats [2, B, Hq, Nq]
     float32 holds the softmax's per-row max (base 2) and sum; out32 is O in float32 when a
     backward will follow a low-precision input, else out itself; table is the prior's table
@@ -293,10 +300,14 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backwa
 
     The backward reuses this table rather than building its own (the same values by
     construction, one build per step). shifted: see _prior_tables; n: see _row_key_counts.
-    key_mask, cu_seqlens_q/k and tensor offsets: as _layout() normalised them."""
+    key_mask, cu_seqlens_q/k and tensor offsets: as _layout() normalised them. pos: position
+    tensors (pos_q, pos_k) [B, Hq, N, C] (docs/positions.md), taken by prior.positional's
+    kernels (offsets 0, no documents)."""
+    if pos is not None:
+        prior = prior.positional
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, for_backward,
                                                 shifted, None, n, key_mask, cu_seqlens_q, cu_seqlens_k)
-    lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
+    lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k, pos)
     out, stats, out32 = forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window,
                                         counts, lay, for_backward, shifted)
     return out, stats, out32, table
@@ -324,7 +335,7 @@ def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, 
     out32 = torch.empty(q.shape, device=q.device, dtype=torch.float32) if store_o32 else out
     stats = torch.empty(2, B, Hq, Nq, device=q.device, dtype=torch.float32)
     d_top_b, tab_slot, tab_stride_h = table_args(prior, table, d_top)
-    if not for_backward and not lay.varlen and Nq <= DECODE_ROWS:
+    if not for_backward and not lay.varlen and not lay.positions and Nq <= DECODE_ROWS:
         decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab_slot,
                tab_stride_h, window, counts, lay, shifted, wrap)
         return out, stats, out32
@@ -333,7 +344,7 @@ def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, 
         block_m, block_n, warps, stages = config
         return wrap(kernels["fwd"])[(lay.grid0(0, block_m, Nq), B * Hq)](
             q, k, v, theta, out, out32, stats[0], stats[1], table, window, counts,
-            *lay.pointers(0, block_m),
+            *lay.pointers(0, block_m), lay.pos_q, lay.pos_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             Hq, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, tab_stride_h,
@@ -404,13 +415,16 @@ def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab
 
 def backward(prior, dout, q, k, v, out, stats, out32, table, theta, causal, scale, q_offset,
              k_offset, row_sums=False, shifted=True, n=None, key_mask=None, cu_seqlens_q=None,
-             cu_seqlens_k=None):
+             cu_seqlens_k=None, pos=None):
     """Launch preprocess, dK/dV and dQ kernels. Returns dq, dk, dv, dparams [Hq, NUM_GRADS];
     with row_sums (backward_block), dparams without the row correction and the row sums
-    [B, Hq, Nq, 1 + NUM_GRADS] that it needs."""
+    [B, Hq, Nq, 1 + NUM_GRADS] that it needs; with pos (forward's), then the positions'
+    gradients, float32 [B, Hq, N, C] each."""
+    if pos is not None:
+        prior = prior.positional
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, True, shifted,
                                                 table, n, key_mask, cu_seqlens_q, cu_seqlens_k)
-    lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
+    lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k, pos)
     return backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, table, d_top,
                             window, counts, lay, row_sums, shifted)
 
@@ -447,12 +461,14 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         NUM_PARAMS=num_params, BLOCK_M=rows, HEAD_DIM=head_dim, D=D, num_warps=warps, num_stages=1)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    # the positions' gradients (POSITIONS: every row and key is written; placeholders otherwise)
+    dpos_q, dpos_k = (torch.zeros_like(p) for p in (lay.pos_q, lay.pos_k))
 
     def run_dkdv(config):
         block_m, block_n, warps, stages = config
         return wrap(kernels["bwd_dkdv"])[(lay.grid0(1, block_n, Nk), B * Hk)](
             q, k, v, theta, dout, stats[0], stats[1], delta, row_f, dk, dv, table, window, counts,
-            *lay.pointers(1, block_n),
+            *lay.pointers(1, block_n), lay.pos_q, lay.pos_k, dpos_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
@@ -485,7 +501,7 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         for base, count in groups:
             out = wrap(kernels["bwd_dq"])[(m_blocks, B * Hq)](
                 q, k, v, theta, dout, stats[0], stats[1], delta, dq, partials["sums"], rows, table_dq,
-                window, counts, *lay.pointers(0, block_m),
+                window, counts, *lay.pointers(0, block_m), lay.pos_q, lay.pos_k, dpos_q,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                 Hq, Hq // Hk, Nq, Nk, lay.q_offset, lay.k_offset, scale, d_top_b, tab_slot, dq_stride_h,
@@ -502,6 +518,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         if row_sums else delta   # (a placeholder the kernel does not touch)
     launch(prior, "bwd_dq", D, q.device, key, run_dq, lay.masked, wrap is not eager_kernel)
     dparams = partials["sums"].sum(0)[:, :prior.traits.num_grads]
+    if lay.positions:
+        return dq, dk, dv, dparams, dpos_q, dpos_k
     return (dq, dk, dv, dparams, rows) if row_sums else (dq, dk, dv, dparams)
 
 
@@ -539,8 +557,12 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
     ahead-of-time compilation (``bamgen inspect`` and the AOT tests): a list of
     (name, jit function, signature, constexprs, num_warps, num_stages). `candidate` picks a
     tile config from the family's TRITON_CONFIG list (clamped to the list's length). layout:
-    "plain" (no masks), "padded" (key_mask and per-row offsets: batched generation) or
-    "packed" (packed documents and key_mask)."""
+    "plain" (no masks), "padded" (key_mask and per-row offsets: batched generation),
+    "packed" (packed documents and key_mask) or "positions" (position tensors: the kernels of
+    prior.positional, which a prior over several channels is itself; no decode kernels)."""
+    positional = layout == "positions" or prior.traits.tensor_positions
+    if positional:
+        prior = prior.positional
     kernels = prior.kernels()
     ptr = "*" + dtype
     padded = head_dim_padded(head_dim)
@@ -548,28 +570,30 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
 
     specs = []
     flags = {"plain": (False, False, False), "padded": (True, True, False),
-             "packed": (True, False, True)}[layout]
+             "packed": (True, False, True), "positions": (False, False, False)}[layout]
     common = dict(NUM_PARAMS=prior.traits.num_columns, CAUSAL=causal, HEAD_DIM=padded, D=head_dim,
                   DOT_PREC=precision, UPCAST_DOT=False,
                   **dict(zip(("HAS_KEY_MASK", "ROW_OFFSETS", "VARLEN"), flags)))
     layout_ptrs = dict(KeyMask="*u8", QOff="*i32", KOff="*i32", CuSeqQ="*i32", CuSeqK="*i32",
                        Work="*i32")
+    pos_ptrs = dict(PosQ="*fp32", PosK="*fp32")
     plans = [
         ("attn_fwd", kernels["fwd"], "fwd",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", O=ptr, O32="*fp32", Mrow="*fp32", Lrow="*fp32",
-              Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs),
+              Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs, **pos_ptrs),
          dict(STORE_O32=dtype != "fp32")),
         ("bwd_preprocess", kernels["preprocess"], None,
          dict(O=ptr if dtype == "fp32" else "*fp32", DO=ptr, Delta="*fp32", Theta="*fp32",
               NRow="*fp32", RowF="*fp32"), None),
         ("attn_bwd_dkdv", kernels["bwd_dkdv"], "bwd_dkdv",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32", Delta="*fp32",
-              RowF="*fp32", DK=ptr, DV=ptr, Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs),
+              RowF="*fp32", DK=ptr, DV=ptr, Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs,
+              **pos_ptrs, DPosK="*fp32"),
          {}),
         ("attn_bwd_dq", kernels["bwd_dq"], "bwd_dq",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32", Delta="*fp32",
               DQ=ptr, DTheta="*fp32", RowSums="*fp32", Table="*fp32", Window="*i32", NRow="*fp32",
-              **layout_ptrs),
+              **layout_ptrs, **pos_ptrs, DPosQ="*fp32"),
          # (the first group's launch: the one that also writes dQ)
          dict(NUM_GRADS=prior.traits.num_grads, GRAD_BASE=0,
               GRAD_COUNT=0 if prior.traits.dist_sums
@@ -577,7 +601,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
               DIST_SUMS=prior.traits.dist_sums, DIST_K=dist_width(prior.traits.num_grads),
               ROW_SUMS=False)),
     ]
-    if layout != "packed":   # (packed documents always take the prefill kernel)
+    if layout != "packed" and not positional:   # (packed documents and positions: prefill kernel)
         plans += [
             ("attn_decode", kernels["decode"], "decode",
              dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", PartO="*fp32", PartM="*fp32", PartL="*fp32",
@@ -594,7 +618,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
         elif extra is None:   # the preprocess kernel: Triton's default launch settings
             block_m, block_n, warps, stages = PREPROCESS[0], None, PREPROCESS[1], 1
         else:
-            options = candidates(prior, config, head_dim, arch, layout != "plain")
+            options = candidates(prior, config, head_dim, arch, layout not in ("plain", "positions"))
             block_m, block_n, warps, stages = options[min(candidate, len(options) - 1)]
         constexprs = {"BLOCK_M": block_m, "BLOCK_S": DECODE_COMBINE_SPLITS, "HEAD_DIM": padded,
                       "D": head_dim, "NUM_PARAMS": prior.traits.num_columns}

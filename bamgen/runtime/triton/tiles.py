@@ -100,6 +100,39 @@ TILES = {
             256: _HEAD_256,
         },
     },
+    # The positional plan (position tensors, docs/positions.md): each tile loads its rows' and
+    # keys' positions, and the backward kernels accumulate the positions' gradient terms score
+    # by score beside dS. positions_light: a bias of a few operations (FoX's d, ALiBi's |d|/b);
+    # positions: more (GGD's power, SSMax, Sandwich's cosines). Chosen by the sweep in
+    # docs/performance.md ("Positions as tensors"): spill-free for the shipped priors of the
+    # kind, bf16, head dims 64 and 128, the best modelled.
+    "positions_light": {
+        "sm_90": {
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(16, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            # dK/dV: 32x64 spills 8 bytes at head dim 64, 16x64 32 at 128 (the gradient terms'
+            # [BLOCK_N, BLOCK_M] tile); sm_80's 128 is the register-bound case: LSU-bound, 2x NoPE
+            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(16, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            128: {"fwd": [(64, 64, 4, 2)], "bwd_dkdv": [(16, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+    "positions": {
+        "sm_90": {
+            64: {"fwd": [(64, 64, 4, 2)], "bwd_dkdv": [(16, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(16, 64, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            # forward at head dim 64: 64x64 puts 8 bytes on the stack (168 registers a thread)
+            64: {"fwd": [(128, 32, 8, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
+            128: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(16, 32, 4, 2)], "bwd_dq": [(16, 32, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
 }
 
 # The decode kernel (a generation step: 1-16 query rows, the keys split over programs). Its

@@ -1,0 +1,93 @@
+"""Positions as tensors (docs/positions.md): pos_q and pos_k replace the token positions that the
+offsets give, so that a prior reads i, j and d from what the model computes (the Forgetting
+Transformer's cumulative log forget gates, randomized positions, a patch grid).
+
+Here: the common layouts (grid), and the checks that turn a call's pos_q / pos_k into the one
+form both backends read, [B, Hq, N, C] in the compute dtype. That form is made by views and a
+dtype conversion only, so autograd sums a gradient over the heads of a [B, N] tensor by itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tables import acc_dtype
+
+
+def grid(*sizes: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """The coordinates of a row-major grid, [prod(sizes), len(sizes)]: grid(h, w) gives each
+    patch of an h x w image its (row, column), grid(t, h, w) each patch of a video its
+    (frame, row, column). Add the batch dimension for pos_q / pos_k:
+    grid(h, w).expand(B, -1, -1)."""
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"grid() takes positive int sizes, e.g. grid(14, 14); got {sizes!r}")
+    axes = [torch.arange(n, dtype=dtype, device=device) for n in sizes]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(sizes))
+
+
+@dataclass(frozen=True)
+class Positions:
+    """A call's positions as both backends read them: q [B, Hq, Nq, C] and k [B, Hq, Nk, C] in
+    the compute dtype (views of the user's tensors where they can be: gradients flow back
+    through them)."""
+    q: torch.Tensor
+    k: torch.Tensor
+
+    @property
+    def channels(self) -> int:
+        return self.q.shape[-1]
+
+    def detached(self) -> "Positions":
+        return Positions(self.q.detach(), self.k.detach())
+
+
+def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) -> Positions | None:
+    """The call's Positions, or None for token positions; a ValueError naming the argument for
+    anything a call cannot mean."""
+    channels = prior.traits.channels
+    if pos_q is None and pos_k is None:
+        if channels > 1:
+            raise ValueError(f"pos_q is required: the prior {prior.traits.name!r} reads "
+                             f"{channels} position channels (positions: {channels}); pass "
+                             f"pos_q and pos_k of shape [B, N, {channels}] or "
+                             f"[B, Hq, N, {channels}], e.g. bamgen.positions.grid(h, w)")
+        return None
+    if pos_q is None or pos_k is None:
+        missing = "pos_q" if pos_q is None else "pos_k"
+        raise ValueError(f"{missing} is missing: pos_q and pos_k come together (pass the same "
+                         f"tensor twice for self-attention)")
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if not (isinstance(off, int) and not isinstance(off, bool) and off == 0):
+            raise ValueError(f"{name} must be 0 when pos_q and pos_k are given: the positions "
+                             f"say where every token is (add the offset to the positions instead)")
+    if cu_seqlens_q is not None:
+        raise ValueError("pos_q with cu_seqlens_q: packed documents do not take position tensors "
+                         "yet; pad the documents into a batch with a key_mask")
+    B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
+    cdt = acc_dtype(q)
+    return Positions(_normalise("pos_q", pos_q, B, Hq, Nq, channels, q, cdt),
+                     _normalise("pos_k", pos_k, B, Hq, k.shape[2], channels, q, cdt))
+
+
+def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:
+    """pos as [B, Hq, N, C] in the compute dtype, or a ValueError naming it."""
+    if not isinstance(pos, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(pos).__name__}")
+    if pos.dtype == torch.bool or pos.is_complex():
+        raise ValueError(f"{name} must hold float or integer positions, got {pos.dtype}")
+    if pos.device != q.device:
+        raise ValueError(f"{name} is on {pos.device} and q on {q.device}: move {name} to "
+                         f"{q.device}")
+    c = [] if channels == 1 else [channels]
+    shapes = {2 + len(c): [B, N, *c], 3 + len(c): [B, Hq, N, *c]}
+    want = shapes.get(pos.dim())
+    if want is None or list(pos.shape) != want:
+        ch = f", {channels}" if channels > 1 else ""
+        raise ValueError(f"{name} has shape {list(pos.shape)}; expected [B, N{ch}] = "
+                         f"[{B}, {N}{ch}] or [B, Hq, N{ch}] = [{B}, {Hq}, {N}{ch}]")
+    if channels == 1:
+        pos = pos.unsqueeze(-1)
+    if pos.dim() == 3:   # shared by every head
+        pos = pos.unsqueeze(1).expand(B, Hq, N, channels)
+    return pos.to(cdt)

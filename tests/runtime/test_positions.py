@@ -1,0 +1,298 @@
+"""Positions as tensors (docs/positions.md), from the user's side: the Forgetting Transformer's
+cumulative log forget gates, 2-D patch grids for cross-attention, random integer positions
+through a shipped prior, and the errors of a wrong call. Every value and gradient is held to a
+float64 attention written here with its bias materialised ([B, Hq, Nq, Nk]), the positions'
+gradients included (through autograd of that materialised bias)."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import bamgen
+from tests.reference import reference_attention
+from tests.runtime.test_library import LIBRARY, as_reference, fold_shared
+from tests.tolerance import assert_all_close
+
+
+def _materialised(q, k, v, bias, causal, key_mask=None, cdt=torch.float64):
+    """softmax(q k^T / sqrt(D) + bias) v in cdt, bias [B or 1, Hq or 1, Nq, Nk]; GQA by
+    repeating k and v; a row that sees no key is 0."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1).to(cdt), v.repeat_interleave(G, 1).to(cdt)
+    s = q.to(cdt) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias.to(cdt)
+    Nq, Nk = s.shape[-2:]
+    visible = torch.ones(Nq, Nk, dtype=torch.bool)
+    if causal:
+        visible = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
+    visible = visible.expand_as(s)
+    if key_mask is not None:
+        visible = visible & key_mask[:, None, None, :]
+    s = s.masked_fill(~visible, -float("inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ v
+
+
+def _check(mine, build, dtype, wrt, grad_out):
+    """The output and the gradients of every tensor in wrt against build(float64), the
+    materialised attention from the same leaves, within docs/architecture.md's tolerance for
+    dtype: 2 max|pt - ref| + atol, pt = build(dtype) (float64 itself: within 1e-10)."""
+    got = torch.autograd.grad(mine, wrt, grad_out.to(mine.dtype))
+    ref = build(torch.float64)
+    want = torch.autograd.grad(ref, wrt, grad_out.double())
+    if dtype == torch.float64:
+        for g, w in zip((mine, *got), (ref, *want)):
+            torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-10, atol=1e-10)
+        return
+    pt = build(dtype)
+    naive = torch.autograd.grad(pt, wrt, grad_out.to(dtype))
+    results = [("out", mine.detach().double(), ref.detach(), pt.detach().double(), None)]
+    for n, (g, w, p) in enumerate(zip(got, want, naive)):
+        results.append((f"grad {n}", g.double(), w, p.double(), None))
+    assert_all_close(results, dtype)
+
+
+FOX = importlib.import_module("generated.forget_gate")
+ALIBI_2D = importlib.import_module("generated.alibi_2d")
+GGD = importlib.import_module("generated.generalized_gaussian")
+
+
+# (backend, dtype): the Triton kernels run under TRITON_INTERPRET=1 (float64: torch only)
+PATHS = [("torch", torch.float64), ("torch", torch.float32), ("triton", torch.float32)]
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS)
+@pytest.mark.parametrize("B,Hq,Hk,N", [(1, 1, 1, 1), (2, 4, 2, 17), (1, 2, 1, 123)])
+def test_forget_gate_per_head_gates_with_gradients(B, Hq, Hk, N, backend, dtype):
+    """FoX: c = logsigmoid(gates).cumsum(-1) per query head, pos_q = pos_k = c, `log_prior: d`.
+    The gates get their gradient through the cumsum (the keys' positions under GQA too)."""
+    g = torch.Generator().manual_seed(N)
+    q = torch.randn(B, Hq, N, 16, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hk, N, 16, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hk, N, 16, generator=g, dtype=dtype, requires_grad=True)
+    gates = (torch.randn(B, Hq, N, generator=g, dtype=dtype) + 2.0).requires_grad_(True)
+    c = torch.nn.functional.logsigmoid(gates).cumsum(-1)
+    out = FOX.attention(q, k, v, causal=True, pos_q=c, pos_k=c, backend=backend)
+
+    def build(cdt):
+        c = torch.nn.functional.logsigmoid(gates.to(cdt)).cumsum(-1)
+        return _materialised(q, k, v, c[..., :, None] - c[..., None, :], True, cdt=cdt)
+    _check(out, build, dtype, (q, k, v, gates), torch.randn(out.shape, generator=g))
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS)
+def test_forget_gate_module_and_shared_positions(backend, dtype):
+    """The module's forward takes pos_q / pos_k; positions [B, N] shared by the heads get the
+    gradient summed over them."""
+    g = torch.Generator().manual_seed(3)
+    B, H, N = 2, 3, 29
+    q, k, v = (torch.randn(B, H, N, 8, generator=g, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    c = torch.randn(B, N, generator=g, dtype=dtype).cumsum(-1).requires_grad_(True)
+    layer = FOX.ForgetGateAttention(num_heads=H)
+    out = layer(q, k, v, causal=True, pos_q=c, pos_k=c, backend=backend)
+    _check(out, lambda cdt: _materialised(q, k, v, (c.to(cdt)[:, None, :, None]
+                                                    - c.to(cdt)[:, None, None, :]), True, cdt=cdt),
+           dtype, (q, k, v, c), torch.randn(out.shape, generator=g))
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS)
+def test_alibi_2d_cross_attention_between_grids(backend, dtype):
+    """Queries on a 3 x 4 grid, keys on a 5 x 5 grid (Nq != Nk), per-head slopes learnt, float
+    positions with gradients (a patch's coordinates moved by a learnt offset)."""
+    g = torch.Generator().manual_seed(5)
+    B, H = 2, 4
+    shift = torch.randn(B, 12, 2, generator=g, dtype=dtype).mul(0.3).requires_grad_(True)
+    pq = bamgen.positions.grid(3, 4, dtype=dtype)[None] + shift
+    pk = bamgen.positions.grid(5, 5, dtype=dtype).expand(B, -1, -1)
+    assert pk.shape == (B, 25, 2)
+    q = torch.randn(B, H, 12, 16, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, H, 25, 16, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, H, 25, 16, generator=g, dtype=dtype, requires_grad=True)
+    b = torch.tensor([0.5, 1.0, 2.0, 4.0], dtype=torch.float32, requires_grad=True)
+    out = ALIBI_2D.attention(q, k, v, b=b, causal=False, pos_q=pq, pos_k=pk, backend=backend)
+
+    def build(cdt):
+        dist = (pq.to(cdt)[:, :, None, :] - pk.to(cdt)[:, None, :, :]).abs().sum(-1)
+        return _materialised(q, k, v, -dist[:, None] / b.to(cdt)[None, :, None, None], False,
+                             cdt=cdt)
+    _check(out, build, dtype, (q, k, v, b, shift), torch.randn(out.shape, generator=g))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_random_integer_positions_through_a_shipped_prior(backend):
+    """Randomized positional encodings (Ruoss et al.): sorted random integers drawn from a range
+    8x the length, through the shipped GGD prior, with a key_mask hiding padding keys."""
+    g = torch.Generator().manual_seed(11)
+    B, H, N = 2, 2, 40
+    pos = torch.sort(torch.randperm(8 * N, generator=g)[:N]).values[None].expand(B, -1)
+    q, k, v = (torch.randn(B, H, N, 16, generator=g, requires_grad=True) for _ in range(3))
+    alpha = torch.tensor([3.0, 40.0], requires_grad=True)
+    beta = torch.tensor([1.0, 1.5], requires_grad=True)
+    mu = torch.tensor([0.0, 5.0], requires_grad=True)
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    key_mask[1, -7:] = False
+    out = GGD.attention(q, k, v, alpha=alpha, beta=beta, mu=mu, causal=True, pos_q=pos,
+                        pos_k=pos, key_mask=key_mask, backend=backend)
+
+    def build(cdt):
+        d = (pos[:, :, None] - pos[:, None, :]).to(cdt)[:, None]
+        a, be, m = (t.to(cdt)[None, :, None, None] for t in (alpha, beta, mu))
+        return _materialised(q, k, v, -((d - m).abs() / a) ** be, True, key_mask=key_mask, cdt=cdt)
+    _check(out, build, torch.float32, (q, k, v, alpha, beta, mu),
+           torch.randn(out.shape, generator=g))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_integer_positions_equal_to_the_token_positions_give_the_offsets_answer(backend):
+    """pos = arange(N) + 5 is the call with q_offset = k_offset = 5."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 33, 8, generator=g) for _ in range(3))
+    pos = (torch.arange(33) + 5)[None]
+    with_pos = GGD.attention(q, k, v, alpha=4.0, beta=1.0, mu=0.0, pos_q=pos, pos_k=pos,
+                             backend=backend)
+    with_offsets = GGD.attention(q, k, v, alpha=4.0, beta=1.0, mu=0.0, q_offset=5, k_offset=5,
+                                 backend=backend)
+    torch.testing.assert_close(with_pos, with_offsets, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_decode_step_reads_the_cache_positions(backend):
+    """Decode with positions: the new token's position against the cache's, no grad. Masks
+    follow token order and the offsets are 0, so a step's one query takes causal=False: it sees
+    the whole cache (docs/positions.md)."""
+    g = torch.Generator().manual_seed(4)
+    B, H, N = 1, 2, 20
+    gates = torch.randn(B, H, N + 1, generator=g) + 1.0
+    c = torch.nn.functional.logsigmoid(gates).cumsum(-1)
+    q = torch.randn(B, H, 1, 8, generator=g)
+    k, v = (torch.randn(B, H, N + 1, 8, generator=g) for _ in range(2))
+    with torch.no_grad():
+        step = FOX.attention(q, k, v, causal=False, pos_q=c[..., -1:], pos_k=c, backend=backend)
+    bias = c[..., -1:, None] - c[..., None, :]
+    ref = _materialised(q, k, v, bias, False)
+    torch.testing.assert_close(step.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call,argument", [
+    (lambda q, p: ALIBI_2D.attention(q, q, q, b=1.0), "pos_q"),
+    (lambda q, p: FOX.attention(q, q, q, pos_q=p), "pos_k"),
+    (lambda q, p: FOX.attention(q, q, q, pos_q=p, pos_k=p[:, :5]), "pos_k"),
+    (lambda q, p: FOX.attention(q, q, q, pos_q=p[..., None], pos_k=p[..., None]), "pos_q"),
+    (lambda q, p: FOX.attention(q, q, q, pos_q=p > 0, pos_k=p > 0), "pos_q"),
+    (lambda q, p: FOX.attention(q, q, q, pos_q=p, pos_k=p, q_offset=3), "q_offset"),
+    (lambda q, p: ALIBI_2D.attention(q, q, q, b=1.0, pos_q=p, pos_k=p), "pos_q"),
+])
+def test_wrong_positions_name_the_argument(call, argument):
+    q = torch.randn(2, 2, 9, 8)
+    p = torch.randn(2, 9)
+    with pytest.raises(ValueError, match=argument):
+        call(q, p)
+
+
+CORE = {   # the core three, in the library's form (tests/runtime/test_library.py: the others)
+    "uniform": (None, None, {}, (), None),
+    "laplace": (lambda d, p: -torch.abs(d) / p["b"], None, {"b": [1.0, 4.0, 0.5, 16.0]}, ("b",),
+                lambda d, p: d == 0),
+    "generalized_gaussian": (lambda d, p: -(torch.abs(d - p["mu"]) / p["alpha"]) ** p["beta"],
+                             None, {"alpha": [2.0, 5.0, 9.0, 30.0], "beta": [1.0, 1.5, 2.0, 0.8],
+                                    "mu": [0.0, 1.5, 3.0, -2.0]}, ("alpha", "beta", "mu"),
+                             lambda d, p: d - p["mu"] == 0),
+}
+
+
+# FIRE's positional kernels take 40 s under the interpreter: make test-full runs them
+SHIPPED = [pytest.param(name, backend, marks=[pytest.mark.full] if (name, backend) == ("fire", "triton")
+                        else [], id=f"{name}-{backend}")
+           for name in sorted(set(LIBRARY) | set(CORE)) for backend in ("torch", "triton")]
+
+
+@pytest.mark.parametrize("name,backend", SHIPPED)
+def test_every_shipped_prior_over_float_positions(name, backend):
+    """Every shipped prior of one channel over per-head float positions (a learnt warp of the
+    token positions: steps between 0.5 and 1.5), GQA, causal: the output and the gradients of
+    q, k, v, every learnable parameter and both position tensors, against the float64
+    reference (tests/reference.py, positions=). T5 buckets integer distances (its reference is
+    transformers' own bucketing of integers): it takes random increasing integer positions,
+    held in a float tensor that requires grad (their gradient is 0: a bucket is a step)."""
+    log_prior, score, values, learnable, kink = {**LIBRARY, **CORE}[name]
+    module = importlib.import_module(f"generated.{name}")
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hk, N, D = 1, 4, 2, 29, 16
+    q, dout = (torch.randn(B, Hq, N, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, Hk, N, D, generator=g) for _ in range(2))
+    pos = (0.5 + torch.rand(B, Hq, N, generator=g)).cumsum(-1)
+    pos_q, pos_k = pos + 0.25 * torch.rand(B, Hq, N, generator=g), pos
+    if name.startswith("t5"):
+        pos_q = pos_k = torch.randint(1, 9, (B, Hq, N), generator=g).cumsum(-1).float()
+    params = {n: torch.tensor(vals) for n, vals in values.items()}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, pos_q, pos_k)]
+    p_leaves = {n: t.clone().requires_grad_(n in learnable) for n, t in params.items()}
+    out = module.attention(*leaves[:3], **p_leaves, causal=True, pos_q=leaves[3], pos_k=leaves[4],
+                           backend=backend)
+    wrt = leaves + [p_leaves[n] for n in learnable]
+    out, *grads = (out, *torch.autograd.grad(out, wrt, dout))
+    kw = dict(causal=True, score=score, kink=kink, dout=dout, positions=(pos_q, pos_k))
+    ref_params = as_reference(module, params)
+    ref = reference_attention(q, k, v, ref_params, log_prior, **kw)
+    pt = reference_attention(q, k, v, ref_params, log_prior, compute_dtype=torch.float32, **kw)
+    fold_shared(module, ref, pt)
+    results = [("out", out, ref.out, pt.out), ("dq", grads[0], ref.dq, pt.dq),
+               ("dk", grads[1], ref.dk, pt.dk), ("dv", grads[2], ref.dv, pt.dv)]
+    if log_prior is not None:
+        results += [("dpos_q", grads[3], ref.dpos_q, pt.dpos_q),
+                    ("dpos_k", grads[4], ref.dpos_k, pt.dpos_k)]
+    results += [(f"d{n}", gr, ref.dparams[n], pt.dparams[n]) for n, gr in zip(learnable, grads[5:])]
+    assert all(torch.isfinite(r[1]).all() for r in results)
+    assert_all_close(results, torch.float32, context=f"{name} {backend}")
+
+
+class FoxLayer(torch.nn.Module):
+    """docs/positions.md's FoX layer: gates from a projection, positions their log-sigmoid sums."""
+
+    def __init__(self, d_model=32, heads=4):
+        super().__init__()
+        self.h = heads
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model, bias=False)
+        self.fgate = torch.nn.Linear(d_model, heads)
+        self.out = torch.nn.Linear(d_model, d_model, bias=False)
+        self.attn = FOX.ForgetGateAttention(num_heads=heads)
+
+    def forward(self, x, backend="auto"):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4)
+        pos = torch.nn.functional.logsigmoid(self.fgate(x)).transpose(1, 2).cumsum(-1)
+        y = self.attn(q, k, v, causal=True, pos_q=pos, pos_k=pos, backend=backend)
+        return self.out(y.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_fox_layer_compiles_fullgraph_once_for_every_length(backend):
+    """torch.compile(fullgraph=True, dynamic=True): the positional custom ops
+    (torch.ops.bamgen.forget_gate_pfwd / _pbwd) take the position tensors; three lengths, one
+    graph, no break, and the step's output and every gradient (the gates' included) equal to
+    eager's."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    layer = FoxLayer()
+    compiled = torch.compile(lambda x: layer(x, backend), fullgraph=True, dynamic=True,
+                             backend="aot_eager")
+    for n in (17, 40, 65):
+        x = torch.randn(2, n, 32)
+        steps = []
+        for fn in (compiled, lambda x: layer(x, backend)):
+            layer.zero_grad()
+            out = fn(x)
+            out.square().sum().backward()
+            steps.append((out.detach(), {name: p.grad.clone() for name, p in layer.named_parameters()
+                                         if p.grad is not None}))
+        torch.testing.assert_close(steps[0][0], steps[1][0])
+        assert steps[0][1].keys() == steps[1][1].keys() and "fgate.weight" in steps[0][1]
+        for name in steps[0][1]:
+            torch.testing.assert_close(steps[0][1][name], steps[1][1][name], msg=name)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()
