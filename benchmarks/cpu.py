@@ -6,6 +6,9 @@
     python benchmarks/cpu.py --decode             # one decode step (1 query, N cached keys)
     python benchmarks/cpu.py --field              # t5, fire, sandwich against GGD and their
                                                   # materialised biases, N = 1024 4096
+    python benchmarks/cpu.py --positions          # FoX (forget_gate over position tensors, the
+                                                  # gates' gradients included) against FoX
+                                                  # materialised and the prior on token offsets
 
 Peers, all in one process, run alternately (one repeat of every peer, then the next repeat) and
 reported as medians, so that load from other processes on a shared machine hits them alike:
@@ -467,6 +470,66 @@ def field_benchmark(args) -> None:
                   f"{_ratio(ours, ggd)} | {diff:.1e} |", flush=True)
 
 
+# positions as tensors (--positions): the Forgetting Transformer three ways
+
+
+def positions_benchmark(args) -> None:
+    """FoX forward + backward, the gates learnable: bamgen's forget_gate over pos_q = pos_k =
+    logsigmoid(gates).cumsum(-1) [B, H, N] (the positions' gradients flow back to the gates),
+    against FoX written in PyTorch (the bias c_i - c_j materialised [B, H, N, N] and passed to
+    SDPA, the usual way), and against the same prior on integer token offsets (no position
+    tensors: the distance-table path). Medians of alternating repeats."""
+    ns = args.n or [1024, 4096]
+    heads, dim = args.heads, args.dim
+    fox = _load_generated("forget_gate", args.module_dir)
+    print(f"\nPositions as tensors: FoX, H={heads} D={dim} B=1 causal fp32, "
+          f"threads={torch.get_num_threads()}, fwd+bwd ms, median of {args.reps} alternating repeats\n")
+    print("| N | bamgen, positions (gates' grads) | materialised FoX + SDPA | the prior on offsets "
+          "| materialised / bamgen | positions / offsets | max abs diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for n in ns:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, heads, n, dim, generator=g) for _ in range(4))
+        gates = (torch.randn(1, heads, n, generator=g) + 3.0).requires_grad_()
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+
+        def positions():
+            c = F.logsigmoid(gates).cumsum(-1)
+            return fox.attention(q, k, v, causal=True, pos_q=c, pos_k=c)
+
+        def materialised():
+            c = F.logsigmoid(gates).cumsum(-1)
+            bias = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, -math.inf)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+        def offsets():
+            return fox.attention(q, k, v, causal=True)
+
+        calls = {"positions": positions, "materialised": materialised, "offsets": offsets}
+        leaves = [q, k, v, gates]
+        for t in leaves[:3]:
+            t.requires_grad_()
+
+        def step(call):
+            call().backward(dout)
+            for t in leaves:
+                t.grad = None
+
+        for call in calls.values():   # warm-up
+            step(call)
+        samples = {key: [] for key in calls}
+        for _ in range(args.reps):
+            for key, call in calls.items():
+                gc.collect()
+                samples[key].append(_time(lambda: step(call)))
+        t = {key: statistics.median(ts) for key, ts in samples.items()}
+        with torch.no_grad():
+            diff = (positions() - materialised()).abs().max().item()
+        print(f"| {n} | {_ms(t['positions'])} | {_ms(t['materialised'])} | {_ms(t['offsets'])} | "
+              f"{_ratio(t['materialised'], t['positions'])} | {_ratio(t['positions'], t['offsets'])} "
+              f"| {diff:.1e} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, nargs="*", help="sequence lengths (default 1024 2048 4096 8192)")
@@ -488,6 +551,8 @@ def main(argv=None) -> int:
                     help="one decode step (1 query against N keys) against SDPA (default N 1024 4096 16384)")
     ap.add_argument("--field", action="store_true",
                     help="t5, fire, sandwich against GGD and their materialised biases (default N 1024 4096)")
+    ap.add_argument("--positions", action="store_true",
+                    help="FoX over position tensors against FoX materialised and the prior on offsets")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     ap.add_argument("--module-dir", default=None, help="load the generated modules from this folder")
     ap.add_argument("--set", action="append", metavar="NAME=INT",
@@ -520,6 +585,11 @@ def main(argv=None) -> int:
         if args.quick:
             args.n, args.reps = args.n or [64], 1
         field_benchmark(args)
+        return 0
+    if args.positions:
+        if args.quick:
+            args.n, args.reps = args.n or [64], 1
+        positions_benchmark(args)
         return 0
     if args.quick:
         args.n = args.n or [256]
