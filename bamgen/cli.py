@@ -123,10 +123,12 @@ def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = Fal
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--head-dim", type=click.IntRange(1, 256), default=64, show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
-@click.option("--layout", type=click.Choice(["plain", "padded", "packed", "positions"]), default="plain",
+@click.option("--layout", type=click.Choice(["plain", "padded", "packed", "positions", "positions_packed"]),
+              default="plain",
               show_default=True,
               help="The kernels' specialisation: no masks, key_mask with per-row offsets, or "
-                   "packed documents (cu_seqlens) with key_mask, or position tensors (pos_q, pos_k).")
+                   "packed documents (cu_seqlens) with key_mask, or position tensors (pos_q, pos_k), "
+                   "alone or with packed documents.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--save", "save_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write each kernel's cubin into this directory.")

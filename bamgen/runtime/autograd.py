@@ -89,16 +89,16 @@ class PriorAttention(torch.autograd.Function):
         return None, dq, dk, dv, dtheta, None, None, None, None, None
 
 
-def positional_forward(prior, q, k, v, theta, pos, causal, scale, key_mask, use_triton,
+def positional_forward(prior, q, k, v, theta, pos, causal, scale, layout, use_triton,
                        for_backward):
     """(out, then what the backend's backward needs) of a call with position tensors pos
-    (docs/positions.md; offsets 0, no documents, no decode step)."""
+    (docs/positions.md; offsets 0, no decode step); layout: its key_mask and documents."""
     if use_triton:
         from .triton import launch
         return launch.forward(prior, q, k, v, theta, causal, scale, 0, 0,
-                              for_backward=for_backward, key_mask=key_mask, pos=pos)
-    return cpu_forward.forward(prior, q, k, v, theta, causal, scale, 0, 0, key_mask=key_mask,
-                               pos=pos)
+                              for_backward=for_backward, pos=pos, **layout.masks())
+    return cpu_forward.forward(prior, q, k, v, theta, causal, scale, 0, 0, pos=pos,
+                               **layout.masks())
 
 
 class PositionalAttention(torch.autograd.Function):
@@ -116,7 +116,7 @@ class PositionalAttention(torch.autograd.Function):
         ctx.empty = False
         pos = (pos_q.detach(), pos_k.detach())
         out, *saved = positional_forward(prior, q, k, v, theta.detach(), pos, causal, scale,
-                                         layout.key_mask, use_triton, True)
+                                         layout, use_triton, True)
         ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, *saved)
         return out
 
@@ -132,11 +132,11 @@ class PositionalAttention(torch.autograd.Function):
             from .triton import launch
             dq, dk, dv, dparams, dpos_q, dpos_k = launch.backward(
                 prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,
-                key_mask=layout.key_mask, pos=pos)
+                pos=pos, **layout.masks())
         else:
             dq, dk, dv, dparams, dpos_q, dpos_k = cpu_backward.backward(
                 prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,
-                key_mask=layout.key_mask, pos=pos)
+                pos=pos, **layout.masks())
         dtheta = make_dtheta(prior.traits, theta, dparams) if ctx.needs_input_grad[4] else None
         return (None, dq, dk, dv, dtheta,
                 dpos_q.to(pos_q.dtype) if ctx.needs_input_grad[5] else None,

@@ -21,7 +21,7 @@ def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_off
     if pos is not None and ops.tracing(q):   # the positional custom ops check at run time
         theta = make_theta(prior.traits, q, values, grad=True)
         return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale, backend,
-                                     key_mask, check=True)
+                                     key_mask, cu_seqlens_q, cu_seqlens_k, check=True)
     if pos is not None:
         layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
         theta = make_theta(prior.traits, q, values, grad=True, check=prior.domain_check)
@@ -49,7 +49,7 @@ def attend(prior, q, k, v, theta, causal, scale, layout, backend, pos=None):
             if q.numel() == 0 or k.shape[2] == 0:
                 return torch.zeros_like(q, memory_format=torch.contiguous_format)
             return autograd.positional_forward(prior, q, k, v, theta, (pos.q, pos.k), causal,
-                                               scale, layout.key_mask, use_triton, False)[0]
+                                               scale, layout, use_triton, False)[0]
         return autograd.PositionalAttention.apply(prior, q, k, v, theta, pos.q, pos.k, causal,
                                                   scale, layout, use_triton)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, theta)):

@@ -63,7 +63,8 @@ class PriorAttention(torch.nn.Module):
         pos = positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q)
         if pos is not None and ops.tracing(q):
             return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale,
-                                         backend, key_mask, check=False)
+                                         backend, key_mask, cu_seqlens_q, cu_seqlens_k,
+                                         check=False)
         if pos is not None:
             layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
             return attend(prior, q, k, v, theta, causal, scale, layout, backend, pos)

@@ -183,59 +183,62 @@ def _op_backward(prior, ctx, dout, _dstats, _dextra):
 # ----------------------------------------------------------------------------------------
 # Positions as tensors (docs/positions.md): _pfwd and _pbwd, either backend inside
 # ----------------------------------------------------------------------------------------
-def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backend, key_mask, check):
+def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backend, key_mask,
+                      cu_seqlens_q, cu_seqlens_k, check):
     """attention() with position tensors ([B, Hq, N, C], checked and shaped by
     positions.positions_of) through the positional custom ops."""
-    if key_mask is not None and not isinstance(key_mask, torch.Tensor):
-        raise ValueError(f"key_mask must be a tensor or None, got {key_mask!r}")
+    for name, value in (("key_mask", key_mask), ("cu_seqlens_q", cu_seqlens_q),
+                        ("cu_seqlens_k", cu_seqlens_k)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor or None, got {value!r}")
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     use_triton = autograd.use_triton(q, backend)
     for_backward = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, theta, pos_q, pos_k))
-    return prior.ops.pfwd(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, use_triton,
-                          for_backward, check)[0]
+    return prior.ops.pfwd(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
+                          cu_seqlens_k, use_triton, for_backward, check)[0]
 
 
-def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, use_triton,
-             for_backward, check):
+def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
+             cu_seqlens_k, use_triton, for_backward, check):
     """(out, stats, extra) as _op_fwd's, of a call with position tensors."""
-    layout = checks.layout(q, k, 0, 0, key_mask, None, None)
+    layout = checks.layout(q, k, 0, 0, key_mask, cu_seqlens_q, cu_seqlens_k)
     if check:
         prior.domain_check(theta)
     if q.numel() == 0 or k.shape[2] == 0:
         return tuple(t.zero_() for t in _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale,
-                                                      key_mask, use_triton, for_backward, check))
+                                                      key_mask, cu_seqlens_q, cu_seqlens_k,
+                                                      use_triton, for_backward, check))
     out, stats, *rest = autograd.positional_forward(prior, q, k, v, theta, (pos_q, pos_k), causal,
-                                                    scale, layout.key_mask, use_triton,
-                                                    for_backward)
+                                                    scale, layout, use_triton, for_backward)
     extra = q.new_empty((0,), dtype=torch.float32)
     if use_triton and rest[0] is not out:
         extra = rest[0]
     return out.contiguous(), stats.contiguous(), extra
 
 
-def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, use_triton, for_backward,
-                  check):
-    return _op_fwd_fake(q, k, v, theta, causal, scale, 0, 0, None, None, key_mask, None, None,
-                        use_triton, for_backward, check)
+def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q, cu_seqlens_k,
+                  use_triton, for_backward, check):
+    return _op_fwd_fake(q, k, v, theta, causal, scale, 0, 0, None, None, key_mask, cu_seqlens_q,
+                        cu_seqlens_k, use_triton, for_backward, check)
 
 
 def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal, scale, key_mask,
-             use_triton):
+             cu_seqlens_q, cu_seqlens_k, use_triton):
     """(dq, dk, dv, dparams, dpos_q, dpos_k) of one _op_pfwd."""
     if q.numel() == 0 or k.shape[2] == 0:
         return tuple(g.zero_() for g in _op_pbwd_fake(prior, dout, q, k, v, out, stats, extra,
                                                       theta, pos_q, pos_k))
-    layout = checks.layout(q, k, 0, 0, key_mask, None, None)
+    layout = checks.layout(q, k, 0, 0, key_mask, cu_seqlens_q, cu_seqlens_k)
     pos = (pos_q, pos_k)
     if use_triton:
         from .triton import launch
         grads = launch.backward(prior, dout, q, k, v, out, stats, extra if extra.numel() else out,
-                                None, theta, causal, scale, 0, 0, key_mask=layout.key_mask, pos=pos)
+                                None, theta, causal, scale, 0, 0, pos=pos, **layout.masks())
     else:
         from .cpu import backward as cpu_backward
         grads = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal, scale, 0, 0,
-                                      key_mask=layout.key_mask, pos=pos)
+                                      pos=pos, **layout.masks())
     dq, dk, dv, dparams, dpos_q, dpos_k = grads
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(), dparams.to(theta.dtype).contiguous(),
             dpos_q.to(pos_q.dtype).contiguous(), dpos_k.to(pos_k.dtype).contiguous())
@@ -248,19 +251,20 @@ def _op_pbwd_fake(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, 
 
 
 def _op_p_setup_context(ctx, inputs, output):
-    q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, use_triton = inputs[:10]
+    q, k, v, theta, pos_q, pos_k, causal, scale, *masks = inputs[:11]
+    use_triton = inputs[11]
     out, stats, extra = output
-    ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, stats, extra, key_mask)
+    ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, stats, extra, *masks)
     ctx.settings = (causal, scale, use_triton)
 
 
 def _op_p_backward(prior, ctx, dout, _dstats, _dextra):
-    q, k, v, theta, pos_q, pos_k, out, stats, extra, key_mask = ctx.saved_tensors
+    q, k, v, theta, pos_q, pos_k, out, stats, extra, *masks = ctx.saved_tensors
     causal, scale, use_triton = ctx.settings
     dq, dk, dv, dparams, dpos_q, dpos_k = prior.ops.pbwd(dout, q, k, v, out, stats, extra, theta,
-                                                         pos_q, pos_k, causal, scale, key_mask,
+                                                         pos_q, pos_k, causal, scale, *masks,
                                                          use_triton)
-    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 6
+    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 8
 
 
 class FuncAttention(torch.autograd.Function):
@@ -322,19 +326,21 @@ class Ops:
 
         def pfwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
                  pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool, scale: float,
-                 key_mask: Optional[torch.Tensor], use_triton: bool, for_backward: bool,
+                 key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                 cu_seqlens_k: Optional[torch.Tensor], use_triton: bool, for_backward: bool,
                  check: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask,
-                            use_triton, for_backward, check)
+                            cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check)
 
         def pbwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, stats: torch.Tensor, extra: torch.Tensor, theta: torch.Tensor,
                  pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool, scale: float,
-                 key_mask: Optional[torch.Tensor], use_triton: bool
+                 key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                 cu_seqlens_k: Optional[torch.Tensor], use_triton: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
             return _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal,
-                            scale, key_mask, use_triton)
+                            scale, key_mask, cu_seqlens_q, cu_seqlens_k, use_triton)
 
         # positions as tensors (docs/positions.md): <name>_pfwd / _pbwd
         self.pfwd = torch.library.custom_op(lib + "_pfwd", pfwd, mutates_args=())

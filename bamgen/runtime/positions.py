@@ -44,7 +44,8 @@ class Positions:
 
 def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) -> Positions | None:
     """The call's Positions, or None for token positions; a ValueError naming the argument for
-    anything a call cannot mean."""
+    anything a call cannot mean. (Packed documents take them as they take q and k: [1, N] or
+    [1, Hq, N], each document's tokens at its own place; masks follow the documents.)"""
     channels = prior.traits.channels
     if pos_q is None and pos_k is None:
         if channels > 1:
@@ -61,9 +62,6 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
         if not (isinstance(off, int) and not isinstance(off, bool) and off == 0):
             raise ValueError(f"{name} must be 0 when pos_q and pos_k are given: the positions "
                              f"say where every token is (add the offset to the positions instead)")
-    if cu_seqlens_q is not None:
-        raise ValueError("pos_q with cu_seqlens_q: packed documents do not take position tensors "
-                         "yet; pad the documents into a batch with a key_mask")
     B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
     cdt = acc_dtype(q)
     return Positions(_normalise("pos_q", pos_q, B, Hq, Nq, channels, q, cdt),

@@ -219,19 +219,23 @@ def test_aot_report_prints_every_kernel_with_a_key_loop():
 # layout). FoX and GGD (the most registers in dQ) at head dim 128 on sm_90 in every run; the
 # rest of the matrix in `make test-full`. FIRE is not in it: its positional dK/dV kernel spills
 # (docs/performance.md, "Positions as tensors").
-POSITIONAL_EVERY_RUN = {("forget_gate", 128, "sm_90"), ("generalized_gaussian", 128, "sm_90")}
+# With packed documents too (`--layout positions_packed`: VARLEN and key_mask beside the
+# positions, the masked tiles), in `make test-full`.
+POSITIONAL_EVERY_RUN = {("forget_gate", 128, "sm_90", "positions"),
+                        ("generalized_gaussian", 128, "sm_90", "positions")}
 POSITIONAL_MATRIX = [
-    pytest.param(prior, arch, head_dim, id=f"{prior.stem}-{head_dim}-{arch}",
-                 marks=[] if (prior.stem, head_dim, arch) in POSITIONAL_EVERY_RUN
+    pytest.param(prior, arch, head_dim, layout, id=f"{prior.stem}-{head_dim}-{arch}-{layout}",
+                 marks=[] if (prior.stem, head_dim, arch, layout) in POSITIONAL_EVERY_RUN
                  else [pytest.mark.aot_full])
     for prior in PRIORS if prior.stem not in ("fire", "alibi_2d")
-    for head_dim in (64, 128) for arch in ("sm_80", "sm_90")]
+    for head_dim in (64, 128) for arch in ("sm_80", "sm_90")
+    for layout in ("positions", "positions_packed")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prior, arch, head_dim", POSITIONAL_MATRIX)
-def test_positional_kernels_compile_without_spills(prior, arch, head_dim):
-    report = _inspect(prior, arch, head_dim, "--layout", "positions")
+@pytest.mark.parametrize("prior, arch, head_dim, layout", POSITIONAL_MATRIX)
+def test_positional_kernels_compile_without_spills(prior, arch, head_dim, layout):
+    report = _inspect(prior, arch, head_dim, "--layout", layout)
     assert {k["name"] for k in report["kernels"]} == KERNELS - DECODE
     for kernel in report["kernels"]:
         assert 0 < kernel["registers"] <= 255, kernel

@@ -26,11 +26,8 @@ def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k
     pos: the forward's position tensors (see forward.forward): then the generic path, and the
     positions' gradients after the others, (dpos_q, dpos_k) like pos."""
     if pos is not None:
-        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-        k, v = hide_padding(k, v, key_mask)
-        q, dout, out, v = quiet_dead_rows(q, dout, out, v, stats.contiguous())
-        return backward_generic(prior, dout, q, k, v, out, stats.contiguous(), theta, causal, scale,
-                                0, 0, shifted, rows, n, key_mask, pos)
+        return positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted,
+                                   n, key_mask, cu_seqlens_q, cu_seqlens_k, pos)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     parts = call_parts(B, Nq, Nk, q_offset, k_offset, cu_seqlens_q, cu_seqlens_k)
@@ -66,6 +63,40 @@ def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k
             dv[b0:b1, :, j0:j1] += dv_p
             dparams += dp_p
     return dq, dk, dv, dparams
+
+
+def positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n,
+                        key_mask, cu_seqlens_q, cu_seqlens_k, pos):
+    """backward() of a call with position tensors: (dq, dk, dv, dparams, dpos_q, dpos_k), packed
+    documents as the forward grouped them."""
+    if cu_seqlens_q is None:
+        return _positional_call(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n,
+                                key_mask, pos)
+    B, Hq, Nq, D = q.shape
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dpos = [torch.zeros(p.shape, dtype=acc_dtype(q), device=q.device) for p in pos]
+    dparams = torch.zeros(Hq, prior.traits.num_grads, dtype=theta.dtype, device=q.device)
+    parts = call_parts(B, Nq, k.shape[2], 0, 0, cu_seqlens_q, cu_seqlens_k)
+    for group in doc_groups(parts, causal, key_mask, q.device):
+        stats_g = group.gather(stats, 0, fill=torch.tensor([-math.inf, 0.0], dtype=stats.dtype))
+        dq_g, dk_g, dv_g, dp_g, dpq_g, dpk_g = _positional_call(
+            prior, group.gather(dout, 0), group.gather(q, 0), group.gather(k, 1),
+            group.gather(v, 1), group.gather(out, 0), stats_g, theta, causal, scale, shifted, None,
+            group.key_mask, (group.gather(pos[0], 0), group.gather(pos[1], 1)))
+        for t, g, side in ((dq, dq_g, 0), (dk, dk_g, 1), (dv, dv_g, 1), (dpos[0], dpq_g, 0),
+                           (dpos[1], dpk_g, 1)):
+            group.scatter(t, g, side)
+        dparams += dp_g
+    return dq, dk, dv, dparams, dpos[0], dpos[1]
+
+
+def _positional_call(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n, key_mask,
+                     pos):
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+    k, v = hide_padding(k, v, key_mask)
+    q, dout, out, v = quiet_dead_rows(q, dout, out, v, stats.contiguous())
+    return backward_generic(prior, dout, q, k, v, out, stats.contiguous(), theta, causal, scale,
+                            0, 0, shifted, None, n, key_mask, pos)
 
 
 def backward_call(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted,

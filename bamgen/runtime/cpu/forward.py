@@ -26,9 +26,8 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted=Tr
     pos: (pos_q [B, Hq, Nq, C], pos_k [B, Hq, Nk, C]) in the compute dtype, the positions as
     tensors (docs/positions.md; offsets 0, no documents), or None."""
     if pos is not None:
-        k, v = hide_padding(k.contiguous(), v.contiguous(), key_mask)
-        out, stats = forward_generic(prior, q.contiguous(), k, v, theta, causal, scale, 0, 0,
-                                     shifted, n, key_mask, pos)
+        out, stats = positional_f32(prior, q, k, v, theta, causal, scale, shifted, n, key_mask,
+                                    cu_seqlens_q, cu_seqlens_k, pos)
         return out.to(q.dtype), stats
     out, stats = forward_f32(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted, n,
                              key_mask, cu_seqlens_q, cu_seqlens_k)
@@ -62,6 +61,29 @@ def forward_f32(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifte
             out[b0:b1, :, i0:i1], stats[b0:b1, :, i0:i1] = forward_call(
                 prior, q[b0:b1, :, i0:i1], k[b0:b1, :, j0:j1], v[b0:b1, :, j0:j1], theta, causal, scale, qo, ko,
                 shifted, None, km)
+    return out, stats
+
+
+def positional_f32(prior, q, k, v, theta, causal, scale, shifted, n, key_mask, cu_seqlens_q,
+                   cu_seqlens_k, pos):
+    """forward_f32 of a call with position tensors: the generic path, packed documents as the
+    batches of doc_groups, their positions gathered with their tokens."""
+    if cu_seqlens_q is None:
+        k, v = hide_padding(k.contiguous(), v.contiguous(), key_mask)
+        return forward_generic(prior, q.contiguous(), k, v, theta, causal, scale, 0, 0, shifted, n,
+                               key_mask, pos)
+    B, Hq, Nq, D = q.shape
+    cdt = acc_dtype(q)
+    out = torch.zeros(q.shape, dtype=cdt, device=q.device)
+    stats = empty_stats(B, Hq, 1, Nq, q.device, cdt).reshape(B, Hq, Nq, 2)
+    parts = call_parts(B, Nq, k.shape[2], 0, 0, cu_seqlens_q, cu_seqlens_k)
+    for group in doc_groups(parts, causal, key_mask, q.device):
+        k_g, v_g = hide_padding(group.gather(k, 1), group.gather(v, 1), group.key_mask)
+        out_g, stats_g = forward_generic(prior, group.gather(q, 0), k_g, v_g, theta, causal, scale,
+                                         0, 0, shifted, None, group.key_mask,
+                                         (group.gather(pos[0], 0), group.gather(pos[1], 1)))
+        group.scatter(out, out_g, 0)
+        group.scatter(stats, stats_g, 0)
     return out, stats
 
 

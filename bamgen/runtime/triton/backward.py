@@ -143,7 +143,8 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
         do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + q_start.to(tl.int64) * stride_dom
         row_base = off_bh.to(tl.int64) * rows_all + q_start   # this head's rows in Mrow, Lrow, Delta
         if POSITIONS > 0:   # this query head's positions of the keys, and their gradient sums
-            pos_j = _as_rows(_tensor_positions(PosK, off_bh.to(tl.int64) * keys_all, offs_n, key_ok))
+            pos_j = _as_rows(_tensor_positions(PosK, off_bh.to(tl.int64) * keys_all + k_start, offs_n,
+                                               key_ok))
             dpos_k = _zero_tiles(BLOCK_N, BLOCK_M)
         # this head's table, at d_top - (query position - key position)
         # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
@@ -249,7 +250,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                 dsT = tl.where(pT > 0.0, dsT * dlogit_ds, 0.0)
             dk = _dot(dsT.to(q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
         if POSITIONS > 0:
-            _store_positions(DPosK, off_bh.to(tl.int64) * keys_all, offs_n, key_ok,
+            _store_positions(DPosK, off_bh.to(tl.int64) * keys_all + k_start, offs_n, key_ok,
                              _position_reduce(dpos_k, 1))
     dk = dk * sm_scale
     if HAS_KEY_MASK:
@@ -448,7 +449,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
         offs_n_abs = offs_n + k_offset
         if POSITIONS > 0:
-            pos_j = _as_cols(_tensor_positions(PosK, pid_bh.to(tl.int64) * keys_all, offs_n,
+            pos_j = _as_cols(_tensor_positions(PosK, pid_bh.to(tl.int64) * keys_all + k_start, offs_n,
                                                offs_n < Nk))
             pos_d = _position_diff(pos_i, pos_j)
         else:

@@ -147,9 +147,11 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Nq
-    pk_head = pid_bh.to(tl.int64) * keys_all   # this head's first key in PosK (POSITIONS)
-    if POSITIONS > 0:   # (packed documents take no position tensors: q_start is 0)
-        pos_rows = _as_rows(_tensor_positions(PosQ, pid_bh.to(tl.int64) * rows_all, offs_m, row_ok))
+    # this head's first key (of the program's document) in PosK (POSITIONS)
+    pk_head = pid_bh.to(tl.int64) * keys_all + k_start
+    if POSITIONS > 0:
+        pos_rows = _as_rows(_tensor_positions(PosQ, pid_bh.to(tl.int64) * rows_all + q_start, offs_m,
+                                              row_ok))
     else:
         pos_rows = 0.0
     d_ok = offs_d < D

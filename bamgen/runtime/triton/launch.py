@@ -59,7 +59,23 @@ def candidates(prior, kernel, head_dim, arch, masked=False):
     table = TILES[prior.traits.tile_kind][arch]
     bucket = min(b for b in table if b >= head_dim_padded(head_dim))
     configs = table[bucket][kernel]
+    if masked and prior.traits.tensor_positions:
+        return [positions_masked_tile(kernel, c, arch) for c in configs]
     return [masked_tile(kernel, c) for c in configs] if masked else configs
+
+
+def positions_masked_tile(kernel, config, arch):
+    """masked_tile for the positional tables, whose tiles may already be at masked_tile's
+    floor: on sm_90 a dK/dV tile of 16 rows takes half the keys instead, on sm_80 a forward of 32 keys
+    takes 16x32 (the packed forward of GGD, ALiBi and BAM-SSMax put 8-24
+    bytes on the stack at 64x32 and 32x32, ptxas capping a thread at 128 or 168 registers;
+    16x32 takes 96-128 and none)."""
+    block_m, block_n, warps, stages = config
+    if kernel == "fwd" and block_n <= 32 and arch == "sm_80":
+        return (16, 32, 4, stages)
+    if kernel == "bwd_dkdv" and block_m <= 16 and arch == "sm_90":   # (BAM-SSMax at head dim
+        return (16, max(16, block_n // 2), warps, stages)   # 128: 16x64 put 16 bytes on the stack)
+    return masked_tile(kernel, config)
 
 
 def masked_tile(kernel, config):
@@ -558,9 +574,10 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
     (name, jit function, signature, constexprs, num_warps, num_stages). `candidate` picks a
     tile config from the family's TRITON_CONFIG list (clamped to the list's length). layout:
     "plain" (no masks), "padded" (key_mask and per-row offsets: batched generation),
-    "packed" (packed documents and key_mask) or "positions" (position tensors: the kernels of
-    prior.positional, which a prior over several channels is itself; no decode kernels)."""
-    positional = layout == "positions" or prior.traits.tensor_positions
+    "packed" (packed documents and key_mask), "positions" (position tensors: the kernels of
+    prior.positional, which a prior over several channels is itself; no decode kernels) or
+    "positions_packed" (position tensors with packed documents and key_mask)."""
+    positional = layout in ("positions", "positions_packed") or prior.traits.tensor_positions
     if positional:
         prior = prior.positional
     kernels = prior.kernels()
@@ -570,7 +587,8 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
 
     specs = []
     flags = {"plain": (False, False, False), "padded": (True, True, False),
-             "packed": (True, False, True), "positions": (False, False, False)}[layout]
+             "packed": (True, False, True), "positions": (False, False, False),
+             "positions_packed": (True, False, True)}[layout]
     common = dict(NUM_PARAMS=prior.traits.num_columns, CAUSAL=causal, HEAD_DIM=padded, D=head_dim,
                   DOT_PREC=precision, UPCAST_DOT=False,
                   **dict(zip(("HAS_KEY_MASK", "ROW_OFFSETS", "VARLEN"), flags)))
@@ -601,7 +619,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
               DIST_SUMS=prior.traits.dist_sums, DIST_K=dist_width(prior.traits.num_grads),
               ROW_SUMS=False)),
     ]
-    if layout != "packed" and not positional:   # (packed documents and positions: prefill kernel)
+    if layout in ("plain", "padded") and not positional:   # (else: the prefill kernels alone)
         plans += [
             ("attn_decode", kernels["decode"], "decode",
              dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", PartO="*fp32", PartM="*fp32", PartL="*fp32",
