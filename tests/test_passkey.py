@@ -145,7 +145,7 @@ def test_packed_batch_rows_are_exact_and_every_document_a_valid_sample(passkey_m
             assert batch.loss_weights[end - 1] == 0                  # no target across documents
 
 
-@pytest.mark.parametrize("variant", ["rope", "ggd_nope", "bam_ssmax"])
+@pytest.mark.parametrize("variant", ["rope", "ggd_nope", "bam_ssmax", "fox"])
 def test_packed_forward_and_gradients_match_each_document_alone(passkey_modules, variant):
     model, task = passkey_modules
     net = _tiny_model_off_start(model, task, variant)

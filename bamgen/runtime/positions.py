@@ -60,8 +60,9 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
                          f"tensor twice for self-attention)")
     for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
         if not (isinstance(off, int) and not isinstance(off, bool) and off == 0):
-            raise ValueError(f"{name} must be 0 when pos_q and pos_k are given: the positions "
-                             f"say where every token is (add the offset to the positions instead)")
+            raise ValueError(f"{name} must be the int 0 when pos_q and pos_k are given (tensor "
+                             f"offsets are not taken with positions): the positions say where "
+                             f"every token is; add the offset to the positions instead")
     B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
     cdt = acc_dtype(q)
     return Positions(_normalise("pos_q", pos_q, B, Hq, Nq, channels, q, cdt),

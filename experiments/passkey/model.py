@@ -71,10 +71,16 @@ MATERIALISED_BIAS = {"uniform": None, "laplace": _bias_laplace, "bam": _bias_bam
                      "bam_ssmax": _bias_bam}
 
 
-def forget_gate_positions(gates):
+def forget_gate_positions(gates, cu_seqlens=None):
     """FoX's positions: the cumulative sums of the log forget gates, [B, H, N] from the gate
-    logits [B, H, N]; c_i - c_j = sum of log f_t for t in (j, i]."""
-    return F.logsigmoid(gates).cumsum(-1)
+    logits [B, H, N]; c_i - c_j = sum of log f_t for t in (j, i]. With cu_seqlens (packed
+    documents, B = 1) each document's sums start at its own first token."""
+    c = F.logsigmoid(gates).cumsum(-1)
+    if cu_seqlens is None:
+        return c
+    cu = cu_seqlens.to(device=c.device, dtype=torch.int64)
+    before = F.pad(c, (1, 0))[..., cu[:-1]]                       # the sum before each document
+    return c - torch.repeat_interleave(before, cu[1:] - cu[:-1], dim=-1)
 
 
 def materialised_attention(module_name, params, q, k, v, positions=None):
@@ -156,13 +162,11 @@ class Attention(nn.Module):
             positions = None if cu_seqlens is None else document_positions(cu_seqlens, x.device)
             q, k = rotary(q, positions=positions), rotary(k, positions=positions)
         gates = None
-        if self.fgate is not None:
-            if cu_seqlens is not None:
-                raise ValueError("the FoX variant takes no packed documents (position tensors "
-                                 "with cu_seqlens are refused: docs/positions.md)")
-            gates = forget_gate_positions(self.fgate(x).transpose(1, 2))   # [B, H, N]
+        if self.fgate is not None:   # [B, H, N], restarting in every packed document
+            gates = forget_gate_positions(self.fgate(x).transpose(1, 2), cu_seqlens)
         if self.backend == "generated" and gates is not None:
-            y = self.prior(q, k, v, causal=True, pos_q=gates, pos_k=gates)
+            y = self.prior(q, k, v, causal=True, pos_q=gates, pos_k=gates, cu_seqlens_q=cu_seqlens,
+                           cu_seqlens_k=cu_seqlens)
         elif self.backend == "generated":
             y = self.prior(q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
         else:

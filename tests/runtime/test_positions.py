@@ -329,3 +329,34 @@ def test_packed_documents_take_their_positions_with_their_tokens(backend):
     assert sum(lengths) == 31
     for got, want in zip(run(True), run(False)):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_documents_with_steep_gates_keep_finite_gradients(backend):
+    """Documents of 40 and 33 tokens batched together (the CPU path pads the shorter one) with
+    gates near -3: a key 39 tokens in sits at c = -120, so a padding row at position 0 would see
+    it at logit +120 and exp2 would overflow; the gradients stay finite and equal each
+    document's alone (the review of this change found the NaN on the torch path)."""
+    g = torch.Generator().manual_seed(10)
+    cu = torch.tensor([0, 40, 73], dtype=torch.int32)
+    q, k, v, dout = (torch.randn(1, 2, 73, 16, generator=g) for _ in range(4))
+    gates = torch.randn(1, 2, 73, generator=g) * 0.1 - 3.0
+
+    def run(packed):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gates)]
+        ls = torch.nn.functional.logsigmoid(leaves[3])
+        spans = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+        if packed:
+            c = torch.cat([ls[..., a:b].cumsum(-1) for a, b in spans], -1)
+            out = FOX.attention(*leaves[:3], causal=True, pos_q=c, pos_k=c, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, backend=backend)
+        else:
+            out = torch.cat([FOX.attention(*(t[:, :, a:b] for t in leaves[:3]), causal=True,
+                                           pos_q=ls[..., a:b].cumsum(-1),
+                                           pos_k=ls[..., a:b].cumsum(-1), backend=backend)
+                             for a, b in spans], 2)
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    for got, want in zip(run(True), run(False)):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)

@@ -181,6 +181,11 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
             row_ds = torch.zeros(n * G, bm, dtype=torch.float64, device=dev)
             row_pg = torch.zeros(n * G, bm, P, dtype=torch.float64, device=dev)
             inv_l_b = inv_l[b, h0:h1, :, i0:i1].reshape(n * G, bm).double()
+            # rows that see no key (l = 0: a packed document's padding rows among them) have
+            # m read as 0, so their exp2(z - m) is not P and may overflow (a padding row at FoX
+            # position 0 against keys at c_j = -120): it is zeroed, or inf * 0 would be NaN
+            dead = inv_l[b, h0:h1, :, i0:i1, None] == 0
+            dead = dead if bool(dead.any()) else None
             for j0 in range(0, key_limit(i1, Nk, causal, q_offset, k_offset), BN):
                 j1 = min(Nk, j0 + BN)
                 bn = j1 - j0
@@ -208,6 +213,8 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
                 p = z.sub_(m_b).exp2_()  # P * l
                 if visible is not None:
                     p.masked_fill_(~visible, 0.0)
+                if dead is not None:
+                    p.masked_fill_(dead, 0.0)
                 p3 = p.view(n, G * bm, bn)
                 dv_t[:, j0:j1].baddbmm_(p3.transpose(1, 2), dob)
                 ds = torch.bmm(dob, vb.transpose(1, 2)).view(n, G, bm, bn).sub_(delta_b).mul_(p)

@@ -24,7 +24,7 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted=Tr
     P = exp2(z - m) / l, exact for the largest z, where a rounded log-sum-exp m + log2(l) would
     be off by eps * |z| (a row whose every key sits far from the prior's mode has |z| ~ 1e6).
     pos: (pos_q [B, Hq, Nq, C], pos_k [B, Hq, Nk, C]) in the compute dtype, the positions as
-    tensors (docs/positions.md; offsets 0, no documents), or None."""
+    tensors (docs/positions.md; offsets 0; packed documents taken), or None."""
     if pos is not None:
         out, stats = positional_f32(prior, q, k, v, theta, causal, scale, shifted, n, key_mask,
                                     cu_seqlens_q, cu_seqlens_k, pos)

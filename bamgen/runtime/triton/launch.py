@@ -318,7 +318,7 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backwa
     construction, one build per step). shifted: see _prior_tables; n: see _row_key_counts.
     key_mask, cu_seqlens_q/k and tensor offsets: as _layout() normalised them. pos: position
     tensors (pos_q, pos_k) [B, Hq, N, C] (docs/positions.md), taken by prior.positional's
-    kernels (offsets 0, no documents)."""
+    kernels (offsets 0; packed documents taken)."""
     if pos is not None:
         prior = prior.positional
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, for_backward,

@@ -102,8 +102,8 @@ TILES = {
     },
     # The positional plan (position tensors, docs/positions.md): each tile loads its rows' and
     # keys' positions, and the backward kernels accumulate the positions' gradient terms score
-    # by score beside dS. positions_light: a bias of a few operations (FoX's d, ALiBi's |d|/b);
-    # positions: more (GGD's power, SSMax, Sandwich's cosines). Chosen by the sweep in
+    # by score beside dS. positions_light: a bias of a few operations and no learnable parameter
+    # (FoX's d); positions: the rest (ALiBi's |d|/b, GGD's power, SSMax, Sandwich's cosines). Chosen by the sweep in
     # docs/performance.md ("Positions as tensors"): spill-free for the shipped priors of the
     # kind, bf16, head dims 64 and 128, the best modelled.
     "positions_light": {
