@@ -62,10 +62,14 @@ def shared_ops(prior, kind, make):
     return registry[key]
 
 
+# torch < 2.12 has no such query; its non-strict export traces FakeTensors, which tracing() sees
+_non_strict_tracing = getattr(torch.compiler, "_is_non_strict_tracing", lambda: False)
+
+
 def tracing(q) -> bool:
     """Whether this call is being traced (torch.compile, torch.export, make_fx) or runs under a
     torch.func transform: then attention() calls the custom ops."""
-    return (torch.compiler.is_compiling() or torch.compiler._is_non_strict_tracing()
+    return (torch.compiler.is_compiling() or _non_strict_tracing()
             or torch._C._functorch.peek_interpreter_stack() is not None
             or isinstance(q, torch._subclasses.FakeTensor))
 

@@ -416,7 +416,8 @@ from bamgen.runtime.triton import launch
 # and answer the two device queries the host code makes.
 ggd._prior.triton_ops = ops = TritonOps(ggd._prior)
 launch.gpu_family = lambda device=None: "sm_90"
-torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=132)
+torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+    multi_processor_count=132, major=9, minor=0, name="NVIDIA H100 80GB HBM3")
 
 
 class Step(torch.nn.Module):

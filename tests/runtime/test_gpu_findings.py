@@ -7,7 +7,11 @@
   kernel;
 * the backward rebuilds P from the forward's row statistics, exact only if every logit is
   recomputed bit for bit: the attention kernels launch with implicit FMA contraction off, and the
-  backward reuses the forward's prior table instead of building another.
+  backward reuses the forward's prior table instead of building another;
+* a prior's copies of the library kernels (bamgen/runtime/triton/variant.py) must keep the
+  library's ``tl.constexpr`` annotations: a copy without them launched BLOCK_M, CAUSAL and
+  DOT_PREC as runtime arguments, and an H200 refused every launch ("failed to specialize argument
+  of type: str"), which the interpreter, which never specialises, did not show.
 
 The interpreter runs numpy, which neither specialises nor contracts, so these are checked on the
 kernels' settings; `make gpu-check` runs the behaviour on a GPU.
@@ -86,3 +90,38 @@ def test_backward_reuses_the_forward_table(prior, monkeypatch):
     with torch.no_grad():  # inference builds the value slot only
         m(q, k, v, causal=True, backend="triton")
     assert calls == [True, False], calls
+
+
+CONSTEXPR_SCRIPT = r"""
+import importlib, json, sys
+sys.path.insert(0, sys.argv[1])
+from bamgen.runtime.triton import variant
+
+def constexprs(kernel):
+    return [p.name for p in kernel.params if p.is_constexpr]
+
+library = {}
+for module in variant.LIBRARY:
+    for key, name in variant.KERNELS.items():
+        if hasattr(module, name):
+            library[key] = constexprs(getattr(module, name))
+out = {"library": library}
+for name in sys.argv[2:]:
+    kernels = importlib.import_module("generated." + name)._prior.kernels()
+    out[name] = {key: constexprs(kernels[key]) for key in variant.KERNELS}
+print(json.dumps(out))
+"""
+
+
+def test_prior_kernels_keep_the_library_kernels_constexpr_arguments():
+    # without TRITON_INTERPRET: the JITFunctions a GPU launch specialises
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    priors = ["uniform", "generalized_gaussian", "bam_ssmax", "t5", "forget_gate"]
+    res = subprocess.run([sys.executable, "-c", CONSTEXPR_SCRIPT, str(ROOT), *priors],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = json.loads(res.stdout)
+    library = found.pop("library")
+    assert {"BLOCK_M", "CAUSAL", "DOT_PREC", "HEAD_DIM"} <= set(library["fwd"]), library["fwd"]
+    for name, kernels in found.items():
+        assert kernels == library, name

@@ -83,5 +83,9 @@ def instantiate(traits: PriorTraits, prior_hooks: dict) -> KernelVariant:
                                           fn.__closure__)
                 copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
                 copy.__module__ = fn.__module__
+                # the tl.constexpr annotations are the function's, not its code's: without them
+                # a launch passes BLOCK_M, CAUSAL, DOT_PREC... as runtime arguments
+                copy.__annotations__ = dict(fn.__annotations__)
+                copy.__kwdefaults__ = fn.__kwdefaults__
                 namespace[name] = triton.jit(**_jit_options(obj))(copy)
     return KernelVariant({key: namespace[name] for key, name in KERNELS.items()}, namespace)
