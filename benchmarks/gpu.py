@@ -67,8 +67,10 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:]:
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
+import math
 import statistics
 import time
 import warnings
@@ -83,6 +85,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PRIORS = {"ggd": "generalized_gaussian", "laplace": "laplace", "uniform": "uniform"}
+# run when named (--peers): BAM-SSMax, and the field's priors of docs/priors.md against flex with
+# the same score_mod; fox is forget_gate over per-head positions c (pos_q = pos_k = c)
+MORE_PRIORS = {"ssmax": "bam_ssmax", "t5": "t5", "fire": "fire", "fox": "forget_gate"}
+ALL_PRIORS = {**PRIORS, **MORE_PRIORS}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GPU_NS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 GPU_DECODE_NS = [4096, 32768]       # cache lengths of the decode steps
@@ -159,7 +165,7 @@ class Unavailable(Exception):
 
 
 def load_module(prior: str):
-    return importlib.import_module(f"generated.{PRIORS[prior]}")
+    return importlib.import_module(f"generated.{ALL_PRIORS[prior]}")
 
 
 def make_inputs(cfg: Config):
@@ -170,8 +176,19 @@ def make_inputs(cfg: Config):
 
 
 def learnable_params(prior: str, cfg: Config) -> dict:
+    torch.manual_seed(0)  # the vector parameters' random inits (t5, fire)
     return {name: t.to(cfg.device).requires_grad_()
             for name, t in load_module(prior).default_params(cfg.heads).items()}
+
+
+def fox_positions(cfg: Config) -> torch.Tensor:
+    """FoX's positions: per head, the cumulative sum of log forget gates, [B, H, N] float32, a
+    leaf that requires grad (the gates' gradients are what a FoX layer trains). Gate logits
+    around 3 keep the gates near 1, as FoX initialises them."""
+    g = torch.Generator().manual_seed(1)
+    logits = 3.0 + torch.randn(cfg.batch, cfg.heads, cfg.n, generator=g)
+    c = F.logsigmoid(logits).cumsum(-1)
+    return c.to(cfg.device).requires_grad_()
 
 
 def sdpa_peer(cfg, qkv, dout) -> Peer:
@@ -201,17 +218,64 @@ def score_mod(prior: str, params: dict):
     if prior == "laplace":
         b = params["b"]
         return lambda score, bi, h, qi, kj: score - torch.abs((qi - kj).to(torch.float32)) / b[h]
-    alpha, beta, mu = params["alpha"], params["beta"], params["mu"]
+    if prior == "ggd":
+        alpha, beta, mu = params["alpha"], params["beta"], params["mu"]
 
-    def ggd(score, bi, h, qi, kj):
+        def ggd(score, bi, h, qi, kj):
+            d = (qi - kj).to(torch.float32)
+            return score - torch.pow((torch.abs(d - mu[h]) + 1e-5) / alpha[h], beta[h])
+        return ggd
+    return FIELD_SCORE_MODS[prior](params)
+
+
+def _t5_score_mod(params):
+    """priors/t5.yaml: w[h, bucket(max(i - j, 0))], 16 exact buckets then 16 logarithmic ones up
+    to 128 (HF's T5Attention._relative_position_bucket, causal)."""
+    w = params["w"]
+
+    def t5(score, bi, h, qi, kj):
+        r = torch.clamp(qi - kj, min=0)
+        far = 16 + torch.floor(torch.log(r.to(torch.float32) / 16) * (16 / math.log(8)))
+        bucket = torch.where(r < 16, r, torch.clamp(far, max=31).to(r.dtype))
+        return score + w[h, bucket]
+    return t5
+
+
+def _fire_score_mod(params):
+    """priors/fire.yaml: an MLP of x = log(c|d| + 1) / log(c max(i, L) + 1), summed over its
+    32 hidden units term by term (a score_mod sees one score at a time)."""
+    c, L, w1, b1, w2, b2 = (params[k] for k in ("c", "L", "w1", "b1", "w2", "b2"))
+
+    def fire(score, bi, h, qi, kj):
         d = (qi - kj).to(torch.float32)
-        return score - torch.pow((torch.abs(d - mu[h]) + 1e-5) / alpha[h], beta[h])
-    return ggd
+        i = qi.to(torch.float32)
+        x = torch.log(c[h] * torch.abs(d) + 1) / torch.log(c[h] * torch.maximum(i, L[h]) + 1)
+        bias = b2[h]
+        for m in range(w1.shape[0]):
+            bias = bias + w2[h, m] * torch.relu(w1[m] * x + b1[m])
+        return score + bias
+    return fire
+
+
+def _fox_score_mod(params):
+    """priors/forget_gate.yaml over positions: c_i - c_j, c captured per (batch, head, token).
+    flex refuses two reads of one tensor that requires grad, so the keys read a second leaf
+    with the same values (c's gradient is the sum of the two)."""
+    cq, ck = params["c"], params["c_keys"]
+    return lambda score, bi, h, qi, kj: score + cq[bi, h, qi] - ck[bi, h, kj]
+
+
+FIELD_SCORE_MODS = {"t5": _t5_score_mod, "fire": _fire_score_mod, "fox": _fox_score_mod}
 
 
 def flex_peer(prior: str, cfg, qkv, dout, learnable: bool = True) -> Peer:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     params = learnable_params(prior, cfg)
+    if prior == "fox":
+        params["c"] = fox_positions(cfg)
+        params["c_keys"] = params["c"].detach().clone().requires_grad_()
+    if prior == "ssmax":
+        raise Unavailable("no flex score_mod written for BAM-SSMax (its scale reads n)")
     if not learnable:
         params = {k: t.detach() for k, t in params.items()}
     mod = score_mod(prior, params)
@@ -232,10 +296,16 @@ def flex_peer(prior: str, cfg, qkv, dout, learnable: bool = True) -> Peer:
 def bamgen_peer(prior: str, backend: str, cfg, qkv, dout) -> Peer:
     module = load_module(prior)
     params = learnable_params(prior, cfg)
+    if prior == "fox":   # the positions are the last input: gradients flow to them
+        params["c"] = fox_positions(cfg)
     names = list(params)
 
     def fn(q, k, v, *values):
-        return module.attention(q, k, v, **dict(zip(names, values)), causal=True, backend=backend)
+        kwargs = dict(zip(names, values))
+        if prior == "fox":
+            c = kwargs.pop("c")
+            kwargs.update(pos_q=c, pos_k=c)
+        return module.attention(q, k, v, **kwargs, causal=True, backend=backend)
     name = f"bamgen-{prior}" + ("-torch" if backend == "torch" else "")
     return Peer(name, fn, list(qkv) + list(params.values()), dout)
 
@@ -247,12 +317,40 @@ def default_peers(quick: bool) -> list[str]:
     return names
 
 
-def make_peer(name: str, cfg, qkv, dout) -> Peer:
+def all_peers() -> list[str]:
+    """Every peer --peers accepts: the defaults, the tutorial kernel, and MORE_PRIORS'."""
+    names = default_peers(True) + ["tutorial"]
+    for prior in MORE_PRIORS:
+        names += [f"flex-{prior}", f"bamgen-{prior}", f"bamgen-{prior}-torch"]
+    return names
+
+
+def tutorial_peer(cfg, qkv, dout, path: str | None) -> Peer:
+    """Triton's fused-attention tutorial (python/tutorials/06-fused-attention.py of the Triton in
+    use), the in-Triton floor for NoPE (docs/performance.md). It is not shipped: --tutorial
+    names a copy. It computes in fp16 only (it casts P to fp16), and N must be a multiple of 128."""
+    if cfg.device != "cuda":
+        raise Unavailable("no GPU")
+    if not path:
+        raise Unavailable("--tutorial PATH not given")
+    if cfg.dtype != torch.float16:
+        raise Unavailable("the tutorial kernel is fp16 only (--dtype fp16)")
+    spec = importlib.util.spec_from_file_location("triton_tutorial_attention", path)
+    tutorial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tutorial)
+    scale = cfg.dim ** -0.5
+    return Peer("tutorial", lambda q, k, v: tutorial.attention(q, k, v, True, scale),
+                list(qkv), dout)
+
+
+def make_peer(name: str, cfg, qkv, dout, tutorial: str | None = None) -> Peer:
     if name == "sdpa":
         return sdpa_peer(cfg, qkv, dout)
     if name == "fa2-alibi":
         return fa2_peer(cfg, qkv, dout)
-    kind, prior, *backend = name.split("-")  # names from default_peers(True)
+    if name == "tutorial":
+        return tutorial_peer(cfg, qkv, dout, tutorial)
+    kind, prior, *backend = name.split("-")  # names from all_peers()
     if kind == "flex":
         return flex_peer(prior, cfg, qkv, dout)
     return bamgen_peer(prior, backend[0] if backend else "triton", cfg, qkv, dout)
@@ -381,9 +479,9 @@ def agreement(peers: list[Peer]) -> dict:
     gradient of the Triton backend against the torch backend, where both ran. It reads what
     each peer's last timed call left (``Peer.keep``): no extra calls."""
     by_name = {p.name: p for p in peers}
-    refs = {f"bamgen-{p}": [f"flex-{p}"] for p in PRIORS}
+    refs = {f"bamgen-{p}": [f"flex-{p}"] for p in ALL_PRIORS}
     refs["bamgen-laplace"].append("fa2-alibi")
-    refs["bamgen-uniform"].append("sdpa")
+    refs["bamgen-uniform"] += ["sdpa", "tutorial"]
     errors = {}
     for name in refs:
         if name not in by_name:
@@ -396,6 +494,10 @@ def agreement(peers: list[Peer]) -> dict:
         for ref in refs[name]:
             if ref in by_name:
                 errors[f"{name} vs {ref} fwd"] = _rel_err(got[0], by_name[ref].last[0])
+    for name in refs:   # a module run on the torch backend alone is held to flex too
+        flex, torch_backend = by_name.get(refs[name][0]), by_name.get(name + "-torch")
+        if name not in by_name and flex and torch_backend:
+            errors[f"{name}-torch vs {flex.name} fwd"] = _rel_err(torch_backend.last[0], flex.last[0])
     return errors
 
 
@@ -516,12 +618,15 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     qkv, dout = make_inputs(cfg)
     timer = Timer(cfg.device)
     unavailable: dict = {}
-    peers, first = set_up(names, lambda name: make_peer(name, cfg, qkv, dout), cfg.device, timer,
-                          args.warmup, unavailable)
+    peers, first = set_up(names, lambda name: make_peer(name, cfg, qkv, dout, args.tutorial),
+                          cfg.device, timer, args.warmup, unavailable)
     times = measure(peers, timer, args.repeats, unavailable)
     errors = agreement(peers)
     result = {"N": cfg.n, "B": cfg.batch, "H": cfg.heads, "D": cfg.dim, "peers": {},
               "unavailable": unavailable, "agreement": errors}
+    if args.kernels and cfg.device == "cuda":
+        result["kernels"] = {p.name: kernel_times(p) for p in peers
+                             if p.name.startswith("bamgen-") or p.name == "tutorial"}
     for peer in peers:
         fwd, bwd = times.get((peer.name, "fwd")), times.get((peer.name, "bwd"))
         if fwd is None:
@@ -531,6 +636,30 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
             "fwd_tflops": cfg.fwd_flops() / fwd / 1e12,
             "bwd_tflops": None if bwd is None else cfg.bwd_flops() / bwd / 1e12}
     return result
+
+
+def kernel_times(peer: Peer, rounds: int = 3) -> dict:
+    """Device microseconds per kernel, from torch.profiler: of one inference forward
+    ("fwd:<kernel>") and of one forward with grad and its backward ("bwd:<kernel>"), averaged
+    over ``rounds`` calls. These are the per-kernel points the GPU cost model is fit to
+    (docs/performance.md, "The GPU cost model"); a profiler failure is recorded, not raised."""
+    from torch.profiler import ProfilerActivity, profile
+    phases = {"fwd": peer.infer, "bwd": lambda: peer.call().backward(peer.dout)}
+    found = {}
+    try:
+        for phase, fn in phases.items():
+            peer.zero_grad()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(rounds):
+                    fn()
+                torch.cuda.synchronize()
+            for evt in prof.key_averages():
+                us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+                if us:
+                    found[f"{phase}:{evt.key}"] = {"us": us / rounds, "calls": evt.count / rounds}
+    except Exception as err:   # an old torch, a profiler the machine refuses
+        found["error"] = _reason(err)
+    return found
 
 
 def _f(x, fmt):
@@ -712,8 +841,14 @@ def parse_args(argv):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=16384, help="B = max(1, tokens // N)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    ap.add_argument("--peers", nargs="+", choices=default_peers(True), metavar="PEER",
-                    help=f"subset of: {' '.join(default_peers(True))}")
+    ap.add_argument("--peers", nargs="+", choices=all_peers(), metavar="PEER",
+                    help=f"subset of: {' '.join(all_peers())} (default: {' '.join(default_peers(False))})")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also record each bamgen (and tutorial) kernel's device time, from "
+                         "torch.profiler, in the JSON (the cost model's fit reads them)")
+    ap.add_argument("--tutorial", metavar="PATH",
+                    help="a copy of Triton's python/tutorials/06-fused-attention.py, for the "
+                         "'tutorial' peer (fp16)")
     ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; medians reported")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before (compiles)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -768,11 +903,17 @@ def main(argv=None) -> int:
     env = environment(device)
     print(f"{env['device']}, torch {env['torch']}; peers: {' '.join(names)}", flush=True)
     results = []
+
+    def save():   # after every size, so that a run stopped at a time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({"env": env, "args": vars(args),
+                                                   "results": results}, indent=1))
     for dim in args.head_dim:
         for n in args.n:
             cfg = Config(n, max(1, args.tokens // n), args.heads, dim, DTYPES[args.dtype], device)
             t0 = time.perf_counter()
             results.append(run_config(cfg, names, args))
+            save()
             print(f"N={n} D={dim} done in {time.perf_counter() - t0:.0f} s", flush=True)
     decode_names = args.decode_peers or default_decode_peers(args.quick)
     for dim in args.head_dim:
@@ -781,12 +922,11 @@ def main(argv=None) -> int:
                 cfg = DecodeConfig(n, batch, args.heads, args.kv_heads, dim, DTYPES[args.dtype], device)
                 t0 = time.perf_counter()
                 results.append(run_decode_config(cfg, decode_names, args))
+                save()
                 print(f"decode N={n} B={batch} D={dim} done in {time.perf_counter() - t0:.0f} s",
                       flush=True)
     print_results(results, args, env)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "results": results},
-                                              indent=1))
+    save()
     if args.markdown:
         Path(args.markdown).write_text(markdown_report(results, args, env))
     if args.quick:

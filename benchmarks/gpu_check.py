@@ -53,13 +53,26 @@ RESULTS = ROOT / "docs" / "results" / "gpu"
 # long sequence, every peer. Most of its time is FlexAttention's compiles (per peer and size) and
 # its backward with learnable parameters (5 s a call at 16k on an H100). The decode steps: one
 # and 64 sequences against 4096 cached keys, the shapes docs/performance.md models ("Decode
-# kernel (GPU, modelled)"); one flex compile each.
-BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64"
+# kernel (GPU, modelled)"); one flex compile each. --kernels keeps each kernel's device time in the
+# JSON: the points the GPU cost model is fit to.
+BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64 --kernels"
 PROPERTY_SELECTION = "triton or hard_case or module_init"
 # the property tests took 110 s on 15 workers on an H200 (docs/performance.md); the compile
 # tests take ~60 s on 2 CPU workers under the interpreter, most of it tracing
 TOTAL_S = 570
 LIMITS_S = {"properties": 170, "aot": 90, "compile": 90}
+
+
+STEP_NAMES = ("properties", "aot", "compile", "benchmark")
+
+
+def _limit(text: str) -> tuple[str, int]:
+    """--limit STEP=SECONDS, as (step, seconds)."""
+    step, _, seconds = text.partition("=")
+    if step not in (*LIMITS_S, "total") or not seconds.isdigit() or int(seconds) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write STEP=SECONDS with STEP one of {', '.join((*LIMITS_S, 'total'))}")
+    return step, int(seconds)
 
 
 @dataclass(frozen=True)
@@ -209,7 +222,13 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench-args", default=BENCH_ARGS,
                         help=f'arguments for benchmarks/gpu.py (default: "{BENCH_ARGS}")')
+    parser.add_argument("--skip", nargs="+", default=[], choices=STEP_NAMES, metavar="STEP",
+                        help=f"steps not to run, of: {' '.join(STEP_NAMES)} (a short lease)")
+    parser.add_argument("--limit", action="append", default=[], type=_limit, metavar="STEP=S",
+                        help="another time limit for a step, in seconds (total=S: the whole "
+                             f"check, default {TOTAL_S}; the benchmark gets what is left)")
     args = parser.parse_args(argv)
+    limits = {**LIMITS_S, "total": TOTAL_S, **dict(args.limit)}
     gpu, why = find_gpu()
     if gpu is None:
         seen = nvidia_smi_gpus()
@@ -231,8 +250,13 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
     print(f"gpu-check on {gpu.name} ({arch}); report: {_shown(report)}", flush=True)
     outcomes, t0 = [], clock()
     for step in plan(arch, sys.executable, report, args.bench_args, _xdist_workers()):
-        if step.name == "benchmark":   # the last step: what the others left of TOTAL_S
-            step = replace(step, limit_s=int(TOTAL_S - (clock() - t0)))
+        if step.name in args.skip:
+            print(f"gpu-check: {step.name} skipped (--skip)", flush=True)
+            continue
+        if step.name == "benchmark":   # the last step: what the others left of the total
+            step = replace(step, limit_s=int(limits["total"] - (clock() - t0)))
+        else:
+            step = replace(step, limit_s=limits[step.name])
         outcomes.append(run(step))
     print()
     for o in outcomes:

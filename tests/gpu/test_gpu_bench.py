@@ -75,3 +75,18 @@ def test_a_failed_check_is_reported():
 def test_without_a_gpu_the_full_run_says_so(capsys):
     assert _load_script().main([]) == 1
     assert "no GPU" in capsys.readouterr().out
+
+
+def test_the_field_priors_score_mods_compute_the_modules_functions():
+    """flex-t5, flex-fire and flex-fox (FoX over per-head positions, with gradients to them) are
+    the same functions as the generated modules: the smoke run's agreement check holds them to
+    1e-4 (the Triton kernels for t5 and fox, the torch backend for fire)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--n", "32", "--decode-n", "--peers",
+                          "flex-t5", "bamgen-t5", "flex-fox", "bamgen-fox", "flex-fire",
+                          "bamgen-fire-torch"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for check in ("bamgen-t5 vs flex-t5 fwd", "bamgen-fox vs flex-fox fwd",
+                  "bamgen-fire-torch vs flex-fire fwd"):
+        assert check in res.stdout, res.stdout

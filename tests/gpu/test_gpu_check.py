@@ -118,7 +118,7 @@ def test_the_compile_step_selects_the_triton_compile_tests():
                      "test_triton_ops_trace_to_kernel_launches"}, names
 
 
-def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=()):
+def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=(), argv=()):
     """main() as on an H100, with each step's command replaced by a stand-in that takes its
     whole time limit."""
     monkeypatch.setattr(gc, "RESULTS", tmp_path)
@@ -134,7 +134,7 @@ def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=()):
                 f.write("| D | N | B | peer |\n|---|---|---|---|\n| 128 | 4096 | 4 | sdpa |\n")
         code = 1 if step.name in failing else 0
         return gc.Outcome(step, code, 1.0, f"{step.name} summary")
-    rc = gc.main([], run=run, today=lambda: datetime.date(2026, 11, 22), clock=lambda: now[0])
+    rc = gc.main(list(argv), run=run, today=lambda: datetime.date(2026, 11, 22), clock=lambda: now[0])
     return rc, ran, tmp_path / "nvidia-h100-80gb-hbm3-2026-11-22.md"
 
 
@@ -162,3 +162,22 @@ def test_a_failed_step_fails_the_check_and_still_reports(monkeypatch, tmp_path, 
     rc, _, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("benchmark",))
     assert rc == 1 and not report.exists()
     assert "the benchmark wrote no report" in capsys.readouterr().out
+
+
+def test_a_short_lease_skips_steps_and_sets_their_limits(monkeypatch, tmp_path):
+    gc = _load_script()
+    rc, ran, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, argv=[
+        "--skip", "aot", "--limit", "properties=110", "--limit", "compile=50",
+        "--limit", "total=260"])
+    assert rc == 0
+    assert [(s.name, s.limit_s) for s in ran] == [("properties", 110), ("compile", 50),
+                                                  ("benchmark", 100)]
+
+
+@pytest.mark.parametrize("bad", ["aot", "benchmark=60", "aot=0", "aot=ten"])
+def test_a_bad_limit_names_the_steps(bad, capsys):
+    gc = _load_script()
+    with pytest.raises(SystemExit) as exit_:
+        gc.main(["--limit", bad])
+    assert exit_.value.code == 2
+    assert "STEP=SECONDS with STEP one of properties, aot, compile, total" in capsys.readouterr().err
