@@ -41,10 +41,11 @@ import torch
 import torch.distributed as dist
 
 from .runtime.params import param_block
+from .runtime.positions import block_positions
 
 __all__ = ["shard", "unshard", "ring_attention"]
 
-_KV_TAG, _DKV_TAG = 1, 2          # message tags (gloo matches on them; NCCL ignores them)
+_KV_TAG, _DKV_TAG, _POS_TAG, _DPOS_TAG = 1, 2, 3, 4   # message tags (gloo matches on them)
 _WINDOW_SLICE = 1 << 16           # distances per slice when looking for the prior's window
 
 
@@ -379,14 +380,15 @@ def _exchange(ring: _Ring, send, send_to, recv_shape, recv_from, dtype, device, 
     return _Transfer(works, received, send)
 
 
-def _post_kv(ring: _Ring, own, step: int) -> tuple[_Transfer, tuple[int, ...]]:
-    """Step `step`'s K/V: send this rank's chunks that rank + step needs, receive the chunks of
-    rank - step that this rank needs. Returns the transfer and the received slots."""
+def _post_kv(ring: _Ring, own, step: int, tag=_KV_TAG) -> tuple[_Transfer, tuple[int, ...]]:
+    """Step `step`'s K/V (or, tag _POS_TAG, the keys' positions): send this rank's chunks that
+    rank + step needs, receive the chunks of rank - step that this rank needs. Returns the
+    transfer and the received slots."""
     dst, src = (ring.rank + step) % ring.world, (ring.rank - step) % ring.world
     give, take = ring.needed(dst, ring.rank), ring.needed(ring.rank, src)
     send = None if not give else (own if give == (0, 1) else own[give[0]])
     shape = None if not take else (len(take), *own.shape[1:])
-    return _exchange(ring, send, dst, shape, src, own.dtype, own.device, _KV_TAG), take
+    return _exchange(ring, send, dst, shape, src, own.dtype, own.device, tag), take
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,12 +463,21 @@ class _Call:
             return {}
         return {"n": (rows + 1).clamp(0, length) if self.causal else torch.full_like(rows, length)}
 
-    def forward(self, ring: _Ring, rows: _Rows, q, kv, params, q_slot, k_rank, k_slot):
-        """Merge into `rows` this rank's query chunk q_slot against one key chunk."""
+    def forward(self, ring: _Ring, rows: _Rows, q, kv, params, q_slot, k_rank, k_slot, q_pos=None):
+        """Merge into `rows` this rank's query chunk q_slot against one key chunk (kv: its K, V
+        and, with positions, the keys' positions; q_pos: the query chunk's positions)."""
         for r, c, kw in self.blocks(ring, ring.rank, q_slot, k_rank, k_slot):
             out_b, stats_b = self.mod.forward_block(q[:, :, r], kv[0][:, :, c], kv[1][:, :, c],
-                                                    **params, **kw)
+                                                    **params, **kw, **_block_pos(q_pos, kv, r, c))
             rows.merge(q_slot, out_b, stats_b, r.start, r.stop)
+
+
+def _block_pos(q_pos, kv, rows, keys) -> dict:
+    """The block call's pos_q and pos_k ({} without positions): rows of the query chunk's
+    positions, keys of the key chunk's (kv[2])."""
+    if q_pos is None:
+        return {}
+    return dict(pos_q=q_pos[:, :, rows], pos_k=kv[2][:, :, keys])
 
 
 def _split(x):
@@ -474,38 +485,60 @@ def _split(x):
     return x[:, :, :half], x[:, :, half:]
 
 
-def _steps(ring: _Ring, k, v):
+def _steps(ring: _Ring, k, v, k_pos=None):
     """Yield (step, source rank, {slot: (k chunk, v chunk)}) with the next step's K/V already in
-    flight while the caller computes on the current one."""
+    flight while the caller computes on the current one; with the keys' positions k_pos
+    [B, Hq, 2c, C], each slot's tuple holds its chunk of them third (sent beside K/V)."""
     c = ring.chunk
     own = _pack(k, v, c) if ring.world > 1 else None     # what is sent: contiguous chunks
-    pending = _post_kv(ring, own, 1) if ring.world > 1 else None
+    own_pos = None
+    if k_pos is not None and ring.world > 1:
+        own_pos = torch.stack([k_pos[:, :, :c], k_pos[:, :, c:]]).contiguous()
+
+    def post(step):
+        if step >= ring.world:
+            return None
+        return (_post_kv(ring, own, step),
+                None if own_pos is None else _post_kv(ring, own_pos, step, _POS_TAG))
+    pending = post(1) if ring.world > 1 else None
     for step in range(ring.world):
         if step == 0:
-            kv = {0: (k[:, :, :c], v[:, :, :c]), 1: (k[:, :, c:], v[:, :, c:])}
+            kv = {s: (k[:, :, s * c:(s + 1) * c], v[:, :, s * c:(s + 1) * c])
+                  + (() if k_pos is None else (k_pos[:, :, s * c:(s + 1) * c],)) for s in (0, 1)}
         else:
-            transfer, slots = pending
+            (transfer, slots), pos_transfer = pending
             buffer = transfer.wait()
             kv = {s: (buffer[i, 0], buffer[i, 1]) for i, s in enumerate(slots)}
-            pending = _post_kv(ring, own, step + 1) if step + 1 < ring.world else None
+            if pos_transfer is not None:
+                positions = pos_transfer[0].wait()
+                kv = {s: kv[s] + (positions[i],) for i, s in enumerate(slots)}
+            pending = post(step + 1)
         yield step, (ring.rank - step) % ring.world, kv
 
 
-def _ring_forward(ring: _Ring, call: _Call, q, k, v, params):
-    """(out float32 [B, Hq, 2 * chunk, D], stats [B, Hq, 2 * chunk, 2]) of this rank's queries."""
+def _ring_forward(ring: _Ring, call: _Call, q, k, v, params, pos=None):
+    """(out float32 [B, Hq, 2 * chunk, D], stats [B, Hq, 2 * chunk, 2]) of this rank's queries.
+    pos: this rank's (pos_q, pos_k) shards [B, Hq, 2 * chunk, C], or None."""
     queries = _split(q)
+    q_pos = (None, None) if pos is None else _split(pos[0])
     rows = _Rows(q, ring.chunk)
-    for _step, src, kv in _steps(ring, k, v):
+    for _step, src, kv in _steps(ring, k, v, None if pos is None else pos[1]):
         for qs, ks in ring.pairs(ring.rank, src):
-            call.forward(ring, rows, queries[qs], kv[ks], params, qs, src, ks)
+            call.forward(ring, rows, queries[qs], kv[ks], params, qs, src, ks, q_pos[qs])
     return rows.out, rows.stats()
 
 
-def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
-    """dq, dk, dv of this rank's shards and the learnable parameters' gradients of this rank's
-    query rows ({name: [Hq]}, not yet summed over the group)."""
+def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params, pos=None):
+    """dq, dk, dv of this rank's shards, the learnable parameters' gradients of this rank's
+    query rows ({name: [Hq]}, not yet summed over the group) and, with positions, (dpos_q,
+    dpos_k) of this rank's position shards (else None)."""
     mod = call.mod
     queries, douts, outs, row_stats = _split(q), _split(dout), _split(out), _split(stats)
+    q_pos = (None, None) if pos is None else _split(pos[0])
+    dpos = None if pos is None else [torch.zeros(p.shape, dtype=torch.float64, device=p.device)
+                                     for p in pos]
+    dpos_slots = None if pos is None else list(_split(dpos[1]))
+    returning_pos = None
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_parts = _split(dq)
     d_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)   # [dk|dv, B, Hk, 2c, D]
@@ -516,21 +549,28 @@ def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
     row_parts = _split(row_sums)
     returning = None     # the previous step's dK/dV on its way back to their owner
     chunk_shape = (2, *k.shape[:2], ring.chunk, k.shape[3])                   # [k|v, B, Hk, c, D]
-    for step, src, kv in _steps(ring, k, v):
+    for step, src, kv in _steps(ring, k, v, None if pos is None else pos[1]):
         if step == 0:
-            d_kv = d_slots
+            d_kv, d_pos = d_slots, dpos_slots
         else:
             d_kv = torch.zeros((len(kv), *chunk_shape), dtype=torch.float32, device=k.device)
+            d_pos = None if pos is None else torch.zeros(
+                (len(kv), *pos[1].shape[:2], ring.chunk, pos[1].shape[3]), dtype=torch.float64,
+                device=k.device)
         place = {s: i for i, s in enumerate(kv)}     # received slot -> index in d_kv
         for qs, ks in ring.pairs(ring.rank, src):
             for r, c, kw in call.blocks(ring, ring.rank, qs, src, ks):
-                dq_b, dk_b, dv_b, dp_b, rows_b = mod.backward_block(
+                dq_b, dk_b, dv_b, dp_b, rows_b, *dpos_b = mod.backward_block(
                     douts[qs][:, :, r], queries[qs][:, :, r], kv[ks][0][:, :, c], kv[ks][1][:, :, c],
-                    outs[qs][:, :, r], row_stats[qs][:, :, r], **params, **kw)
+                    outs[qs][:, :, r], row_stats[qs][:, :, r], **params, **kw,
+                    **_block_pos(q_pos[qs], kv[ks], r, c))
                 dq_parts[qs][:, :, r].add_(dq_b)
                 d_kv[place[ks]][0][:, :, c].add_(dk_b)
                 d_kv[place[ks]][1][:, :, c].add_(dv_b)
                 row_parts[qs][:, :, r].add_(rows_b)
+                if dpos_b:
+                    _split(dpos[0])[qs][:, :, r].add_(dpos_b[0])
+                    d_pos[place[ks]][:, :, c].add_(dpos_b[1])
                 if dparams is None:
                     dparams = {name: torch.zeros_like(g, dtype=torch.float32) for name, g in dp_b.items()}
                 for name in mod.LEARNABLE:
@@ -540,13 +580,21 @@ def _ring_backward(ring: _Ring, call: _Call, dout, q, k, v, out, stats, params):
             if returning is not None:
                 _add_returned(returning, d_slots)
             returning = sent_back
+            if pos is not None:   # the keys' positions' gradients go home beside dK/dV
+                sent_pos = _return_dkv(ring, d_pos, step, _DPOS_TAG)
+                if returning_pos is not None:
+                    _add_returned(returning_pos, dpos_slots)
+                returning_pos = sent_pos
     if returning is not None:
         _add_returned(returning, d_slots)
+    if returning_pos is not None:
+        _add_returned(returning_pos, dpos_slots)
     if dparams is None:   # (no block on this rank: nothing to add)
         dparams = {name: torch.zeros(q.shape[1], *learned_shape(mod.TRAITS, name), device=q.device)
                    for name in mod.LEARNABLE}
     grads = mod.finish_param_grads(dparams, row_sums) if mod.LEARNABLE else {}
-    return dq.to(q.dtype), d_own[0].to(k.dtype), d_own[1].to(v.dtype), grads
+    dpos = None if pos is None else tuple(d.to(p.dtype) for d, p in zip(dpos, pos))
+    return dq.to(q.dtype), d_own[0].to(k.dtype), d_own[1].to(v.dtype), grads, dpos
 
 
 def learned_shape(traits, name):
@@ -555,14 +603,15 @@ def learned_shape(traits, name):
     return () if size is None else (size,)
 
 
-def _return_dkv(ring: _Ring, d_kv, step: int):
-    """Send step `step`'s dK/dV (of rank - step's chunks) back to their owner and receive the
-    dK/dV that rank + step computed for this rank's chunks."""
+def _return_dkv(ring: _Ring, d_kv, step: int, tag=_DKV_TAG):
+    """Send step `step`'s dK/dV (of rank - step's chunks; tag _DPOS_TAG: their positions'
+    gradients) back to their owner and receive what rank + step computed for this rank's
+    chunks."""
     dst, src = (ring.rank + step) % ring.world, (ring.rank - step) % ring.world
     mine = ring.needed(dst, ring.rank)       # what dst received from this rank, so computed on
     shape = None if not mine else (len(mine), *d_kv.shape[1:])
     sent = d_kv if ring.needed(ring.rank, src) else None
-    return _exchange(ring, sent, src, shape, dst, torch.float32, d_kv.device, _DKV_TAG), mine
+    return _exchange(ring, sent, src, shape, dst, d_kv.dtype, d_kv.device, tag), mine
 
 
 def _add_returned(returning, d_slots):
@@ -578,26 +627,28 @@ class _RingAttention(torch.autograd.Function):
     flows back to whatever tensors the caller passed, through the concatenation that made them)."""
 
     @staticmethod
-    def forward(ctx, ring, call, fixed, q, k, v, learned):
+    def forward(ctx, ring, call, fixed, q, k, v, learned, pos_q=None, pos_k=None):
         params = _block_params(call.mod, fixed, learned)
-        out, stats = _ring_forward(ring, call, q, k, v, params)
-        ctx.save_for_backward(q, k, v, learned, out, stats)
+        pos = None if pos_q is None else (pos_q.detach(), pos_k.detach())
+        out, stats = _ring_forward(ring, call, q, k, v, params, pos)
+        ctx.save_for_backward(q, k, v, learned, out, stats, *(pos or ()))
         ctx.ring, ctx.call, ctx.fixed = ring, call, fixed
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, learned, out, stats = ctx.saved_tensors
+        q, k, v, learned, out, stats, *pos = ctx.saved_tensors
         ring, call = ctx.ring, ctx.call
         params = _block_params(call.mod, ctx.fixed, learned)
-        dq, dk, dv, grads = _ring_backward(ring, call, dout, q, k, v, out, stats, params)
+        dq, dk, dv, grads, dpos = _ring_backward(ring, call, dout, q, k, v, out, stats, params,
+                                                 tuple(pos) or None)
         dlearned = None
         if ctx.needs_input_grad[6] and call.mod.LEARNABLE:
             dlearned = torch.cat([grads[name].reshape(grads[name].shape[0], -1)
                                   for name in call.mod.LEARNABLE], dim=1).contiguous()
             if ring.world > 1:
                 dist.all_reduce(dlearned, group=ring.group)
-        return None, None, None, dq, dk, dv, dlearned
+        return (None, None, None, dq, dk, dv, dlearned) + (tuple(dpos) if dpos else (None, None))
 
 
 def _block_params(mod, fixed, learned):
@@ -648,6 +699,21 @@ def _check_shards(q, k, v):
         raise ValueError("q, k and v must share a dtype and a device")
 
 
+def _ring_positions(mod, q, k, pos_q, pos_k):
+    """This rank's position shards as [B, Hq, 2c, C] (bamgen.runtime.positions), or None."""
+    if pos_q is None and pos_k is None:
+        if mod.TRAITS.channels > 1:
+            raise ValueError(f"pos_q is required: the prior {mod.PRIOR['name']!r} reads "
+                             f"{mod.TRAITS.channels} position channels; pass this rank's shards "
+                             f"of pos_q and pos_k (shard(positions, group=cp, dim=...))")
+        return None
+    if pos_q is None or pos_k is None:
+        missing = "pos_q" if pos_q is None else "pos_k"
+        raise ValueError(f"{missing} is missing: pos_q and pos_k come together (pass the same "
+                         f"shard twice for self-attention)")
+    return block_positions(mod._prior, q, k, pos_q, pos_k)
+
+
 def _check_params(mod, params, hq):
     names = tuple(mod.PARAM_NAMES)
     unknown = [name for name in params if name not in names]
@@ -667,7 +733,7 @@ def _block(traits, name, value, hq, device):
 
 
 def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend="auto",
-                   cu_seqlens=None, **params):
+                   cu_seqlens=None, pos_q=None, pos_k=None, **params):
     """Attention of this rank's shard of queries over the whole sequence, the keys and values
     passed around the context-parallel `group`; equal to `mod.attention` on the full tensors.
 
@@ -680,6 +746,10 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
         positions restart at each document, as `mod.attention(..., cu_seqlens_q=cu_seqlens,
         cu_seqlens_k=cu_seqlens)`. Chunk pairs that share no document are neither computed nor
         sent.
+    pos_q, pos_k: positions as tensors (docs/positions.md), this rank's shards of them
+        (`shard(c, group=cp, dim=...)`, the sequence dimension of [B, N], [B, Hq, N] or with
+        channels [B, N, C], [B, Hq, N, C]); the keys' positions travel with K and V, their
+        gradients come home with dK and dV; masks keep following token order.
     **params: the prior's parameters, in the shapes its attention() takes (a float or a tensor
         [Hq] for a scalar, [Hq, size] or [size] for a vector), the same values on every rank; tensors that require grad get the gradient of the whole sequence (summed
         over the group), e.g. the values of `layer.prior_params()`.
@@ -698,6 +768,9 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     hq = q.shape[1]
     _check_params(mod, params, hq)
     traits = _traits(mod)
+    pos = _ring_positions(mod, q, k, pos_q, pos_k)
+    if pos is not None:   # the window is found over token distances: none with positions
+        traits = _RingTraits(uses_n=traits.uses_n, window=False)
     rank, world = _rank_and_size(group)
     learned = (torch.cat([_block(mod.TRAITS, name, params[name], hq, q.device) for name in mod.LEARNABLE],
                          dim=1)
@@ -718,4 +791,6 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
         ring = _Ring(group, rank, world, chunk, causal, _agreed_distances(
             window.chunk_distances(chunk, world, causal, span), ring, q.device), docs)
     call = _Call(mod, causal, scale, backend, 2 * world * chunk if traits.uses_n else None, window)
-    return _RingAttention.apply(ring, call, fixed, q, k, v, learned)
+    if pos is None:
+        return _RingAttention.apply(ring, call, fixed, q, k, v, learned)
+    return _RingAttention.apply(ring, call, fixed, q, k, v, learned, pos.q, pos.k)

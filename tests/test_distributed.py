@@ -260,6 +260,72 @@ def test_ring_with_packed_documents_matches_one_process(pool, case):
     pool.run(_ring_case, ranks, *case)
 
 
+def _ring_positions_case(rank, group_name, prior, causal, B, Hq, Hk, chunk, D, per_head, cuts=None):
+    """Positions as tensors through the ring (docs/positions.md): every rank draws the whole
+    sequence and its positions, shards both, and the ring's output and gradients (q, k, v, the
+    parameters and the positions) equal one process's `mod.attention(..., pos_q=c, pos_k=c)`.
+    FoX's c is a per-head cumulative sum of log-sigmoid gates; another prior reads sorted random
+    float positions shared by the heads ([B, N])."""
+    group = GROUPS[group_name]
+    world = dist.get_world_size(group)
+    mod = importlib.import_module(f"generated.{prior}")
+    N = 2 * world * chunk
+    q, k, v, dout = _inputs(B, Hq, Hk, N, D, seed=N + Hk + 7)
+    g = torch.Generator().manual_seed(N + 11)
+    if per_head:
+        gates = torch.randn(B, Hq, N, generator=g) + 2.0
+    else:
+        gates = torch.rand(B, N, generator=g) * 3.0
+    params = {n: t for n, t in mod.default_params(Hq).items()}
+    docs = {} if cuts is None else dict(cu_seqlens_q=torch.tensor(cuts), cu_seqlens_k=torch.tensor(cuts))
+
+    def positions(gate_leaf):
+        return (torch.nn.functional.logsigmoid(gate_leaf).cumsum(-1) if per_head
+                else gate_leaf.cumsum(-1))
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, gates)]
+    p_one = {n: t.clone().requires_grad_() for n, t in params.items()}
+    c = positions(leaves[3])
+    one = mod.attention(*leaves[:3], **p_one, causal=causal, pos_q=c, pos_k=c, **docs)
+    want = [one] + list(torch.autograd.grad(one, leaves + list(p_one.values()), dout))
+
+    shards = [shard(t, group=group).requires_grad_() for t in (q, k, v)]
+    gate_leaf = gates.clone().requires_grad_()
+    c_shard = shard(positions(gate_leaf), group=group, dim=-1)
+    p_ring = {n: t.clone().requires_grad_() for n, t in params.items()}
+    ring_docs = {} if cuts is None else dict(cu_seqlens=torch.tensor(cuts))
+    out = unshard(ring_attention(mod, *shards, causal=causal, group=group, pos_q=c_shard,
+                                 pos_k=c_shard, **ring_docs, **p_ring), group=group)
+    out.backward(dout)
+    # each rank's gates reach the loss through its own shard of c: the whole gradient is the sum
+    dist.all_reduce(gate_leaf.grad, group=group)
+    got = [out.detach()] + [_gather(t.grad, group) for t in shards] + [gate_leaf.grad]
+    got += [p_ring[n].grad for n in params]
+    names = ["out", "dq", "dk", "dv", "dgates"] + [f"d{n}" for n in params]
+    context = f"{prior} causal={causal} world={world} rank={rank} per_head={per_head} documents={cuts}"
+    for n, a, b in zip(names, got, want):
+        scale = max(1.0, b.abs().max().item())
+        err = (a - b).abs().max().item() / scale
+        assert err <= 1e-5, f"{n}: ring and one process differ by {err:.2e} ({context})"
+    return True
+
+
+POSITION_CASES = [   # (group, prior, causal, B, Hq, Hk, chunk, D, per-head positions, cu_seqlens)
+    ("pair", "forget_gate", True, 2, 4, 2, 5, 16, True, None),
+    ("all", "forget_gate", True, 1, 4, 4, 3, 8, True, None),
+    ("pair", "forget_gate", True, 1, 2, 1, 5, 8, True, [0, 3, 3, 11, 12, 20]),
+    ("pair", "generalized_gaussian", False, 1, 4, 2, 4, 16, False, None),
+    ("all", "laplace", True, 1, 2, 1, 3, 8, False, None),
+]
+
+
+@pytest.mark.parametrize("case", POSITION_CASES,
+                         ids=lambda c: "-".join(map(str, c[:3])) + ("-packed" if c[-1] else ""))
+def test_ring_with_positions_matches_one_process(pool, case):
+    ranks = [0, 1] if case[0] == "pair" else list(range(WORLD))
+    pool.run(_ring_positions_case, ranks, *case)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_packed_documents_skip_chunk_pairs_that_share_none(causal):
     """The schedule from the documents alone: a (query chunk, key chunk) pair is computed, and
@@ -564,6 +630,14 @@ def test_ring_attention_argument_errors():
     with pytest.raises(ValueError, match=r"packed documents \(cu_seqlens\) take B = 1"):
         two = torch.randn(2, 2, 8, 16)
         ring_attention(mod, two, two, two, cu_seqlens=torch.tensor([0, 8]), **p)
+    # positions as tensors: they come together, in a shape attention() takes
+    with pytest.raises(ValueError, match="pos_k is missing"):
+        ring_attention(mod, q, q, q, pos_q=torch.zeros(1, 8), **p)
+    with pytest.raises(ValueError, match=r"pos_q has shape \[1, 7\]"):
+        ring_attention(mod, q, q, q, pos_q=torch.zeros(1, 7), pos_k=torch.zeros(1, 8), **p)
+    grid = importlib.import_module("generated.alibi_2d")
+    with pytest.raises(ValueError, match="pos_q is required.*2 position channels"):
+        ring_attention(grid, q, q, q, **grid.default_params(2))
 
 
 @pytest.mark.slow

@@ -16,42 +16,66 @@ from .autograd import use_triton
 from .cpu import backward as cpu_backward
 from .cpu import forward as cpu_forward
 from .params import grads_by_name, param_block, theta as make_theta
+from .positions import block_positions
 from .tables import distance_prior
 
 
+def _positions(prior, q, k, pos_q, pos_k):
+    """A block's Positions (pos_q, pos_k: the positions of its rows and keys, in any shape that
+    attention() takes), or None for token positions."""
+    if pos_q is None and pos_k is None:
+        if prior.traits.channels > 1:
+            raise ValueError(f"pos_q is required: the prior {prior.traits.name!r} reads "
+                             f"{prior.traits.channels} position channels")
+        return None
+    return block_positions(prior, q, k, pos_q, pos_k)
+
+
 def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_offset=0,
-                  backend="auto", n=None):
+                  backend="auto", n=None, pos_q=None, pos_k=None):
     """(out, stats): out float32 [B, Hq, Nq, D] (0 where a row sees no key of this block) and
     stats float32 [B, Hq, Nq, 2], per row m (the base-2 max of z = logit * log2(e), -inf for a
     row that sees no key) and l = sum_j exp2(z_j - m) (0 for such a row). No autograd.
     n: for a prior that reads n, the number of keys each row sees over all blocks, a tensor
-    [B, Nq] or [Nq] (default: the keys of this block it sees)."""
+    [B, Nq] or [Nq] (default: the keys of this block it sees).
+    pos_q, pos_k: the rows' and keys' positions as tensors (docs/positions.md), read by the
+    prior; the offsets still place the block for the causal mask."""
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_block_offsets(q, k, q_offset, k_offset)
+    pos = _positions(prior, q, k, pos_q, pos_k)
     theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check,
                        head_rows=True)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     with torch.no_grad():
+        pos_t = None if pos is None else (pos.q, pos.k)
         if use_triton(q, backend):
             from .triton import launch
             out, stats, out32, _table = launch.forward(prior, q, k, v, theta, causal, scale,
                                                        q_offset, k_offset, for_backward=True,
-                                                       shifted=False, n=n)
+                                                       shifted=False, n=n, pos=pos_t)
             return out32.float(), stats.permute(1, 2, 3, 0).contiguous()
+        if pos is not None:
+            return cpu_forward.forward_generic(prior, q.contiguous(), k.contiguous(), v.contiguous(),
+                                               theta, causal, scale, q_offset, k_offset,
+                                               shifted=False, n=n, pos=pos_t)
         out, stats = cpu_forward.forward_f32(prior, q, k, v, theta, causal, scale, q_offset, k_offset,
                                              shifted=False, n=n)
         return out, stats
 
 
 def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=None, q_offset=0,
-                   k_offset=0, backend="auto", n=None):
+                   k_offset=0, backend="auto", n=None, pos_q=None, pos_k=None):
     """(dq, dk, dv, dparams, row_sums) of one block of keys, given dout and the merged out
     (float32) and stats [B, Hq, Nq, 2] of the rows over all blocks: dq is this block's share;
     dparams {learnable name: float32 [Hq]} and row_sums (float32 [B, Hq, Nq, 1 + learnable])
     add up over the blocks, and finish_param_grads(sum of dparams, sum of row_sums) gives the
-    parameters' gradients. n: as forward_block's. No autograd."""
+    parameters' gradients. n: as forward_block's. No autograd.
+    pos_q, pos_k: as forward_block's; then (dpos_q, dpos_k) follow, [B, Hq, N, C] in the
+    compute dtype: this block's shares of the rows' sums of dS * d logit / d i_c and the keys'
+    sums of dS * d logit / d j_c (no row correction: they add up over the blocks as they are)."""
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_block_offsets(q, k, q_offset, k_offset)
+    pos = _positions(prior, q, k, pos_q, pos_k)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape:
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(q.shape)}")
@@ -61,19 +85,26 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
                        head_rows=True)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     out, stats = out.to(theta.dtype), stats.to(theta.dtype)
+    pos_t = None if pos is None else (pos.q, pos.k)
+    dpos = ()
     with torch.no_grad():
         if use_triton(q, backend):
             from .triton import launch
-            dq, dk, dv, dparams, rows = launch.backward(
+            dq, dk, dv, dparams, rows, *dpos = launch.backward(
                 prior, dout, q, k, v, out, stats.permute(3, 0, 1, 2).contiguous(), out, None, theta,
-                causal, scale, q_offset, k_offset, row_sums=True, shifted=False, n=n)
+                causal, scale, q_offset, k_offset, row_sums=True, shifted=False, n=n, pos=pos_t)
         else:   # (the table path sums dS per distance and leaves the rows 0)
             rows = torch.zeros(*q.shape[:3], 1 + prior.traits.num_grads, device=q.device,
                                dtype=theta.dtype)
-            dq, dk, dv, dparams = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal,
-                                                        scale, q_offset, k_offset, shifted=False,
-                                                        rows=rows, n=n)
-    return dq, dk, dv, grads_by_name(prior.traits, dparams), rows
+            if pos is not None:
+                dq, dk, dv, dparams, *dpos = cpu_backward.backward_generic(
+                    prior, dout, q.contiguous(), k.contiguous(), v.contiguous(), out, stats, theta,
+                    causal, scale, q_offset, k_offset, shifted=False, rows=rows, n=n, pos=pos_t)
+            else:
+                dq, dk, dv, dparams = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta,
+                                                            causal, scale, q_offset, k_offset,
+                                                            shifted=False, rows=rows, n=n)
+    return (dq, dk, dv, grads_by_name(prior.traits, dparams), rows, *dpos)
 
 
 def log_prior_at(prior, d, values, num_heads=None):

@@ -63,8 +63,19 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
             raise ValueError(f"{name} must be the int 0 when pos_q and pos_k are given (tensor "
                              f"offsets are not taken with positions): the positions say where "
                              f"every token is; add the offset to the positions instead")
+    return block_positions(prior, q, k, pos_q, pos_k)
+
+
+def block_positions(prior, q, k, pos_q, pos_k) -> Positions:
+    """pos_q and pos_k as a Positions, whatever the offsets: the block API (blocks.py) takes
+    both, the offsets placing the block's tokens for the masks and the positions placing them
+    for the prior (a ring's chunk of a sequence whose positions are tensors)."""
+    if pos_q is None or pos_k is None:
+        missing = "pos_q" if pos_q is None else "pos_k"
+        raise ValueError(f"{missing} is missing: pos_q and pos_k come together")
     B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
     cdt = acc_dtype(q)
+    channels = prior.traits.channels
     return Positions(_normalise("pos_q", pos_q, B, Hq, Nq, channels, q, cdt),
                      _normalise("pos_k", pos_k, B, Hq, k.shape[2], channels, q, cdt))
 
@@ -78,6 +89,8 @@ def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:
     if pos.device != q.device:
         raise ValueError(f"{name} is on {pos.device} and q on {q.device}: move {name} to "
                          f"{q.device}")
+    if channels == 1 and list(pos.shape) == [B, Hq, N, 1]:   # the normalised form itself
+        return pos.to(cdt)
     c = [] if channels == 1 else [channels]
     shapes = {2 + len(c): [B, N, *c], 3 + len(c): [B, Hq, N, *c]}
     want = shapes.get(pos.dim())

@@ -96,3 +96,75 @@ def test_block_statistics_are_exact_for_the_row_max():
     assert (stats[0, 0, 2:, 1] >= 1).all()
     z = (q[0, 0, 2] @ k[0, 0, 0]) / math.sqrt(8) * math.log2(math.e)   # row 2 sees key 0 only
     torch.testing.assert_close(stats[0, 0, 2, 0], z, rtol=1e-6, atol=1e-6)
+
+
+POSITION_CASES = [   # (prior, backend, causal, Nq, Nk, split, per-head positions)
+    ("forget_gate", "torch", True, 21, 21, 9, True),
+    ("forget_gate", "triton", True, 17, 17, 8, True),
+    ("generalized_gaussian", "torch", False, 13, 19, 7, False),
+    ("generalized_gaussian", "triton", True, 16, 16, 5, False),
+]
+
+
+@pytest.mark.parametrize("case", POSITION_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_blocks_with_positions_add_up_to_the_whole(case):
+    """Positions as tensors through the block API (the ring's, docs/positions.md): the offsets
+    place each block of keys for the causal mask, its slice of pos_k places it for the prior;
+    the merged output and the blocks' shares of every gradient, the positions' included,
+    equal one call with the same positions."""
+    prior, backend, causal, Nq, Nk, split, per_head = case
+    mod = load(prior)
+    g = torch.Generator().manual_seed(Nq + Nk)
+    B, H, D = 2, 2, 16
+    q, dout = (torch.randn(B, H, Nq, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, H, Nk, D, generator=g) for _ in range(2))
+    shape = (B, H) if per_head else (B,)
+    pos_q = torch.nn.functional.logsigmoid(torch.randn(*shape, Nq, generator=g) + 2).cumsum(-1)
+    pos_k = torch.nn.functional.logsigmoid(torch.randn(*shape, Nk, generator=g) + 2).cumsum(-1)
+    if Nq == Nk and causal:
+        pos_k = pos_q
+    params = mod.default_params(H)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, pos_q, pos_k)]
+    p_one = {n: t.clone().requires_grad_() for n, t in params.items()}
+    whole = mod.attention(*leaves[:3], **p_one, causal=causal, pos_q=leaves[3], pos_k=leaves[4],
+                          backend=backend)
+    want = torch.autograd.grad(whole, leaves + list(p_one.values()), dout)
+
+    offset = Nk - Nq   # the queries are the last Nq positions of the keys' sequence
+    kw = dict(causal=causal, backend=backend, q_offset=offset, **params)
+    blocks = [(0, split), (split, Nk)]
+    parts = [mod.forward_block(q, k[:, :, a:b], v[:, :, a:b], k_offset=a, pos_q=pos_q,
+                               pos_k=pos_k[..., a:b], **kw) for a, b in blocks]
+    out, stats = merge(parts)
+    torch.testing.assert_close(out, whole.detach(), rtol=1e-5, atol=1e-5)
+    dq = torch.zeros_like(q)
+    dk, dv, dpos_k = [], [], []
+    dpos_q = torch.zeros(B, H, Nq, 1)
+    dparams = {n: 0 for n in mod.LEARNABLE}
+    row_sums = 0
+    for a, b in blocks:
+        dq_b, dk_b, dv_b, dp_b, rows_b, dpq_b, dpk_b = mod.backward_block(
+            dout, q, k[:, :, a:b], v[:, :, a:b], out, stats, k_offset=a, pos_q=pos_q,
+            pos_k=pos_k[..., a:b], **kw)
+        dq += dq_b
+        dk.append(dk_b)
+        dv.append(dv_b)
+        dpos_q += dpq_b
+        dpos_k.append(dpk_b)
+        row_sums = row_sums + rows_b
+        for n in mod.LEARNABLE:
+            dparams[n] = dparams[n] + dp_b[n]
+    got = [dq, torch.cat(dk, 2), torch.cat(dv, 2)]
+    # [B, Hq, N, 1] shares, summed over the heads where the positions are shared ([B, N])
+    fold = (lambda t: t[..., 0]) if per_head else (lambda t: t[..., 0].sum(1))
+    if pos_k is pos_q:
+        got += [fold(dpos_q) + fold(torch.cat(dpos_k, 2))] * 2
+        want = list(want[:3]) + [want[3] + want[4]] * 2 + list(want[5:])
+    else:
+        got += [fold(dpos_q), fold(torch.cat(dpos_k, 2))]
+    if mod.LEARNABLE:
+        grads = mod.finish_param_grads(dparams, row_sums)
+        got += [grads[n] for n in mod.LEARNABLE]
+    names = ["dq", "dk", "dv", "dpos_q", "dpos_k"] + list(mod.LEARNABLE)
+    for n, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=lambda m: f"{n}: {m}")

@@ -19,7 +19,7 @@ Constexpr flags of the launch:
                lists (document, key tile) items and the dQ kernel's (document, query tile)
   ROW_SUMS     (dQ) the keys are one block of the row's (backward_block): the per-row
                correction of the parameter gradients is left to the caller, and the row sums
-               it needs are written to RowSums
+               it needs are written to RowSums; DPosQ gets the raw sums (no correction)
   TILE_GRAD_SUMS (dQ, with ROW_FACTORS; derived: BLOCK_M * BLOCK_N >= 2048) the parameters'
                sums dS * g are reduced per key tile into [BLOCK_M] vectors instead of
                [BLOCK_M, BLOCK_N] accumulators
@@ -587,7 +587,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
             pos_ds = tl.sum(pos_ds, 1)
             corrected = ()
             for c in tl.static_range(POSITIONS):
-                corrected = corrected + (dpos_q[c] - pos_ds * pos_means[c],)
+                if ROW_SUMS:   # one block of the row's keys: the raw sums, which add up
+                    corrected = corrected + (dpos_q[c],)
+                else:
+                    corrected = corrected + (dpos_q[c] - pos_ds * pos_means[c],)
             _store_positions(DPosQ, stats_rows, offs_m, row_ok, corrected)
     # one partial sum per program (tl.program_id(0): the tile, or with VARLEN the work item)
     partial = (DTheta + ((off_b * tl.num_programs(0) + tl.program_id(0)) * Hq + off_h) * NUM_GRADS

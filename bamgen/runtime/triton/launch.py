@@ -435,7 +435,8 @@ def backward(prior, dout, q, k, v, out, stats, out32, table, theta, causal, scal
     """Launch preprocess, dK/dV and dQ kernels. Returns dq, dk, dv, dparams [Hq, NUM_GRADS];
     with row_sums (backward_block), dparams without the row correction and the row sums
     [B, Hq, Nq, 1 + NUM_GRADS] that it needs; with pos (forward's), then the positions'
-    gradients, float32 [B, Hq, N, C] each."""
+    gradients, float32 [B, Hq, N, C] each (with row_sums, pos_q's without its row correction:
+    one block's share, which adds up over the blocks)."""
     if pos is not None:
         prior = prior.positional
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, True, shifted,
@@ -534,9 +535,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         if row_sums else delta   # (a placeholder the kernel does not touch)
     launch(prior, "bwd_dq", D, q.device, key, run_dq, lay.masked, wrap is not eager_kernel)
     dparams = partials["sums"].sum(0)[:, :prior.traits.num_grads]
-    if lay.positions:
-        return dq, dk, dv, dparams, dpos_q, dpos_k
-    return (dq, dk, dv, dparams, rows) if row_sums else (dq, dk, dv, dparams)
+    found = (dq, dk, dv, dparams, rows) if row_sums else (dq, dk, dv, dparams)
+    return (*found, dpos_q, dpos_k) if lay.positions else found
 
 
 # Learnable scalars one dQ launch sums (GRAD_BASE, GRAD_COUNT in backward.py), unless the
