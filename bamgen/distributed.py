@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .runtime.params import param_block
-from .runtime.positions import block_positions
+from .runtime.positions import given_positions
 
 __all__ = ["shard", "unshard", "ring_attention"]
 
@@ -699,21 +699,6 @@ def _check_shards(q, k, v):
         raise ValueError("q, k and v must share a dtype and a device")
 
 
-def _ring_positions(mod, q, k, pos_q, pos_k):
-    """This rank's position shards as [B, Hq, 2c, C] (bamgen.runtime.positions), or None."""
-    if pos_q is None and pos_k is None:
-        if mod.TRAITS.channels > 1:
-            raise ValueError(f"pos_q is required: the prior {mod.PRIOR['name']!r} reads "
-                             f"{mod.TRAITS.channels} position channels; pass this rank's shards "
-                             f"of pos_q and pos_k (shard(positions, group=cp, dim=...))")
-        return None
-    if pos_q is None or pos_k is None:
-        missing = "pos_q" if pos_q is None else "pos_k"
-        raise ValueError(f"{missing} is missing: pos_q and pos_k come together (pass the same "
-                         f"shard twice for self-attention)")
-    return block_positions(mod._prior, q, k, pos_q, pos_k)
-
-
 def _check_params(mod, params, hq):
     names = tuple(mod.PARAM_NAMES)
     unknown = [name for name in params if name not in names]
@@ -768,7 +753,7 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     hq = q.shape[1]
     _check_params(mod, params, hq)
     traits = _traits(mod)
-    pos = _ring_positions(mod, q, k, pos_q, pos_k)
+    pos = given_positions(mod._prior, q, k, pos_q, pos_k)
     if pos is not None:   # the window is found over token distances: none with positions
         traits = _RingTraits(uses_n=traits.uses_n, window=False)
     rank, world = _rank_and_size(group)

@@ -16,19 +16,8 @@ from .autograd import use_triton
 from .cpu import backward as cpu_backward
 from .cpu import forward as cpu_forward
 from .params import grads_by_name, param_block, theta as make_theta
-from .positions import block_positions
+from .positions import given_positions
 from .tables import distance_prior
-
-
-def _positions(prior, q, k, pos_q, pos_k):
-    """A block's Positions (pos_q, pos_k: the positions of its rows and keys, in any shape that
-    attention() takes), or None for token positions."""
-    if pos_q is None and pos_k is None:
-        if prior.traits.channels > 1:
-            raise ValueError(f"pos_q is required: the prior {prior.traits.name!r} reads "
-                             f"{prior.traits.channels} position channels")
-        return None
-    return block_positions(prior, q, k, pos_q, pos_k)
 
 
 def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_offset=0,
@@ -42,7 +31,7 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
     prior; the offsets still place the block for the causal mask."""
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_block_offsets(q, k, q_offset, k_offset)
-    pos = _positions(prior, q, k, pos_q, pos_k)
+    pos = given_positions(prior, q, k, pos_q, pos_k)
     theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check,
                        head_rows=True)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
@@ -75,7 +64,7 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
     sums of dS * d logit / d j_c (no row correction: they add up over the blocks as they are)."""
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_block_offsets(q, k, q_offset, k_offset)
-    pos = _positions(prior, q, k, pos_q, pos_k)
+    pos = given_positions(prior, q, k, pos_q, pos_k)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape:
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(q.shape)}")

@@ -46,6 +46,20 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
     """The call's Positions, or None for token positions; a ValueError naming the argument for
     anything a call cannot mean. (Packed documents take them as they take q and k: [1, N] or
     [1, Hq, N], each document's tokens at its own place; masks follow the documents.)"""
+    pos = given_positions(prior, q, k, pos_q, pos_k)
+    if pos is not None:
+        for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+            if not (isinstance(off, int) and not isinstance(off, bool) and off == 0):
+                raise ValueError(f"{name} must be the int 0 when pos_q and pos_k are given (tensor "
+                                 f"offsets are not taken with positions): the positions say where "
+                                 f"every token is; add the offset to the positions instead")
+    return pos
+
+
+def given_positions(prior, q, k, pos_q, pos_k) -> Positions | None:
+    """pos_q and pos_k as a Positions (None for token positions), whatever the offsets: the
+    block API (blocks.py) and the ring take both, the offsets placing tokens for the masks and
+    the positions placing them for the prior."""
     channels = prior.traits.channels
     if pos_q is None and pos_k is None:
         if channels > 1:
@@ -58,24 +72,8 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
         missing = "pos_q" if pos_q is None else "pos_k"
         raise ValueError(f"{missing} is missing: pos_q and pos_k come together (pass the same "
                          f"tensor twice for self-attention)")
-    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if not (isinstance(off, int) and not isinstance(off, bool) and off == 0):
-            raise ValueError(f"{name} must be the int 0 when pos_q and pos_k are given (tensor "
-                             f"offsets are not taken with positions): the positions say where "
-                             f"every token is; add the offset to the positions instead")
-    return block_positions(prior, q, k, pos_q, pos_k)
-
-
-def block_positions(prior, q, k, pos_q, pos_k) -> Positions:
-    """pos_q and pos_k as a Positions, whatever the offsets: the block API (blocks.py) takes
-    both, the offsets placing the block's tokens for the masks and the positions placing them
-    for the prior (a ring's chunk of a sequence whose positions are tensors)."""
-    if pos_q is None or pos_k is None:
-        missing = "pos_q" if pos_q is None else "pos_k"
-        raise ValueError(f"{missing} is missing: pos_q and pos_k come together")
     B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
     cdt = acc_dtype(q)
-    channels = prior.traits.channels
     return Positions(_normalise("pos_q", pos_q, B, Hq, Nq, channels, q, cdt),
                      _normalise("pos_k", pos_k, B, Hq, k.shape[2], channels, q, cdt))
 
