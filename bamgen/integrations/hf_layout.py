@@ -57,6 +57,10 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     tokens = _token_mask(attention_mask, batch_size, kv_start + kv_length)
     key_mask = tokens[:, kv_start:kv_start + kv_length]
     pad = _left_padding(tokens)
+    if torch.compiler.is_compiling():
+        # no branch on the data in a compiled graph: the general layout (per-row offsets and
+        # the key mask), right with or without padding
+        return PaddingLayout(key_mask, q_start - pad, kv_start - pad, query_end)
     if not bool(pad.any()):
         if bool(key_mask[:, :min(kv_length, max(query_end - kv_start, 0))].all()):
             key_mask = None   # no padding among the keys any query can see: the plain kernels

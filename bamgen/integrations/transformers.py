@@ -169,30 +169,67 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             f"sliding_window={sliding_window}: the sequence ({layout.query_end} tokens) is longer "
             f"than the model's sliding window, which bamgen's attention does not apply; set "
             f"config.sliding_window = None, or use a prior that is -oo beyond the window")
-    packed = _packed_documents(layout, query, key, kwargs.get("position_ids"))
+    packed = _packed_documents(layout, query, key, kwargs) or (None, None)
     out = prior(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling,
                 q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
-                cu_seqlens_q=packed, cu_seqlens_k=packed)
+                cu_seqlens_q=packed[0], cu_seqlens_k=packed[1])
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packed_documents(layout: PaddingLayout, query, key, position_ids):
-    """cu_seqlens for documents packed into one row, as HF marks them (no attention_mask, no
-    cache, ``position_ids`` restarting at each document, e.g. DataCollatorWithFlattening);
-    None for an ordinary batch. Each document then sees only itself, its positions from 0."""
-    plain = layout.key_mask is None and isinstance(layout.q_offset, int) and layout.q_offset == 0
-    if position_ids is None or not plain or query.shape[2] != key.shape[2]:
+def _packed_documents(layout: PaddingLayout, query, key, kwargs) -> tuple | None:
+    """(cu_seqlens_q, cu_seqlens_k) for documents packed into one row, from whichever form HF
+    passes them in (DataCollatorWithFlattening's options: ``cu_seq_lens_q``/``cu_seq_lens_k``,
+    ``seq_idx``, or ``position_ids`` restarting at each document); None for an ordinary batch.
+    Each document then sees only itself, its positions from 0. No branch on the data under
+    torch.compile (docs/huggingface.md, "torch.compile")."""
+    plain = (layout.key_mask is None and isinstance(layout.q_offset, int) and layout.q_offset == 0
+             and query.shape[2] == key.shape[2])
+    cu_q, cu_k, seq_idx = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"))
+    if cu_q is not None or cu_k is not None or seq_idx is not None:
+        _check_packed(plain, query, cu_q, cu_k)
+        if cu_q is not None:
+            return cu_q.to(torch.int32), cu_k.to(torch.int32)
+        starts = seq_idx[0, 1:] != seq_idx[0, :-1]       # a token whose document is new
+        cu = _bounds(starts, query.shape[2])
+        return cu, cu
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or not plain:
         return None
-    breaks = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    if not bool(breaks.any()):
+    starts = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    if torch.compiler.is_compiling():
+        # one row: the bounds, [0, N, N, ...] when nothing restarts (one document); a batch of
+        # rows is taken as ordinary sequences (eager calls check it)
+        one_row = position_ids.shape[0] == 1 and query.shape[0] == 1
+        return (_bounds(starts[0], query.shape[2]),) * 2 if one_row else None
+    if not bool(starts.any()):
         return None
     if position_ids.shape[0] != 1:
         raise ValueError(f"position_ids: documents packed into a batch of "
                          f"{position_ids.shape[0]} rows; bamgen's attention takes packed "
                          f"documents in one row (batch size 1), as FlashAttention's varlen does")
-    starts = breaks[0].nonzero().flatten() + 1
-    total = torch.tensor([0, position_ids.shape[1]], device=starts.device)
-    return torch.cat([total[:1], starts, total[1:]]).to(torch.int32)
+    cu = torch.unique_consecutive(_bounds(starts[0], query.shape[2]))   # (no empty documents)
+    return cu, cu
+
+
+def _check_packed(plain, query, cu_q, cu_k) -> None:
+    """Packed documents by cu_seq_lens or seq_idx: one row, no padding, no cache."""
+    if (cu_q is None) != (cu_k is None):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k come together (the collator's "
+                         "return_flash_attn_kwargs=True gives both)")
+    if not plain or query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q / seq_idx: packed documents are taken in one row "
+                         f"(batch size 1, got {query.shape[0]}) with no attention_mask and no "
+                         f"cache, as DataCollatorWithFlattening makes them")
+
+
+def _bounds(starts, length: int) -> torch.Tensor:
+    """cu_seqlens int32 [length + 1] from starts (bool [length - 1]: token t + 1 begins a new
+    document): 0, the starts in order, then length repeated (empty documents). Its size
+    follows the length alone, so a compiled graph holds for any packing."""
+    index = torch.arange(1, length, device=starts.device)
+    cut = torch.where(starts, index, torch.full_like(index, length)).sort().values
+    ends = torch.tensor([0, length], device=starts.device)
+    return torch.cat([ends[:1], cut, ends[1:]]).to(torch.int32)
 
 
 class IdentityRotary(torch.nn.Module):

@@ -37,8 +37,10 @@ def check_inputs(q, k, v, causal, scale, backend):
                          f"of the number of key/value heads (k.shape[1] = {k.shape[1]})")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or scale <= 0):
+    # (0 < scale < inf rather than math.isfinite: a comparison also checks the symbolic float
+    # that torch.compile(dynamic=True) makes of a module's constant scale; NaN fails it)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymFloat))
+                              or not 0 < scale < math.inf):
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")

@@ -6,6 +6,8 @@ back, generate() on a left-padded batch with every cache kind, a right-padded tr
 "Equals each sequence alone" compares logits at float32 rounding (1e-5, as tests/runtime/test_masks.py:
 the batched call may split its rows into other parts than the single call) and tokens exactly.
 """
+import math
+
 import torch
 import transformers
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
@@ -264,3 +266,109 @@ def test_vector_priors_train_save_and_reload(tmp_path, prior):
     got = prior_params(loaded)
     assert got.keys() == after.keys() and all(torch.equal(got[k], after[k]) for k in got)
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+DOCS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
+COLLATOR_OPTIONS = {   # DataCollatorWithFlattening's ways of marking the documents
+    "position_ids": dict(),
+    "cu_seq_lens": dict(return_flash_attn_kwargs=True, return_position_ids=False),
+    "cu_seq_lens+position_ids": dict(return_flash_attn_kwargs=True),
+    "seq_idx": dict(return_seq_idx=True, return_position_ids=False),
+}
+
+
+@pytest.mark.parametrize("option", COLLATOR_OPTIONS)
+def test_every_collator_packing_option_gives_each_document_alone(option, absolute):
+    """DataCollatorWithFlattening, each option as a user would set it: the packed row's logits
+    and per-token losses equal each document's alone (documents never mix; with
+    return_position_ids=False only cu_seq_lens_q/k or seq_idx says where they start)."""
+    from transformers import DataCollatorWithFlattening
+    model = tiny_llama(seed=5, prior=absolute)
+    batch = DataCollatorWithFlattening(**COLLATOR_OPTIONS[option])(
+        [{"input_ids": doc} for doc in DOCS])
+    assert ("position_ids" in batch) == COLLATOR_OPTIONS[option].get("return_position_ids", True)
+    labels = batch.pop("labels")
+    logits = model(**batch).logits
+    losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none",
+                                               ignore_index=-100)
+    start = 0
+    for doc in DOCS:
+        ids = torch.tensor([doc])
+        alone = model(ids).logits
+        torch.testing.assert_close(logits[:, start:start + len(doc)], alone, **CLOSE)
+        alone_losses = torch.nn.functional.cross_entropy(alone[0, :-1], ids[0, 1:], reduction="none")
+        torch.testing.assert_close(losses[start:start + len(doc) - 1], alone_losses, **CLOSE)
+        start += len(doc)
+
+
+def test_packing_arguments_that_cannot_hold_are_refused():
+    model = tiny_llama()
+    ids = torch.tensor([sum(DOCS, [])])
+    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k come together"):
+        model(ids, cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match=r"packed documents are taken in one row \(batch size 1, got 2\)"):
+        model(ids.repeat(2, 1), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def _compile_batches():
+    """A packed row (position_ids restarting) and a left-padded batch, at three lengths."""
+    for n in (12, 16, 20):
+        ids = torch.randint(1, 100, (1, n), generator=torch.Generator().manual_seed(n))
+        cut = n // 3
+        positions = torch.cat([torch.arange(cut), torch.arange(n - cut)])[None]
+        yield "packed", dict(input_ids=ids, position_ids=positions, labels=ids)
+        ids = torch.randint(1, 100, (2, n), generator=torch.Generator().manual_seed(n + 1))
+        mask = torch.ones(2, n, dtype=torch.long)
+        mask[0, :3] = 0
+        yield "padded", dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def test_a_model_with_a_prior_compiles_fullgraph_without_breaks_or_recompiles():
+    """torch.compile on the HF model itself: no graph break (torch._dynamo.explain) on a packed
+    row or a padded batch, fullgraph and dynamic, one graph per kind of batch for three
+    lengths, and every gradient (the prior's included) equal to eager."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    eager = tiny_llama(seed=9).train()
+    compiled_model = tiny_llama(seed=9).train()
+    for kind, batch in list(_compile_batches())[:2]:
+        dynamo.reset()
+        explained = dynamo.explain(lambda **kw: compiled_model(**kw).loss)(**batch)
+        assert explained.graph_break_count == 0, (kind, explained.break_reasons)
+    dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda **kw: compiled_model(**kw).loss, backend=counter, fullgraph=True,
+                         dynamic=True)
+    frames = []
+    for kind, batch in _compile_batches():
+        frames.append(counter.frame_count)
+        want = eager(**batch).loss
+        want_grads = torch.autograd.grad(want, list(eager.parameters()))
+        got = step(**batch)
+        got_grads = torch.autograd.grad(got, list(compiled_model.parameters()))
+        torch.testing.assert_close(got, want, **CLOSE)
+        for (name, _), a, b in zip(eager.named_parameters(), got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind} {name}: {m}")
+    frames.append(counter.frame_count)
+    assert frames[2:] == [frames[2]] * 5, frames   # compiled for the first length: no recompile
+
+
+def test_trainer_three_steps_with_packed_documents(tmp_path):
+    """transformers' Trainer (bamgen[hf] brings accelerate) on a model with a prior, batches
+    from DataCollatorWithFlattening: three steps, a finite loss, and the prior's parameters
+    move (their gradients reach the optimizer Trainer builds)."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+    model = tiny_llama(seed=2).train()
+    before = prior_params(model)
+    rows = [{"input_ids": torch.randint(1, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+            for n in (7, 12, 5, 9, 11, 6)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                             learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+                             use_cpu=True, dataloader_num_workers=0, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=rows,
+                      data_collator=DataCollatorWithFlattening())
+    result = trainer.train()
+    assert result.global_step == 3 and math.isfinite(result.training_loss)
+    after = prior_params(model)
+    assert all(not torch.equal(before[name], after[name]) for name in before), "a prior did not move"
