@@ -42,18 +42,22 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_CHOICES = ("remove", "keep")
 
 
-def apply_prior(model, prior, rope: str = "remove", **init):
+def apply_prior(model, prior, rope: str = "remove", shared: bool = False, **init):
     """Give every attention layer of ``model`` its own ``prior`` (a shipped prior's name, a
-    prior file, or a generated module) and route attention through it; ``init`` sets the
-    prior parameters' initial values (as the generated module's ``init=``). Returns ``model``,
+    prior file, or a generated module), or with ``shared=True`` one prior that every layer
+    uses (as the BAM authors train), and route attention through it; ``init`` sets the prior
+    parameters' initial values (as the generated module's ``init=``). Returns ``model``,
     changed in place."""
     _check_model(model)
     if rope not in ROPE_CHOICES:
         raise ValueError(f"rope: expected one of {', '.join(map(repr, ROPE_CHOICES))}, got "
                          f"{rope!r} ('remove': the prior is the only positional encoding)")
+    if not isinstance(shared, bool):
+        raise ValueError(f"shared: expected True (one prior for every layer) or False (one per "
+                         f"layer), got {shared!r}")
     module = resolve_prior(prior)
-    _install(model, module, rope, init or None)
-    model.config.bamgen = {**prior_record(module), "rope": rope}
+    _install(model, module, rope, init or None, shared)
+    model.config.bamgen = {**prior_record(module), "rope": rope, "shared": shared}
     return model
 
 
@@ -249,19 +253,32 @@ class IdentityRotary(torch.nn.Module):
         return f"head_dim={self.head_dim}"
 
 
-def _install(model, module: ModuleType, rope: str, init: dict | None) -> None:
-    """Attach a prior to every attention layer, remove RoPE if asked, switch attention."""
+def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bool = False) -> None:
+    """Attach a prior to every attention layer (shared: one prior, a submodule of the base
+    model, that every layer reads), remove RoPE if asked, switch attention."""
     register()
     config = model.config
     cls = getattr(module, module.PRIOR["class_name"])
-    for attention in _attention_layers(model):
+    layers = _attention_layers(model)
+
+    def build(attention):
         # Built on a real device even inside HF's meta-device loading context (the module checks
         # its initial values); HF then loads the checkpoint's values into it.
         weight = attention.q_proj.weight
         device = torch.device("cpu") if weight.device.type == "meta" else weight.device
         with device:
-            prior = cls(config.num_attention_heads, init=init, device=device)
-        setattr(attention, PRIOR_ATTR, prior)
+            return cls(config.num_attention_heads, init=init, device=device)
+    if shared:
+        # One set of parameters, registered once (state dict key "<base>.bamgen_prior.*", so
+        # save_pretrained sees no shared tensors); each layer holds a plain reference to it,
+        # not a submodule, and autograd sums the layers' gradients into it.
+        prior = build(layers[0])
+        setattr(getattr(model, model.base_model_prefix, model), PRIOR_ATTR, prior)
+        for attention in layers:
+            attention.__dict__[PRIOR_ATTR] = prior
+    else:
+        for attention in layers:
+            setattr(attention, PRIOR_ATTR, build(attention))
     if rope == "remove":
         _remove_rotary(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -318,10 +335,11 @@ def _with_prior(cls: type, record: dict) -> type:
     load from the checkpoint like any other weight, with no unexpected keys. The prior module is
     loaded here, outside the meta-device context HF builds the model under."""
     module, rope = load_record(record), record.get("rope", "remove")
+    shared = bool(record.get("shared", False))
 
     def __init__(self, config, *args, **kwargs):
         cls.__init__(self, config, *args, **kwargs)
-        _install(self, module, rope, None)
+        _install(self, module, rope, None, shared)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})

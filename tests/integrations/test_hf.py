@@ -372,3 +372,43 @@ def test_trainer_three_steps_with_packed_documents(tmp_path):
     assert result.global_step == 3 and math.isfinite(result.training_loss)
     after = prior_params(model)
     assert all(not torch.equal(before[name], after[name]) for name in before), "a prior did not move"
+
+
+def test_a_shared_prior_is_one_set_of_parameters_whose_gradient_sums_the_layers(tmp_path):
+    """apply_prior(..., shared=True), as the BAM authors train: one prior for every layer. Its
+    parameters appear once (named_parameters, param_groups), its gradient is the sum of the
+    gradients per-layer priors with the same values get, and it survives save_pretrained
+    (safetensors) and from_pretrained: the same logits, every layer still reading one prior."""
+    per_layer = tiny_llama(seed=4).train()
+    torch.manual_seed(4)
+    shared = apply_prior(LlamaForCausalLM(LlamaConfig(**TINY)), ggd, shared=True).train()
+    names = [n for n, _ in shared.named_parameters() if "bamgen_prior" in n]
+    assert names == ["model.bamgen_prior.raw_alpha", "model.bamgen_prior.raw_beta",
+                     "model.bamgen_prior.raw_mu"], names
+    layers = [layer.self_attn for layer in shared.model.layers]
+    assert all(a.bamgen_prior is shared.model.bamgen_prior for a in layers)
+    grouped = [p for group in bamgen.param_groups(shared) for p in group["params"]]
+    assert len(grouped) == len({id(p) for p in grouped}) == len(list(shared.parameters()))
+
+    ids = torch.randint(1, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+    a, b = per_layer(ids, labels=ids), shared(ids, labels=ids)
+    torch.testing.assert_close(b.logits, a.logits, **CLOSE)
+    a.loss.backward()
+    b.loss.backward()
+    for name, p in shared.model.bamgen_prior.named_parameters():
+        summed = sum(layer.self_attn.bamgen_prior.get_parameter(name).grad
+                     for layer in per_layer.model.layers)
+        torch.testing.assert_close(p.grad, summed, rtol=1e-5, atol=1e-7)
+
+    with torch.no_grad():
+        for p in shared.model.bamgen_prior.parameters():
+            p.add_(0.05)   # learned values, not the init
+    shared.eval()
+    shared.save_pretrained(tmp_path)          # safetensors: no shared tensors to refuse
+    assert (tmp_path / "model.safetensors").exists()
+    back = from_pretrained(tmp_path).eval()
+    assert all(layer.self_attn.bamgen_prior is back.model.bamgen_prior for layer in back.model.layers)
+    for (n1, p1), (n2, p2) in zip(shared.model.bamgen_prior.named_parameters(),
+                                  back.model.bamgen_prior.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    torch.testing.assert_close(back(ids).logits, shared(ids).logits, rtol=0, atol=0)
