@@ -1,4 +1,5 @@
-"""A bamgen prior inside a Hugging Face transformers model (Llama, Mistral, Qwen2).
+"""A bamgen prior inside a Hugging Face transformers model (any family whose attention
+dispatches through ALL_ATTENTION_FUNCTIONS: docs/huggingface.md has the table).
 
     from bamgen.integrations.transformers import apply_prior, from_pretrained
     model = apply_prior(model, "generalized_gaussian", rope="remove")
@@ -23,8 +24,10 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import tempfile
@@ -38,7 +41,6 @@ from .hf_layout import PaddingLayout, padding_layout
 ATTN_IMPLEMENTATION = "bamgen"
 PRIOR_ATTR = "bamgen_prior"
 CONFIG_KEY = "bamgen"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_CHOICES = ("remove", "keep")
 
 
@@ -48,10 +50,10 @@ def apply_prior(model, prior, rope: str = "remove", shared: bool = False, **init
     uses (as the BAM authors train), and route attention through it; ``init`` sets the prior
     parameters' initial values (as the generated module's ``init=``). Returns ``model``,
     changed in place."""
-    _check_model(model)
     if rope not in ROPE_CHOICES:
         raise ValueError(f"rope: expected one of {', '.join(map(repr, ROPE_CHOICES))}, got "
                          f"{rope!r} ('remove': the prior is the only positional encoding)")
+    _check_model(model, rope)
     if not isinstance(shared, bool):
         raise ValueError(f"shared: expected True (one prior for every layer) or False (one per "
                          f"layer), got {shared!r}")
@@ -72,7 +74,6 @@ def from_pretrained(path, **kwargs):
     if not isinstance(record, dict):
         raise ValueError(f"{path}: its config has no '{CONFIG_KEY}' entry; it was not saved "
                          f"from a model with a prior (use apply_prior, then save_pretrained)")
-    _check_model_type(config.model_type)
     cls = _with_prior(_model_class(config), record)
     kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
     return cls.from_pretrained(path, **kwargs)
@@ -244,7 +245,7 @@ class IdentityRotary(torch.nn.Module):
         super().__init__()
         self.head_dim = head_dim
 
-    def forward(self, x, position_ids):
+    def forward(self, x, position_ids, *args, **kwargs):   # (Gemma 3 adds the layer type)
         shape = (*position_ids.shape, self.head_dim)
         ones = torch.ones(shape, dtype=x.dtype, device=x.device)
         return ones, torch.zeros_like(ones)
@@ -264,7 +265,7 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     def build(attention):
         # Built on a real device even inside HF's meta-device loading context (the module checks
         # its initial values); HF then loads the checkpoint's values into it.
-        weight = attention.q_proj.weight
+        weight = next(attention.parameters())
         device = torch.device("cpu") if weight.device.type == "meta" else weight.device
         with device:
             return cls(config.num_attention_heads, init=init, device=device)
@@ -285,30 +286,64 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
 
 
 def _attention_layers(model) -> list[torch.nn.Module]:
-    base = getattr(model, model.base_model_prefix, model)
-    return [layer.self_attn for layer in base.layers]
+    """The model's attention modules: those whose forward dispatches through transformers'
+    ALL_ATTENTION_FUNCTIONS (read from their class's source, not from a list of model types)."""
+    return [m for m in model.modules() if _dispatches_attention(type(m))]
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatches_attention(cls: type) -> bool:
+    forward = cls.__dict__.get("forward")
+    if forward is None or not cls.__module__.startswith("transformers."):
+        return False
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _rotary_modules(model) -> list[tuple[torch.nn.Module, str, int]]:
+    """(parent, attribute, rotary width) of each rotary embedding: a module with an
+    ``inv_freq`` buffer (or one per layer type, ``<type>_inv_freq``, as Gemma 3's) whose
+    forward(x, position_ids, ...) gives (cos, sin) over 2 * len(inv_freq) channels."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            widths = [2 * buffer.shape[-1] for key, buffer in child.named_buffers(recurse=False)
+                      if key == "inv_freq" or key.endswith("_inv_freq")]
+            if widths:
+                found.append((parent, name, max(widths)))
+    return found
 
 
 def _remove_rotary(model) -> None:
-    base = getattr(model, model.base_model_prefix, model)
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    base.rotary_emb = IdentityRotary(head_dim)
+    """Every rotary embedding becomes the identity over its own width (partial rotary, as
+    GPT-NeoX's and Phi-3's, included)."""
+    for parent, name, width in _rotary_modules(model):
+        setattr(parent, name, IdentityRotary(width))
 
 
-def _check_model(model) -> None:
+def _check_model(model, rope: str) -> None:
+    """A transformers model whose attention bamgen can take over, or a ValueError naming the
+    family and the feature that stops it."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"model: expected a Hugging Face transformers model, got "
                          f"{type(model).__name__}")
-    _check_model_type(config.model_type)
-
-
-def _check_model_type(model_type: str) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported by bamgen's transformers "
-                         f"integration; supported: {', '.join(SUPPORTED_MODEL_TYPES)} (models "
-                         f"with their attention layout: q/k/v projections, rotary embedding)")
+    family = getattr(config, "model_type", type(model).__name__)
+    if not _attention_layers(model):
+        raise ValueError(f"model type {family!r}: no attention layer dispatches through "
+                         f"transformers' ALL_ATTENTION_FUNCTIONS, so bamgen cannot replace it")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"model type {family!r}: attention logit softcapping "
+                         f"(config.attn_logit_softcapping = {softcap}) is not applied by bamgen's "
+                         f"attention; set it to None to train without it")
+    if rope == "remove" and not _rotary_modules(model):
+        raise ValueError(f"model type {family!r}: rope='remove' found no rotary embedding (a "
+                         f"module with an inv_freq buffer) to remove; its positions come from "
+                         f"elsewhere (absolute embeddings?): pass rope='keep' to add the prior "
+                         f"to them")
 
 
 _CONFIG_KWARGS = ("cache_dir", "revision", "local_files_only", "token", "trust_remote_code")

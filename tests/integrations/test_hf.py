@@ -202,8 +202,12 @@ def test_a_sequence_beyond_the_sliding_window_is_refused():
 
 def test_unsupported_model_and_bad_arguments_are_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
+    with pytest.raises(ValueError, match="model type 'gpt2': rope='remove' found no rotary embedding"):
         apply_prior(gpt2, ggd)
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**TINY, head_dim=16))
+    with pytest.raises(ValueError, match=r"model type 'gemma2': attention logit softcapping "
+                                         r"\(config.attn_logit_softcapping = 50.0\)"):
+        apply_prior(gemma2, ggd)
     llama = LlamaForCausalLM(LlamaConfig(**TINY))
     with pytest.raises(ValueError, match="rope: expected one of"):
         apply_prior(llama, ggd, rope="none")
@@ -412,3 +416,67 @@ def test_a_shared_prior_is_one_set_of_parameters_whose_gradient_sums_the_layers(
                                   back.model.bamgen_prior.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), n1
     torch.testing.assert_close(back(ids).logits, shared(ids).logits, rtol=0, atol=0)
+
+
+
+# Every decoder family whose attention goes through ALL_ATTENTION_FUNCTIONS in the pinned
+# transformers, found from the model (bamgen/integrations/transformers.py keeps no list):
+# (config class, model class, config extras, rope). Gemma 2 without its logit softcap (which
+# bamgen refuses rather than drop); GPT-2's positions are absolute embeddings, kept.
+EVERY_FAMILY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "remove"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None), "remove"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "remove"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), "remove"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "remove"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None), "remove"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16), "remove"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(eos_token_id=1, bos_token_id=1), "remove"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(eos_token_id=1, bos_token_id=1), "remove"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(attn_pdrop=0.0), "keep"),
+}
+
+
+def family_model(family, seed=0, attn="eager"):
+    config, model, extra, _ = EVERY_FAMILY[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config)(**TINY, **extra)
+    cfg._attn_implementation = attn
+    return getattr(transformers, model)(cfg).eval()
+
+
+@pytest.mark.parametrize("family", list(EVERY_FAMILY))
+def test_a_zero_prior_equals_the_familys_own_attention(family):
+    """NoPE as the prior, RoPE kept: bamgen's attention must give the family's eager attention
+    exactly (its scaling, GQA, partial rotary, sliding-window layers within their window)."""
+    own = family_model(family)
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    want = own(ids, attention_mask=mask).logits
+    got = apply_prior(family_model(family), "uniform", rope="keep")(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[0], want[0], **CLOSE)
+    torch.testing.assert_close(got[1, 4:], want[1, 4:], **CLOSE)
+
+
+@pytest.mark.parametrize("family", list(EVERY_FAMILY))
+def test_every_family_trains_and_generates_each_prompt_as_alone(family):
+    """A training step sends every prior parameter a gradient; a left-padded batch generates
+    greedily what each prompt generates alone, with the cache and without."""
+    model = apply_prior(family_model(family, seed=2), ggd, rope=EVERY_FAMILY[family][3])
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "bamgen_prior" in n}
+    assert len(grads) == 3 * model.config.num_hidden_layers, sorted(grads)   # one prior per layer
+    assert all(g is not None and torch.isfinite(g).all() and (g != 0).any() for g in grads.values())
+    model.eval()
+    batch, mask = left_padded(PROMPTS)
+    for cache in (True, False):
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             pad_token_id=PAD, use_cache=cache)
+        for row, prompt in enumerate(PROMPTS):
+            alone = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                                   pad_token_id=PAD, use_cache=cache)
+            assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), (family, cache, row)
