@@ -3,9 +3,9 @@
     python benchmarks/gpu_check.py                        # what `make gpu-check` runs
     python benchmarks/gpu_check.py --bench-args "--n 1024 4096 --head-dim 64 128"
 
-With a CUDA GPU that torch can use, it runs four steps, one after the other, each under a time
-limit (LIMITS_S: the first three have their own, the benchmark gets what is left of TOTAL_S, 9.5
-minutes in all; a step killed at its limit counts as failed):
+With a CUDA GPU that torch can use, it runs five steps, one after the other, each under a time
+limit (LIMITS_S: each has its own but the benchmark, which gets what the others leave of
+TOTAL_S, 9.5 minutes in all; a step killed at its limit counts as failed):
 
 1. ``properties``: the Triton backend's property tests and hard cases, and the module tests, with
    CUDA tensors against the float64 reference on the CPU (``BAMGEN_TEST_DEVICE=cuda`` switches
@@ -21,8 +21,11 @@ minutes in all; a step killed at its limit counts as failed):
    eager with no recompile;
 4. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
    report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
-   the raw results beside it as .json); this script then adds the outcome of the four steps
-   and prints where the file is.
+   the raw results beside it as .json, each kernel's device time included: --kernels);
+5. ``model``: benchmarks/model_check.py on that JSON: the throughput model's prediction beside
+   each kernel's measured time, with leave-one-out errors, appended to the report; the pairs go
+   to <device>-<date>-pairs.json for the next fit (docs/performance.md, "Second GPU session").
+This script then adds the outcome of the five steps to the report and prints where it is.
 
 It exits 0 when every step passed and 1 otherwise. Without a GPU (no CUDA device visible to
 torch, and none that ``nvidia-smi`` lists) it prints one line saying so and what it would run,
@@ -60,7 +63,7 @@ PROPERTY_SELECTION = "triton or hard_case or module_init"
 # the property tests took 110 s on 15 workers on an H200 (docs/performance.md); the compile
 # tests take ~60 s on 2 CPU workers under the interpreter, most of it tracing
 TOTAL_S = 570
-LIMITS_S = {"properties": 170, "aot": 90, "compile": 90}
+LIMITS_S = {"properties": 170, "aot": 60, "compile": 90, "model": 60}
 
 
 STEP_NAMES = ("properties", "aot", "compile", "benchmark")
@@ -118,7 +121,7 @@ def report_path(device_name: str, day: datetime.date, folder: Path) -> Path:
 
 def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
          workers: int = 0) -> tuple[Step, ...]:
-    """The four steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
+    """The five steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider") + (
         ("-n", str(workers)) if workers else ())
     bench = (python, "benchmarks/gpu.py", *shlex.split(bench_args),
@@ -132,6 +135,10 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
              (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0"),
               ("TRITON_DEFAULT_FP_FUSION", "0")), LIMITS_S["compile"]),
         Step("benchmark", bench, (), TOTAL_S - sum(LIMITS_S.values())),
+        Step("model", (python, "benchmarks/model_check.py", str(report.with_suffix(".json")),
+                       "--arch", arch, "--append", str(report),
+                       "--pairs", str(report.with_name(report.stem + "-pairs.json"))),
+             (), LIMITS_S["model"]),
     )
 
 
@@ -253,8 +260,9 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
         if step.name in args.skip:
             print(f"gpu-check: {step.name} skipped (--skip)", flush=True)
             continue
-        if step.name == "benchmark":   # the last step: what the others left of the total
-            step = replace(step, limit_s=int(limits["total"] - (clock() - t0)))
+        if step.name == "benchmark":   # what the others leave of the total
+            after = limits["model"] if "model" not in args.skip else 0
+            step = replace(step, limit_s=int(limits["total"] - after - (clock() - t0)))
         else:
             step = replace(step, limit_s=limits[step.name])
         outcomes.append(run(step))

@@ -1,5 +1,5 @@
 """`make gpu-check` (benchmarks/gpu_check.py): without a GPU one line and exit 0, nothing written;
-with one, the four steps it runs select what they should, and one report comes out.
+with one, the five steps it runs select what they should, and one report comes out.
 
 The GPU branch runs here with its steps replaced (no GPU on the development machine); the real
 run is `make gpu-check` on a CUDA machine."""
@@ -138,11 +138,14 @@ def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=(), argv=()):
     return rc, ran, tmp_path / "nvidia-h100-80gb-hbm3-2026-11-22.md"
 
 
-def test_with_a_gpu_it_runs_four_steps_and_writes_one_report(monkeypatch, tmp_path, capsys):
+def test_with_a_gpu_it_runs_five_steps_and_writes_one_report(monkeypatch, tmp_path, capsys):
     gc = _load_script()
     rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path)
     assert rc == 0
-    assert [s.name for s in ran] == ["properties", "aot", "compile", "benchmark"]
+    assert [s.name for s in ran] == ["properties", "aot", "compile", "benchmark", "model"]
+    bench_json = ran[3].argv[ran[3].argv.index("--json") + 1]
+    assert "--kernels" in ran[3].argv and ran[4].argv[1:3] == ("benchmarks/model_check.py", bench_json)
+    assert ran[4].argv[ran[4].argv.index("--append") + 1] == str(report)
     assert ran[1].argv[-2:] == ("-k", "sm_90")
     assert ran[2].argv[-3:] == ("tests/runtime/test_compile.py", "-k", "triton")
     assert dict(ran[2].env)["BAMGEN_TEST_DEVICE"] == "cuda"
@@ -157,7 +160,7 @@ def test_with_a_gpu_it_runs_four_steps_and_writes_one_report(monkeypatch, tmp_pa
 def test_a_failed_step_fails_the_check_and_still_reports(monkeypatch, tmp_path, capsys):
     gc = _load_script()
     rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("aot",))
-    assert rc == 1 and len(ran) == 4
+    assert rc == 1 and len(ran) == 5
     assert "* aot: failed (exit 1)" in report.read_text()
     rc, _, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("benchmark",))
     assert rc == 1 and not report.exists()
@@ -171,7 +174,7 @@ def test_a_short_lease_skips_steps_and_sets_their_limits(monkeypatch, tmp_path):
         "--limit", "total=260"])
     assert rc == 0
     assert [(s.name, s.limit_s) for s in ran] == [("properties", 110), ("compile", 50),
-                                                  ("benchmark", 100)]
+                                                  ("benchmark", 40), ("model", 60)]
 
 
 @pytest.mark.parametrize("bad", ["aot", "benchmark=60", "aot=0", "aot=ten"])
@@ -180,4 +183,4 @@ def test_a_bad_limit_names_the_steps(bad, capsys):
     with pytest.raises(SystemExit) as exit_:
         gc.main(["--limit", bad])
     assert exit_.value.code == 2
-    assert "STEP=SECONDS with STEP one of properties, aot, compile, total" in capsys.readouterr().err
+    assert "STEP=SECONDS with STEP one of properties, aot, compile, model, total" in capsys.readouterr().err

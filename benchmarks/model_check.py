@@ -1,0 +1,162 @@
+"""The GPU throughput model against the kernels a GPU timed: one row per (prior, head dim,
+kernel) of a `benchmarks/gpu.py --kernels` run, the model's cycles per 1000 scores beside the
+measured ones, and the leave-one-out error of a one-factor fit (docs/performance.md, "Second GPU
+session").
+
+    python benchmarks/model_check.py docs/results/gpu/h200_2026-11-26_priors.json [more.json ...]
+    python benchmarks/model_check.py run.json --ghz 1.98 --sms 132 --pairs pairs.json
+
+Measured: each kernel's device time from torch.profiler (`--kernels`), as cycles per 1000
+scores: time x clock x SMs / (B*H*N^2/2 / 1000) for a causal call. Modelled: the kernel compiled
+ahead of time for the GPU's family with the tile the run used (`bamgen.aot.compile_module`,
+candidate 0), its main loop through `bamgen.aot.loop_model`: the largest of its tensor, MUFU,
+FP32, issue and load/store cycles per 1000 scores; dQ counts every launch of a prior with
+several groups of learnable scalars. LOO: each point predicted from the median
+measured/modelled ratio of the other priors' same kernel and head dim, so a term the model
+lacks shows as that point's error. `--pairs` writes the points as JSON for the next fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# benchmarks/gpu.py's peer names -> (prior, AOT layout)
+PRIORS = {"uniform": ("uniform", "plain"), "laplace": ("laplace", "plain"),
+          "ggd": ("generalized_gaussian", "plain"), "ssmax": ("bam_ssmax", "plain"),
+          "t5": ("t5", "plain"), "fire": ("fire", "plain"), "fox": ("forget_gate", "positions")}
+# the profiler's kernel names -> (phase of gpu.py's kernel_times, AOT kernel name)
+KERNELS = {"fwd": ("fwd", "_attn_fwd", "attn_fwd"), "dkdv": ("bwd", "_attn_bwd_dkdv", "attn_bwd_dkdv"),
+           "dq": ("bwd", "_attn_bwd_dq", "attn_bwd_dq")}
+DTYPES = {"bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One kernel of one run: modelled and measured cycles per 1000 scores."""
+    prior: str
+    head_dim: int
+    kernel: str
+    modelled: float
+    measured: float
+    device: str
+
+
+def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float]]:
+    """(peer prior, head dim, kernel, measured cycles per 1000 scores) of a gpu.py JSON."""
+    out = []
+    for result in run["results"]:
+        scores = result["B"] * result["H"] * result["N"] ** 2 / 2
+        for peer, kernels in result.get("kernels", {}).items():
+            prior = peer.removeprefix("bamgen-")
+            if prior not in PRIORS:
+                continue
+            for kernel, (phase, profiled, _) in KERNELS.items():
+                entry = kernels.get(f"{phase}:{profiled}")
+                if entry:
+                    cycles = entry["us"] * 1e-6 * ghz * 1e9 * sms / (scores / 1000)
+                    out.append((prior, result["D"], kernel, cycles))
+    return out
+
+
+def modelled(prior: str, head_dim: int, arch: str, dtype: str, cache: dict) -> dict:
+    """{kernel: modelled cycles per 1000 scores} of a prior's kernels (compiled once)."""
+    key = (prior, head_dim, arch, dtype)
+    if key not in cache:
+        from bamgen.aot import compile_module, loop_model
+        from bamgen.driver.loader import load_prior
+        from bamgen.resources import shipped_prior
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from aot_report import dq_launches
+        name, layout = PRIORS[prior]
+        module = load_prior(shipped_prior(name))
+        wanted = {aot: kernel for kernel, (_, _, aot) in KERNELS.items()}
+        cycles = {}
+        for k in compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, layout=layout,
+                                only=tuple(wanted)):
+            model = loop_model(k.main_loop, arch, k.num_warps)
+            cost = max(model["cycles"].values()) * 1000 / (k.block[0] * k.block[1])
+            cycles[wanted[k.name]] = cost * (dq_launches(module) if k.name == "attn_bwd_dq" else 1)
+        cache[key] = cycles
+    return cache[key]
+
+
+def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
+    cache, out = {}, []
+    for run in runs:
+        dtype = DTYPES.get(run["args"].get("dtype", "bf16"), "bf16")
+        for prior, head_dim, kernel, cycles in measured_points(run, ghz, sms):
+            model = modelled(prior, head_dim, arch, dtype, cache)
+            out.append(Point(prior, head_dim, kernel, model[kernel], cycles, run["env"]["device"]))
+    return out
+
+
+def leave_one_out(pts: list[Point]) -> list[float | None]:
+    """Each point's relative error when its kernel's factor (measured / modelled) is the
+    median over the other priors of the same kernel and head dim (None: no other prior)."""
+    errors = []
+    for p in pts:
+        others = [q.measured / q.modelled for q in pts
+                  if q is not p and q.kernel == p.kernel and q.head_dim == p.head_dim and q.prior != p.prior]
+        errors.append(None if not others else statistics.median(others) * p.modelled / p.measured - 1)
+    return errors
+
+
+def table(pts: list[Point]) -> list[str]:
+    nope = {(p.head_dim, p.kernel): p for p in pts if p.prior == "uniform"}
+    lines = ["| prior | D | kernel | modelled | measured | measured / modelled | vs NoPE, modelled | "
+             "vs NoPE, measured | LOO error |", "|" + "---|" * 9]
+    for p, err in zip(pts, leave_one_out(pts)):
+        base = nope.get((p.head_dim, p.kernel))
+        rel = (f"{p.modelled / base.modelled:.2f}x | {p.measured / base.measured:.2f}x" if base
+               else "- | -")
+        lines.append(f"| {p.prior} | {p.head_dim} | {p.kernel} | {p.modelled:.0f} | "
+                     f"{p.measured:.0f} | {p.measured / p.modelled:.2f} | {rel} | "
+                     f"{'-' if err is None else f'{err * 100:+.0f}%'} |")
+    errors = [abs(e) for e in leave_one_out(pts) if e is not None]
+    if errors:
+        lines.append(f"\nwithin 15% (leave one out): {sum(e <= 0.15 for e in errors)} of {len(errors)}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="JSON files of benchmarks/gpu.py --kernels")
+    ap.add_argument("--ghz", type=float, default=1.98, help="SM clock (default: an H100/H200's max)")
+    ap.add_argument("--sms", type=int, default=132, help="multiprocessors (default: H100/H200)")
+    ap.add_argument("--arch", default="sm_90", choices=["sm_90", "sm_80"])
+    ap.add_argument("--pairs", metavar="PATH", help="also write the points as JSON")
+    ap.add_argument("--append", metavar="PATH", help="also append the table to this markdown "
+                                                      "report (what make gpu-check does)")
+    args = ap.parse_args(argv)
+    runs = []
+    for path in args.runs:
+        try:
+            runs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as err:
+            ap.error(f"{path}: not a benchmarks/gpu.py JSON ({err})")
+    pts = points(runs, args.ghz, args.sms, args.arch)
+    if not pts:
+        print("no kernel times in these runs: run benchmarks/gpu.py with --kernels")
+        return 1
+    lines = table(pts)
+    print("\n".join(lines))
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n## The throughput model against these kernels (benchmarks/model_check.py)\n\n"
+                    + "\n".join(lines) + "\n")
+    if args.pairs:
+        Path(args.pairs).write_text(json.dumps([asdict(p) for p in pts], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

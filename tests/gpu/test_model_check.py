@@ -1,0 +1,59 @@
+"""benchmarks/model_check.py: a gpu.py --kernels run's kernel times beside the throughput
+model's prediction for the same kernels, with leave-one-out errors; no GPU needed (the model
+compiles ahead of time)."""
+import json
+
+from tests.helpers import ROOT, load_script
+
+SCRIPT = ROOT / "benchmarks" / "model_check.py"
+
+
+def _run(N=4096, B=4, H=16, D=64, times=None):
+    """A gpu.py JSON as --kernels writes it: NoPE and ALiBi, forward and backward kernels."""
+    times = times or {"uniform": (800.0, 2600.0, 1100.0), "laplace": (900.0, 2700.0, 1800.0)}
+    kernels = {f"bamgen-{p}": {"fwd:_attn_fwd": {"us": f, "calls": 1.0},
+                               "bwd:_attn_fwd": {"us": f, "calls": 1.0},
+                               "bwd:_attn_bwd_dkdv": {"us": kv, "calls": 1.0},
+                               "bwd:_attn_bwd_dq": {"us": q, "calls": 1.0},
+                               "bwd:some_elementwise": {"us": 5.0, "calls": 2.0}}
+               for p, (f, kv, q) in times.items()}
+    return {"env": {"device": "NVIDIA H200"}, "args": {"dtype": "bf16"},
+            "results": [{"N": N, "B": B, "H": H, "D": D, "peers": {}, "kernels": kernels}]}
+
+
+def test_measured_cycles_follow_the_run_and_the_model_compiles(tmp_path, capsys):
+    check = load_script(SCRIPT, "model_check")
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_run()))
+    pairs = tmp_path / "pairs.json"
+    report = tmp_path / "report.md"
+    report.write_text("# a gpu-check report\n")
+    assert check.main([str(run), "--ghz", "2.0", "--sms", "100", "--pairs", str(pairs),
+                       "--append", str(report)]) == 0
+    out = capsys.readouterr().out
+    text = report.read_text()
+    assert text.startswith("# a gpu-check report\n") and "## The throughput model against" in text
+    assert out.strip().splitlines()[0] in text
+    points = json.loads(pairs.read_text())
+    assert [(p["prior"], p["kernel"]) for p in points] == [
+        (p, k) for p in ("uniform", "laplace") for k in ("fwd", "dkdv", "dq")]
+    scores = 4 * 16 * 4096 ** 2 / 2
+    fwd = points[0]
+    assert abs(fwd["measured"] - 800e-6 * 2.0e9 * 100 / (scores / 1000)) < 1e-9
+    assert all(p["modelled"] > 0 for p in points)
+    # two priors: each point's leave-one-out factor is the other prior's
+    uniform_fwd, laplace_fwd = points[0], points[3]
+    want = (laplace_fwd["measured"] / laplace_fwd["modelled"]) * uniform_fwd["modelled"] / uniform_fwd["measured"] - 1
+    assert f"| uniform | 64 | fwd | {uniform_fwd['modelled']:.0f} |" in out
+    assert f"{want * 100:+.0f}% |" in out.splitlines()[2], out
+    assert "within 15% (leave one out):" in out
+
+
+def test_a_run_without_kernel_times_says_what_to_do(tmp_path, capsys):
+    check = load_script(SCRIPT, "model_check")
+    run = _run()
+    del run["results"][0]["kernels"]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert check.main([str(path)]) == 1
+    assert "run benchmarks/gpu.py with --kernels" in capsys.readouterr().out
