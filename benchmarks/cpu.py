@@ -452,14 +452,7 @@ def field_benchmark(args) -> None:
             for t in leaves:
                 t.grad = None
 
-        for call in calls.values():   # warm-up
-            step(call)
-        samples = {key: [] for key in calls}
-        for _ in range(args.reps):
-            for key, call in calls.items():
-                gc.collect()
-                samples[key].append(_time(lambda: step(call)))
-        t = {key: statistics.median(ts) for key, ts in samples.items()}
+        t = alternating_medians(calls, step, args.reps)
         ggd = t[("generalized_gaussian", "bamgen")]
         print(f"| {n} | ggd | {_ms(ggd)} | - | - | 1.00 | - |", flush=True)
         for name in FIELD:
@@ -468,6 +461,19 @@ def field_benchmark(args) -> None:
                 diff = (calls[(name, "bamgen")]() - calls[(name, "bias")]()).abs().max().item()
             print(f"| {n} | {name} | {_ms(ours)} | {_ms(bias)} | {_ratio(bias, ours)} | "
                   f"{_ratio(ours, ggd)} | {diff:.1e} |", flush=True)
+
+
+def alternating_medians(calls: dict, step, reps: int) -> dict:
+    """{key: median seconds of step(call)}: one warm-up call each, then `reps` rounds in which
+    every call takes its turn (garbage collected before each), as the other tables here."""
+    for call in calls.values():
+        step(call)
+    samples = {key: [] for key in calls}
+    for _ in range(reps):
+        for key, call in calls.items():
+            gc.collect()
+            samples[key].append(_time(lambda: step(call)))
+    return {key: statistics.median(ts) for key, ts in samples.items()}
 
 
 # positions as tensors (--positions): the Forgetting Transformer three ways
@@ -515,19 +521,60 @@ def positions_benchmark(args) -> None:
             for t in leaves:
                 t.grad = None
 
-        for call in calls.values():   # warm-up
-            step(call)
-        samples = {key: [] for key in calls}
-        for _ in range(args.reps):
-            for key, call in calls.items():
-                gc.collect()
-                samples[key].append(_time(lambda: step(call)))
-        t = {key: statistics.median(ts) for key, ts in samples.items()}
+        t = alternating_medians(calls, step, args.reps)
         with torch.no_grad():
             diff = (positions() - materialised()).abs().max().item()
         print(f"| {n} | {_ms(t['positions'])} | {_ms(t['materialised'])} | {_ms(t['offsets'])} | "
               f"{_ratio(t['materialised'], t['positions'])} | {_ratio(t['positions'], t['offsets'])} "
               f"| {diff:.1e} |", flush=True)
+
+
+    integer_positions_benchmark(args, ns)
+
+
+def integer_positions_benchmark(args, ns) -> None:
+    """GGD over randomized integer positions (sorted random integers from a range 4x the
+    length, Ruoss et al.), forward + backward with the parameters' gradients: the CPU path's
+    distance table read at d = i - j, against the same call evaluating the prior per score (the
+    table switched off) and against GGD on token offsets."""
+    from bamgen.runtime.cpu import backward as cpu_backward, forward as cpu_forward
+    ggd = _load_generated("generalized_gaussian", args.module_dir)
+    heads, dim = args.heads, args.dim
+    print(f"\nInteger positions: GGD, H={heads} D={dim} B=1 causal fp32, fwd+bwd ms, median of "
+          f"{args.reps} alternating repeats\n")
+    print("| N | table at d = i - j | per score | offsets | per score / table | table / offsets "
+          "| max abs diff (table, per score) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    real = cpu_forward.position_tables, cpu_backward.position_tables
+    for n in ns:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, heads, n, dim, generator=g).requires_grad_() for _ in range(4))
+        pos = torch.sort(torch.randperm(4 * n, generator=g)[:n]).values[None]
+        params = {name: t.requires_grad_() for name, t in ggd.default_params(heads).items()}
+
+        def table_off(off):
+            value = (lambda *a: None) if off else None
+            cpu_forward.position_tables = value or real[0]
+            cpu_backward.position_tables = value or real[1]
+
+        def step(call):
+            call().backward(dout)
+            for t in (q, k, v, *params.values()):
+                t.grad = None
+
+        calls = {
+            "table": lambda: (table_off(False), ggd.attention(q, k, v, **params, causal=True, pos_q=pos, pos_k=pos))[1],
+            "per score": lambda: (table_off(True), ggd.attention(q, k, v, **params, causal=True, pos_q=pos, pos_k=pos))[1],
+            "offsets": lambda: (table_off(False), ggd.attention(q, k, v, **params, causal=True))[1]}
+        try:
+            t = alternating_medians(calls, step, args.reps)
+            with torch.no_grad():   # the two ways compute the same attention
+                diff = (calls["table"]() - calls["per score"]()).abs().max().item()
+        finally:
+            table_off(False)
+        print(f"| {n} | {_ms(t['table'])} | {_ms(t['per score'])} | {_ms(t['offsets'])} | "
+              f"{_ratio(t['per score'], t['table'])} | {_ratio(t['table'], t['offsets'])} | "
+              f"{diff:.1e} |", flush=True)
 
 
 def main(argv=None) -> int:

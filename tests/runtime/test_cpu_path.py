@@ -301,10 +301,12 @@ def test_quick_field_benchmark_runs_and_its_peers_agree():
 
 
 def test_quick_positions_benchmark_runs_and_its_peers_agree():
-    """FoX over position tensors against FoX materialised: the same attention (the last column)."""
+    """FoX over position tensors against FoX materialised, and GGD over integer positions read
+    from the distance table against the same evaluated per score: each pair the same attention
+    (the last column)."""
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu.py"), "--positions", "--quick"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| 64 |")]
-    assert len(rows) == 1, res.stdout
-    assert float(rows[0][-2]) < 1e-4, res.stdout
+    assert len(rows) == 2 and "Integer positions: GGD" in res.stdout, res.stdout
+    assert all(float(row[-2]) < 1e-4 for row in rows), res.stdout

@@ -360,3 +360,62 @@ def test_packed_documents_with_steep_gates_keep_finite_gradients(backend):
     for got, want in zip(run(True), run(False)):
         assert bool(torch.isfinite(got).all())
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name,causal,per_head", [
+    ("generalized_gaussian", True, False), ("laplace", False, True), ("t5", True, True),
+    ("kerple_log", True, False)])
+def test_integer_positions_read_the_distance_table_on_the_cpu(name, causal, per_head, monkeypatch):
+    """Randomized positions (sorted random integers from a range 3x the length, Ruoss et al.)
+    through a prior in d alone: the CPU path reads the float64 distance table at d = i - j
+    (docs/positions.md, "Integer positions") and gives what evaluating the prior per score
+    gives, output and every gradient (the parameters' through the table's derivative slots)."""
+    from bamgen.runtime.cpu import backward as cpu_backward, forward as cpu_forward, hooks
+    module = importlib.import_module(f"generated.{name}")
+    g = torch.Generator().manual_seed(17)
+    B, H, Hk, N, D = 2, 4, 2, 37, 16
+    q, dout = (torch.randn(B, H, N, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, Hk, N, D, generator=g) for _ in range(2))
+    shape = (B, H) if per_head else (B,)
+    pos = torch.sort(torch.randperm(3 * N, generator=g)[:N]).values.expand(*shape, N).contiguous()
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    key_mask[1, :5] = False
+    params = module.default_params(H)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        p = {n: t.clone().requires_grad_() for n, t in params.items()}
+        out = module.attention(*leaves, **p, causal=causal, pos_q=pos, pos_k=pos,
+                               key_mask=key_mask, backend="torch")
+        return [out, *torch.autograd.grad(out, leaves + list(p.values()), dout)]
+
+    used = []
+    real = hooks.position_tables
+
+    def counting(*args):
+        tables = real(*args)
+        used.append(tables is not None)
+        return tables
+    for mod in (cpu_forward, cpu_backward):
+        monkeypatch.setattr(mod, "position_tables", counting)
+    table = run()
+    assert used == [True, True], used            # the forward's table, the backward's
+    for mod in (cpu_forward, cpu_backward):
+        monkeypatch.setattr(mod, "position_tables", lambda *args: None)
+    per_score = run()
+    for i, (a, b) in enumerate(zip(table, per_score)):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=lambda m: f"output {i}: {m}")
+
+
+def test_float_or_far_apart_positions_keep_the_per_score_path():
+    from bamgen.runtime.cpu.hooks import POSITION_TABLE_SPAN, position_tables
+    theta = torch.ones(2, 3)
+    near = torch.arange(10.0).reshape(1, 1, 10, 1).expand(1, 2, 10, 1)
+    assert position_tables(GGD._prior, theta, (near, near), False, True) is not None
+    assert position_tables(GGD._prior, theta, (near + 0.5, near), False, True) is None
+    far = near * (2 * POSITION_TABLE_SPAN + 1)
+    assert position_tables(GGD._prior, theta, (far, far), False, True) is None
+    grid = ALIBI_2D.TRAITS   # several channels: per score
+    assert grid.channels == 2
+    two = near.expand(1, 2, 10, 2)
+    assert position_tables(ALIBI_2D._prior, torch.ones(2, 1), (two, two), False, True) is None

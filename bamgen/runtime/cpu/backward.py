@@ -12,9 +12,9 @@ from .forward import forward_call
 from . import common
 from .common import (
     call_parts, doc_groups, gather_items, hide_padding, inputs_finite, key_limit, masks_nothing,
-    param_columns, positions, quiet_dead_rows, row_terms, table_tile, tensor_positions, tile_entries,
-    work_items)
-from .hooks import distance_tables, generic_tables, logit_grads, table_logit, table_logit_grads
+    param_columns, positions, quiet_dead_rows, row_terms, table_tile, tensor_positions, work_items)
+from .hooks import (distance_tables, entries_at, generic_tables, logit_grads, position_tables,
+                    table_logit, table_logit_grads)
 
 
 def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted=True,
@@ -133,8 +133,8 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
     pos_k, in float64 tiles (a FoX row's dS sums to 0 against a derivative of 1)."""
     B, Hq, Nq, D = q.shape
     cdt = acc_dtype(q)   # the compute dtype
-    tables = None if pos is not None else generic_tables(prior, theta, Nq, k.shape[2], q_offset,
-                                                         k_offset, causal, True, shifted)
+    tables = position_tables(prior, theta, pos, True, shifted) if pos is not None else \
+        generic_tables(prior, theta, Nq, k.shape[2], q_offset, k_offset, causal, True, shifted)
     counts = row_key_counts(prior, q.shape[0], Nq, k.shape[2], q_offset, k_offset, causal, q.device, n, key_mask)
     Hk, Nk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -205,7 +205,7 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
                     _logit, dlogit_ds, *dlogit_dparams = logit_grads(prior, s, pos_d, pos_i, pos_j, pos_n, prm)
                     logit = prior.torch.logit(s, pos_d, pos_i, pos_j, pos_n, prm)
                 else:
-                    tab_v, *tabs = tile_entries(tables, h0, h1, G, Nq, i0, i1, j0, j1)
+                    tab_v, *tabs = entries_at(tables, h0, h1, G, Nq, i0, i1, j0, j1, pos_d)
                     _logit, dlogit_ds, *dlogit_dparams = table_logit_grads(prior, s, tab_v, tabs, pos_d, pos_i,
                                                                            pos_j, pos_n, prm)
                     logit = table_logit(prior, s, tab_v, pos_d, pos_i, pos_j, pos_n, prm)

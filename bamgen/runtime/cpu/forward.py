@@ -11,8 +11,8 @@ from ..tables import acc_dtype, row_key_counts
 from . import common
 from .common import (
     call_parts, doc_groups, empty_stats, hide_padding, inputs_finite, key_limit, masks_nothing,
-    param_columns, positions, run_items, table_tile, tensor_positions, tile_entries, work_items)
-from .hooks import distance_tables, generic_tables, table_logit
+    param_columns, positions, run_items, table_tile, tensor_positions, work_items)
+from .hooks import distance_tables, entries_at, generic_tables, position_tables, table_logit
 
 
 def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted=True, n=None,
@@ -112,8 +112,9 @@ def forward_generic(prior, q, k, v, theta, causal, scale, q_offset, k_offset, sh
     Returns (out [B, Hq, Nq, D] float32, statistics [B, Hq, Nq, 2])."""
     B, Hq, Nq, D = q.shape
     cdt = acc_dtype(q)   # the compute dtype
-    tables = None if pos is not None else generic_tables(prior, theta, Nq, k.shape[2], q_offset,
-                                                         k_offset, causal, False, shifted)
+    # the distance tables: of the positions where they are integers, of the offsets otherwise
+    tables = position_tables(prior, theta, pos, False, shifted) if pos is not None else \
+        generic_tables(prior, theta, Nq, k.shape[2], q_offset, k_offset, causal, False, shifted)
     counts = row_key_counts(prior, q.shape[0], Nq, k.shape[2], q_offset, k_offset, causal, q.device, n, key_mask)
     Hk, Nk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -149,7 +150,7 @@ def forward_generic(prior, q, k, v, theta, causal, scale, q_offset, k_offset, sh
                 if tables is None:
                     logit = prior.torch.logit(s, pos_d, pos_i, pos_j, pos_n, prm)
                 else:
-                    tab_v, = tile_entries(tables, h0, h1, G, Nq, i0, i1, j0, j1)
+                    tab_v, = entries_at(tables, h0, h1, G, Nq, i0, i1, j0, j1, pos_d)
                     logit = table_logit(prior, s, tab_v, pos_d, pos_i, pos_j, pos_n, prm)
                 z = torch.mul(logit, LOG2E, out=s)
                 if visible is not None:

@@ -8,6 +8,7 @@ import torch
 
 from ..constants import FLOAT32_MAX, TABLE_PAD
 from ..tables import distance_span, prior_tables
+from .common import tile_entries
 
 
 def logit_grads(prior, s, pos_d, pos_i, pos_j, pos_n, prm):
@@ -21,9 +22,11 @@ def logit_grads(prior, s, pos_d, pos_i, pos_j, pos_n, prm):
 
 
 def table_logit(prior, s, tab_v, pos_d, pos_i, pos_j, pos_n, prm):
-    """The logit with the log-prior read from the distance table (tab_v), for a score other than
-    s + log_prior. A log-prior of -inf hides its key whatever the score makes of it (as the
-    Triton kernels)."""
+    """The logit with the log-prior read from the distance table (tab_v): s + tab_v for a prior
+    whose score is s + log_prior, else the printed hook. A log-prior of -inf hides its key
+    whatever the score makes of it (as the Triton kernels)."""
+    if prior.torch.table_logit is None:   # (score s + log_prior: integer positions' tables)
+        return s + tab_v
     return torch.where(tab_v == -math.inf, -math.inf,
                        prior.torch.table_logit(s, tab_v, pos_d, pos_i, pos_j, pos_n, prm))
 
@@ -33,6 +36,8 @@ def table_logit_grads(prior, s, tab_v, tabs, pos_d, pos_i, pos_j, pos_n, prm):
     derivatives read from the distance table (tab_v; tabs[k] for traits.table_grads[k]). (The
     logit here is not the one P is rebuilt from: the backward takes table_logit's, with its -inf
     rule, and leaves this one unused.)"""
+    if prior.torch.table_logit_grads is None:   # score s + log_prior
+        return (s + tab_v, 1.0, *tabs)
     outputs = prior.torch.table_logit_grads(s, tab_v, tabs, pos_d, pos_i, pos_j, pos_n, prm)
     return (*outputs[:2], *(torch.clamp(torch.as_tensor(g), -FLOAT32_MAX, FLOAT32_MAX)
                             for g in outputs[2:]))
@@ -71,3 +76,59 @@ def distance_tables(prior, theta, Nq, Nk, q_offset, k_offset, causal, grads, shi
         by_name = dict(zip(prior.traits.table_grads, by_slot))
         dtables = [by_name.get(label, zero) for label in prior.traits.grad_labels]
     return table, dtables
+
+
+# Integer positions (docs/positions.md, "Integer positions"): a span of distances up to this many
+# times the call's Nq + Nk takes a table; a wider one (positions far apart) is evaluated per score.
+POSITION_TABLE_SPAN = 8
+
+
+class PositionTables:
+    """The distance tables of a call whose positions are integers: the float64 tables the same
+    prior gives token positions (prior_tables), over the distances the positions span, read per
+    score at d = pos_i - pos_j instead of at a tile's offsets (entries[k] [Hq, L], entry m
+    holding d = dmax - m)."""
+
+    def __init__(self, entries, dmax):
+        self.entries, self.dmax = entries, dmax
+
+    def at(self, h0, h1, G, pos_d):
+        """The entries of query heads h0 * G .. h1 * G at a tile's distances pos_d
+        [h1 - h0, G, rows, keys]: one tensor of that shape per table."""
+        rows = (h1 - h0) * G
+        index = (self.dmax - pos_d).to(torch.int64).expand(h1 - h0, G, *pos_d.shape[2:])
+        index = index.reshape(rows, -1)
+        return [torch.gather(t[h0 * G:h1 * G], 1, index).view(index.shape[0] // G, G, *pos_d.shape[2:])
+                for t in self.entries]
+
+
+def position_tables(prior, theta, pos, grads, shifted):
+    """PositionTables for a call's position tensors pos (pos_q, pos_k [B, Hq, N, 1]), or None
+    where they do not apply: a prior that reads i, j or n, several channels, positions that are
+    not all integers, or distances spanning more than POSITION_TABLE_SPAN * (Nq + Nk)."""
+    traits = prior.traits
+    if (not traits.distance_table or pos[0].shape[-1] != 1
+            or len(traits.table_grads) != traits.num_grads):
+        return None
+    pos_q, pos_k = pos
+    if pos_q.numel() == 0 or pos_k.numel() == 0:
+        return None
+    if not all(bool((p == p.round()).all()) for p in pos):   # (NaN and inf fail it too)
+        return None
+    top = int(pos_q.max() - pos_k.min())
+    bottom = int(pos_q.min() - pos_k.max())
+    if top - bottom + 1 > POSITION_TABLE_SPAN * (pos_q.shape[2] + pos_k.shape[2]):
+        return None
+    tables, d_top = prior_tables(prior, theta, bottom, top, False, grads, shifted)
+    width = top - bottom + 1
+    entries = [tables[:, slot, TABLE_PAD:TABLE_PAD + width].contiguous()
+               for slot in range(tables.shape[1])]
+    return PositionTables(entries, d_top - TABLE_PAD)
+
+
+def entries_at(tables, h0, h1, G, Nq, i0, i1, j0, j1, pos_d):
+    """A tile's table entries: by its distances pos_d from PositionTables, else by its offsets
+    (tile_entries)."""
+    if isinstance(tables, PositionTables):
+        return tables.at(h0, h1, G, pos_d)
+    return tile_entries(tables, h0, h1, G, Nq, i0, i1, j0, j1)
