@@ -480,3 +480,17 @@ def test_every_family_trains_and_generates_each_prompt_as_alone(family):
             alone = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
                                    pad_token_id=PAD, use_cache=cache)
             assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), (family, cache, row)
+
+
+def test_the_trainer_tutorial_script_runs(tmp_path):
+    """examples/hf_trainer.py (docs/huggingface.md's second tutorial): a shared prior through
+    Trainer with packed documents and torch.compile, saved, loaded back and generating."""
+    import subprocess
+    import sys
+    from tests.helpers import ROOT
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--steps", "2",
+                          "--compile-backend", "aot_eager", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "trained 2 steps" in res.stdout and "generated: [[" in res.stdout, res.stdout
+    assert (tmp_path / "model.safetensors").exists()
