@@ -25,7 +25,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
+if __name__ == "__main__":   # the AOT compile needs the compiler's kernels, not the interpreter's
+    os.environ.pop("TRITON_INTERPRET", None)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
