@@ -24,13 +24,11 @@ class PaddingLayout:
     ``attention_mask``.
 
     ``key_mask`` is None or bool [B, kv_length]; the offsets are ints (no padding) or int64
-    tensors [B]; ``query_end`` is the cache slot after the last query (for the sliding-window
-    check).
+    tensors [B].
     """
     key_mask: torch.Tensor | None
     q_offset: int | torch.Tensor
     k_offset: int | torch.Tensor
-    query_end: int
 
     # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
     # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
@@ -53,19 +51,19 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     kv_start = int(kv_offset)
     query_end = q_start + q_length
     if attention_mask is None:
-        return PaddingLayout(None, q_start, kv_start, query_end)
+        return PaddingLayout(None, q_start, kv_start)
     tokens = _token_mask(attention_mask, batch_size, kv_start + kv_length)
     key_mask = tokens[:, kv_start:kv_start + kv_length]
     pad = _left_padding(tokens)
     if torch.compiler.is_compiling():
         # no branch on the data in a compiled graph: the general layout (per-row offsets and
         # the key mask), right with or without padding
-        return PaddingLayout(key_mask, q_start - pad, kv_start - pad, query_end)
+        return PaddingLayout(key_mask, q_start - pad, kv_start - pad)
     if not bool(pad.any()):
         if bool(key_mask[:, :min(kv_length, max(query_end - kv_start, 0))].all()):
             key_mask = None   # no padding among the keys any query can see: the plain kernels
-        return PaddingLayout(key_mask, q_start, kv_start, query_end)
-    return PaddingLayout(key_mask, q_start - pad, kv_start - pad, query_end)
+        return PaddingLayout(key_mask, q_start, kv_start)
+    return PaddingLayout(key_mask, q_start - pad, kv_start - pad)
 
 
 def _token_mask(attention_mask: torch.Tensor, batch_size: int, slots: int) -> torch.Tensor:

@@ -25,10 +25,8 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import inspect
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -37,6 +35,8 @@ from types import ModuleType
 import torch
 
 from .hf_layout import PaddingLayout, padding_layout
+from .hf_variants import (LayerExtras, call_extras, layer_extras, prior_source,
+                          variant_module)
 
 ATTN_IMPLEMENTATION = "bamgen"
 PRIOR_ATTR = "bamgen_prior"
@@ -97,17 +97,12 @@ def prior_record(module: ModuleType) -> dict:
     """How config.bamgen names ``module`` so that another process can load it again: a
     shipped prior by name, else the prior file's text (from bamgen.load's cache), else the
     module's import name (a module built into the user's own package)."""
-    from ..resources import shipped_prior
-    info = module.PRIOR
-    record = {"strategy": info["strategy"]}
-    shipped = shipped_prior(info["name"])
-    if shipped is not None and hashlib.sha256(shipped.read_bytes()).hexdigest() == info["source_hash"]:
-        return {"prior": info["name"], **record}
-    manifest = Path(getattr(module, "__file__", "") or ".").parent / "build.json"
-    if manifest.is_file():
-        built = json.loads(manifest.read_text(encoding="utf-8"))
-        return {"prior_source": built["source"], "prior_source_name": built["source_name"],
-                **record}
+    record = {"strategy": module.PRIOR["strategy"]}
+    found = prior_source(module)
+    if found is not None and found.shipped is not None:
+        return {"prior": found.shipped, **record}
+    if found is not None:
+        return {"prior_source": found.text, "prior_source_name": found.file_name, **record}
     return {"prior_module": module.__name__, **record}
 
 
@@ -152,9 +147,10 @@ def register() -> None:
 
 
 def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     sliding_window=None, **kwargs):
+                     sliding_window=None, softcap=None, **kwargs):
     """HF's attention call, through the layer's prior: q [B, Hq, Nq, D], k/v [B, Hk, Nk, D]
-    (the cache's slots); returns ([B, Nq, Hq, D], None) as HF's attention functions do."""
+    (the cache's slots); returns ([B, Nq, Hq, D], None) as HF's attention functions do. A
+    sliding window or softcap runs as the prior derived with it (bamgen/integrations/hf_variants.py)."""
     prior = getattr(module, PRIOR_ATTR, None)
     if prior is None:
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the layer's prior: "
@@ -169,16 +165,45 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if dropout:
         raise ValueError(f"attention_dropout={dropout}: bamgen's attention has no dropout; "
                          f"set config.attention_dropout = 0.0")
-    if sliding_window is not None and layout.query_end > sliding_window:
-        raise ValueError(
-            f"sliding_window={sliding_window}: the sequence ({layout.query_end} tokens) is longer "
-            f"than the model's sliding window, which bamgen's attention does not apply; set "
-            f"config.sliding_window = None, or use a prior that is -oo beyond the window")
     packed = _packed_documents(layout, query, key, kwargs) or (None, None)
-    out = prior(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling,
+    call = dict(causal=getattr(module, "is_causal", True), scale=scaling,
                 q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
                 cu_seqlens_q=packed[0], cu_seqlens_k=packed[1])
+    extras = call_extras(sliding_window, softcap)
+    if extras.plain:
+        out = prior(query, key, value, **call)
+    else:
+        out = prior.forward_with(_variant(module, prior, extras), query, key, value, **call)
     return out.transpose(1, 2).contiguous(), None
+
+
+# (the layer prior's class, the extras) -> the derived prior (bamgen.runtime Prior), filled by
+# apply_prior for every layer's extras, so that a compiled forward only reads it
+_VARIANTS: dict[tuple[type, LayerExtras], object] = {}
+
+
+def _variant(attention, prior, extras: LayerExtras):
+    """The derived prior that runs ``prior`` with ``extras``: built by apply_prior, or here on
+    an eager call whose extras the layer did not show at install time."""
+    key = (type(prior), extras)
+    found = _VARIANTS.get(key)
+    if found is None:
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{extras.describe()}: this layer did not show it to apply_prior, "
+                             f"so its prior is not built; run the model once before compiling")
+        family = getattr(getattr(attention, "config", None), "model_type", type(attention).__name__)
+        found = _prepare_variant(type(prior), extras, family)
+    return found
+
+
+def _prepare_variant(cls: type, extras: LayerExtras, family: str):
+    """Build (once) and record the derived prior of the prior class ``cls`` with ``extras``."""
+    import sys
+    key = (cls, extras)
+    if key not in _VARIANTS:
+        derived = variant_module(sys.modules[cls.__module__], extras, family)
+        _VARIANTS[key] = getattr(derived, derived.PRIOR["class_name"])._bamgen_prior
+    return _VARIANTS[key]
 
 
 def _packed_documents(layout: PaddingLayout, query, key, kwargs) -> tuple | None:
@@ -261,6 +286,10 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     config = model.config
     cls = getattr(module, module.PRIOR["class_name"])
     layers = _attention_layers(model)
+    family = getattr(config, "model_type", type(model).__name__)
+    for extras in dict.fromkeys(layer_extras(attention, config) for attention in layers):
+        if not extras.plain:   # before any change to the model: a refusal leaves it as it was
+            _prepare_variant(cls, extras, family)
 
     def build(attention):
         # Built on a real device even inside HF's meta-device loading context (the module checks
@@ -334,11 +363,6 @@ def _check_model(model, rope: str) -> None:
     if not _attention_layers(model):
         raise ValueError(f"model type {family!r}: no attention layer dispatches through "
                          f"transformers' ALL_ATTENTION_FUNCTIONS, so bamgen cannot replace it")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(f"model type {family!r}: attention logit softcapping "
-                         f"(config.attn_logit_softcapping = {softcap}) is not applied by bamgen's "
-                         f"attention; set it to None to train without it")
     if rope == "remove" and not _rotary_modules(model):
         raise ValueError(f"model type {family!r}: rope='remove' found no rotary embedding (a "
                          f"module with an inv_freq buffer) to remove; its positions come from "

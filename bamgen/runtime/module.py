@@ -54,7 +54,20 @@ class PriorAttention(torch.nn.Module):
     def forward(self, q, k, v, *, causal=True, scale=None, q_offset=0, k_offset=0, key_mask=None,
                 cu_seqlens_q=None, cu_seqlens_k=None, backend="auto", pos_q=None, pos_k=None):
         """attention() with this module's prior parameters; the arguments are attention()'s."""
-        prior = self._bamgen_prior
+        return self.forward_with(self._bamgen_prior, q, k, v, causal=causal, scale=scale,
+                                 q_offset=q_offset, k_offset=k_offset, key_mask=key_mask,
+                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 backend=backend, pos_q=pos_q, pos_k=pos_k)
+
+    def forward_with(self, prior, q, k, v, *, causal=True, scale=None, q_offset=0, k_offset=0,
+                     key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, backend="auto",
+                     pos_q=None, pos_k=None):
+        """forward() under another compiled prior (a generated module's ``_prior``) that declares
+        the same parameters as this module's: the parameters stay this module's. The Hugging Face
+        integration runs a layer's sliding window or logit softcap this way, as a prior derived
+        from the user's (docs/huggingface.md, "Sliding windows and softcaps")."""
+        if prior is not self._bamgen_prior and not torch.compiler.is_compiling():
+            _check_same_params(prior, self._bamgen_prior)
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
             raise ValueError(f"q has {q.shape[1]} heads but this module was built with "
                              f"num_heads={self.num_heads}")
@@ -84,3 +97,13 @@ def _stored_shape(param, block):
     if param.size is None:
         return block[:, 0]
     return block if param.per_head else block[0]
+
+
+def _check_same_params(prior, own) -> None:
+    """forward_with's prior must read this module's parameters as its own prior does."""
+    if prior.traits.params != own.traits.params:
+        raise ValueError(f"prior: {prior.traits.name!r} declares the parameters "
+                         f"{', '.join(prior.traits.param_names) or 'none'}, this module's prior "
+                         f"{own.traits.name!r} declares "
+                         f"{', '.join(own.traits.param_names) or 'none'} (with their domains and "
+                         f"shapes); forward_with needs the same parameters")

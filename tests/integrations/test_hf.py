@@ -192,22 +192,88 @@ def test_other_families_decode_with_a_cache_as_without(family):
     torch.testing.assert_close(step, full[:, 5:], **CLOSE)
 
 
-def test_a_sequence_beyond_the_sliding_window_is_refused():
-    torch.manual_seed(6)
-    model = apply_prior(MistralForCausalLM(MistralConfig(**TINY, sliding_window=4)).eval(), ggd)
-    model(torch.tensor([[1, 2, 3, 4]]))
-    with pytest.raises(ValueError, match="sliding_window=4"):
-        model(torch.tensor([[1, 2, 3, 4, 5]]))
+def test_a_window_and_a_softcap_change_the_familys_own_attention():
+    """The configs below make both bite (the family-wide tests would pass vacuously if a
+    window of 4 or a softcap of 1.0 changed nothing at 11 tokens)."""
+    ids = torch.randint(1, 100, (1, 11), generator=torch.Generator().manual_seed(1))
+    for family, off in (("mistral", dict(sliding_window=None)),
+                        ("gemma2", dict(attn_logit_softcapping=None)),
+                        ("gemma2", dict(sliding_window=64))):
+        with_it, without = family_model(family)(ids).logits, family_model(family, **off)(ids).logits
+        assert (with_it - without).abs().max() > 1e-3, (family, off)
+
+
+def test_a_windowed_layer_runs_a_prior_that_is_minus_infinity_beyond_the_window():
+    """Gemma 2's local layers run the prior with their window and softcap written in, its global
+    layers the prior with the softcap alone; both read the layer's own parameters."""
+    from bamgen.integrations.hf_variants import LayerExtras, layer_extras
+    model = apply_prior(family_model("gemma2"), ggd)
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert [layer_extras(a, model.config) for a in layers] == [LayerExtras(4, 1.0), LayerExtras(None, 1.0)]
+    local = transformers_variant(layers[0])
+    assert local.traits.window and local.traits.params == ggd._prior.traits.params
+    q, k, v = (torch.randn(1, 4, 9, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    got = layers[0].bamgen_prior.forward_with(local, q, k, v)
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) / 4.0
+    d = torch.arange(9)[:, None] - torch.arange(9)[None, :]
+    values = {n: t.double()[:, None, None] for n, t in layers[0].bamgen_prior.prior_params().items()}
+    prior = -((d - values["mu"]).abs() / values["alpha"]) ** values["beta"]
+    logits = (torch.tanh(scores) + prior).masked_fill((d < 0) | (d >= 4), -torch.inf)
+    want = torch.softmax(logits, -1) @ v.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def transformers_variant(attention):
+    from bamgen.integrations.hf_variants import layer_extras
+    from bamgen.integrations.transformers import _VARIANTS
+    prior = attention.bamgen_prior
+    return _VARIANTS[(type(prior), layer_extras(attention, attention.config))]
+
+
+def test_derived_priors_keep_the_users_formulas():
+    """The prior file a window and a softcap derive: the score's s (not ssmax's or sinh's) is
+    capped, a density prior is 0 beyond the window, and the parameters are the user's."""
+    import yaml
+    from bamgen.integrations.hf_variants import LayerExtras, derived_source
+    from bamgen.resources import shipped_prior
+    ssmax = yaml.safe_load(derived_source(shipped_prior("bam_ssmax").read_text(), LayerExtras(8, 30.0)))
+    assert ssmax["name"] == "bam_ssmax_window8_softcap30"
+    assert ssmax["score"] == "((30.0*tanh(s/30.0)) + log_prior) * ssmax * log(n)"
+    assert ssmax["log_prior"].startswith("Piecewise((-oo, Abs(d) >= 8), ((-exp(ta) * (Abs(j - i - 2*sinh(tm))")
+    density = "name: wide\ndensity: exp(-(d/b)**2)\nparams:\n  b: {init: 4.0, domain: positive}\n"
+    derived = yaml.safe_load(derived_source(density, LayerExtras(3, None)))
+    assert derived["density"] == "Piecewise((0, Abs(d) >= 3), ((exp(-(d/b)**2)), True))"
+    assert derived["params"] == yaml.safe_load(density)["params"] and "score" not in derived
+
+
+def test_a_prior_without_its_file_is_refused_for_a_windowed_family(tmp_path, monkeypatch):
+    """A module built into the user's own package carries no prior file to derive the window's
+    prior from: named, with the fix, before anything changes."""
+    import importlib
+    import sys
+    from click.testing import CliRunner
+    from bamgen.cli import main
+    (tmp_path / "slopes.yaml").write_text("name: slopes\nlog_prior: -Abs(d) / b\n"
+                                          "params:\n  b: {init: 2.0, domain: positive}\n")
+    res = CliRunner().invoke(main, ["build", str(tmp_path / "slopes.yaml"), "-o", str(tmp_path / "pkg")])
+    assert res.exit_code == 0, res.output
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    module = importlib.import_module("slopes")
+    try:
+        model = family_model("mistral")
+        with pytest.raises(ValueError, match=r"model type 'mistral': its attention's "
+                                             r"sliding_window=4 .* pass the prior's file"):
+            apply_prior(model, module)
+        assert model.config._attn_implementation == "eager" and not hasattr(model.config, "bamgen")
+        apply_prior(family_model("mistral", sliding_window=None), module)   # no window: it runs
+    finally:
+        sys.modules.pop("slopes", None)
 
 
 def test_unsupported_model_and_bad_arguments_are_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="model type 'gpt2': rope='remove' found no rotary embedding"):
         apply_prior(gpt2, ggd)
-    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**TINY, head_dim=16))
-    with pytest.raises(ValueError, match=r"model type 'gemma2': attention logit softcapping "
-                                         r"\(config.attn_logit_softcapping = 50.0\)"):
-        apply_prior(gemma2, ggd)
     llama = LlamaForCausalLM(LlamaConfig(**TINY))
     with pytest.raises(ValueError, match="rope: expected one of"):
         apply_prior(llama, ggd, rope="none")
@@ -421,27 +487,31 @@ def test_a_shared_prior_is_one_set_of_parameters_whose_gradient_sums_the_layers(
 
 # Every decoder family whose attention goes through ALL_ATTENTION_FUNCTIONS in the pinned
 # transformers, found from the model (bamgen/integrations/transformers.py keeps no list):
-# (config class, model class, config extras, rope). Gemma 2 without its logit softcap (which
-# bamgen refuses rather than drop); GPT-2's positions are absolute embeddings, kept.
+# (config class, model class, config extras, rope). Sliding windows of 4 tokens (Mistral for
+# every layer, Qwen 2 and Gemma 2/3 for their local layers) and Gemma 2's logit softcap at 1.0
+# over scores that reach it (weights drawn 10x the default's scale), so that both bite at the
+# tests' lengths; GPT-2's positions are absolute embeddings, kept.
 EVERY_FAMILY = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "remove"),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None), "remove"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "remove"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4), "remove"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(sliding_window=4, use_sliding_window=True, max_window_layers=1), "remove"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), "remove"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "remove"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               dict(head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None), "remove"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16), "remove"),
+               dict(head_dim=16, sliding_window=4, attn_logit_softcapping=1.0,
+                    final_logit_softcapping=None, initializer_range=0.2), "remove"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=4), "remove"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(eos_token_id=1, bos_token_id=1), "remove"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(eos_token_id=1, bos_token_id=1), "remove"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(attn_pdrop=0.0), "keep"),
 }
 
 
-def family_model(family, seed=0, attn="eager"):
+def family_model(family, seed=0, attn="eager", **changes):
     config, model, extra, _ = EVERY_FAMILY[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, config)(**TINY, **extra)
+    cfg = getattr(transformers, config)(**TINY, **{**extra, **changes})
     cfg._attn_implementation = attn
     return getattr(transformers, model)(cfg).eval()
 
@@ -449,7 +519,7 @@ def family_model(family, seed=0, attn="eager"):
 @pytest.mark.parametrize("family", list(EVERY_FAMILY))
 def test_a_zero_prior_equals_the_familys_own_attention(family):
     """NoPE as the prior, RoPE kept: bamgen's attention must give the family's eager attention
-    exactly (its scaling, GQA, partial rotary, sliding-window layers within their window)."""
+    exactly (its scaling, GQA, partial rotary, sliding windows, softcap), padded rows included."""
     own = family_model(family)
     ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -480,6 +550,36 @@ def test_every_family_trains_and_generates_each_prompt_as_alone(family):
             alone = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
                                    pad_token_id=PAD, use_cache=cache)
             assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), (family, cache, row)
+
+
+def test_a_shared_prior_serves_local_and_global_layers_and_compiles(tmp_path):
+    """Gemma 2 with one shared prior: its local layers (window and softcap) and global layers
+    (softcap) read the same parameters, which every layer's gradient reaches; the model has
+    no graph break and its fullgraph training step equals eager; save and reload keep it."""
+    import torch._dynamo as dynamo
+    model = apply_prior(family_model("gemma2", seed=3), ggd, shared=True).train()
+    eager = apply_prior(family_model("gemma2", seed=3), ggd, shared=True).train()
+    ids = torch.randint(1, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    dynamo.reset()
+    explained = dynamo.explain(lambda **kw: model(**kw).loss)(**batch)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    dynamo.reset()
+    step = torch.compile(lambda **kw: model(**kw).loss, backend="aot_eager", fullgraph=True)
+    got, want = step(**batch), eager(**batch).loss
+    torch.testing.assert_close(got, want, **CLOSE)
+    got.backward()
+    want.backward()
+    for (name, a), b in zip(model.model.bamgen_prior.named_parameters(),
+                            eager.model.bamgen_prior.parameters()):
+        assert torch.isfinite(a.grad).all() and (a.grad != 0).any(), name
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+    model.eval().save_pretrained(tmp_path)
+    back = from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(back(ids, attention_mask=mask).logits,
+                               model(ids, attention_mask=mask).logits, rtol=0, atol=0)
 
 
 def test_the_trainer_tutorial_script_runs(tmp_path):
