@@ -14,6 +14,12 @@ FP32, issue and load/store cycles per 1000 scores; dQ counts every launch of a p
 several groups of learnable scalars. LOO: each point predicted from the median
 measured/modelled ratio of the other priors' same kernel and head dim, so a term the model
 lacks shows as that point's error. `--pairs` writes the points as JSON for the next fit.
+
+The fit (`fit_units`): the model's bound is the largest of its units, as if they overlapped
+perfectly; the fitted model is a sum, cycles = sum of w_u x (unit u's cycles), with one
+non-negative weight per unit for every kernel, fitted to relative error (non-negative least
+squares). Its LOO refits without the point. Compile with the Triton the GPU ran (the AOT
+compile uses the Triton imported here): another version's kernels are other kernels.
 """
 from __future__ import annotations
 
@@ -49,6 +55,10 @@ class Point:
     modelled: float
     measured: float
     device: str
+    units: tuple[tuple[str, float], ...] = ()   # each unit's modelled cycles per 1000 scores
+
+
+UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")
 
 
 def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float]]:
@@ -69,7 +79,7 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
 
 
 def modelled(prior: str, head_dim: int, arch: str, dtype: str, cache: dict) -> dict:
-    """{kernel: modelled cycles per 1000 scores} of a prior's kernels (compiled once)."""
+    """{kernel: {unit: modelled cycles per 1000 scores}} of a prior's kernels (compiled once)."""
     key = (prior, head_dim, arch, dtype)
     if key not in cache:
         from bamgen.aot import compile_module, loop_model
@@ -84,8 +94,9 @@ def modelled(prior: str, head_dim: int, arch: str, dtype: str, cache: dict) -> d
         for k in compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, layout=layout,
                                 only=tuple(wanted)):
             model = loop_model(k.main_loop, arch, k.num_warps)
-            cost = max(model["cycles"].values()) * 1000 / (k.block[0] * k.block[1])
-            cycles[wanted[k.name]] = cost * (dq_launches(module) if k.name == "attn_bwd_dq" else 1)
+            scale = 1000 / (k.block[0] * k.block[1]) * (
+                dq_launches(module) if k.name == "attn_bwd_dq" else 1)
+            cycles[wanted[k.name]] = {u: c * scale for u, c in model["cycles"].items()}
         cache[key] = cycles
     return cache[key]
 
@@ -95,9 +106,45 @@ def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
     for run in runs:
         dtype = DTYPES.get(run["args"].get("dtype", "bf16"), "bf16")
         for prior, head_dim, kernel, cycles in measured_points(run, ghz, sms):
-            model = modelled(prior, head_dim, arch, dtype, cache)
-            out.append(Point(prior, head_dim, kernel, model[kernel], cycles, run["env"]["device"]))
+            units = modelled(prior, head_dim, arch, dtype, cache)[kernel]
+            out.append(Point(prior, head_dim, kernel, max(units.values()), cycles,
+                             run["env"]["device"], tuple(sorted(units.items()))))
     return out
+
+
+def _nnls(a, b):
+    """min |a x - b| with x >= 0 (a small active-set solver: drop the most negative weight and
+    solve again), float64 torch tensors."""
+    import torch
+    active = list(range(a.shape[1]))
+    while active:
+        x = torch.linalg.lstsq(a[:, active], b[:, None]).solution[:, 0]
+        if (x >= 0).all():
+            full = torch.zeros(a.shape[1], dtype=a.dtype)
+            full[active] = x
+            return full
+        del active[int(torch.argmin(x))]
+    return torch.zeros(a.shape[1], dtype=a.dtype)
+
+
+def fit_units(pts: list[Point], units=UNITS) -> dict[str, float]:
+    """The weights of the fitted model (see the module's docstring), to relative error."""
+    import torch
+    a = torch.tensor([[dict(p.units)[u] / p.measured for u in units] for p in pts],
+                     dtype=torch.float64)
+    x = _nnls(a, torch.ones(len(pts), dtype=torch.float64))
+    return {u: float(w) for u, w in zip(units, x)}
+
+
+def fitted(p: Point, weights: dict[str, float]) -> float:
+    return sum(w * dict(p.units)[u] for u, w in weights.items())
+
+
+def leave_one_out_fit(pts: list[Point]) -> list[float | None]:
+    """Each point's relative error under the fit of the other points."""
+    if len(pts) <= len(UNITS):
+        return [None] * len(pts)
+    return [fitted(p, fit_units([q for q in pts if q is not p])) / p.measured - 1 for p in pts]
 
 
 def leave_one_out(pts: list[Point]) -> list[float | None]:
@@ -113,19 +160,30 @@ def leave_one_out(pts: list[Point]) -> list[float | None]:
 
 def table(pts: list[Point]) -> list[str]:
     nope = {(p.head_dim, p.kernel): p for p in pts if p.prior == "uniform"}
+    weights = fit_units(pts) if len(pts) > len(UNITS) else None
     lines = ["| prior | D | kernel | modelled | measured | measured / modelled | vs NoPE, modelled | "
-             "vs NoPE, measured | LOO error |", "|" + "---|" * 9]
-    for p, err in zip(pts, leave_one_out(pts)):
+             "vs NoPE, measured | LOO error | fitted | LOO error, fitted |", "|" + "---|" * 11]
+    loo, loo_fit = leave_one_out(pts), leave_one_out_fit(pts)
+    for p, err, err_fit in zip(pts, loo, loo_fit):
         base = nope.get((p.head_dim, p.kernel))
         rel = (f"{p.modelled / base.modelled:.2f}x | {p.measured / base.measured:.2f}x" if base
                else "- | -")
         lines.append(f"| {p.prior} | {p.head_dim} | {p.kernel} | {p.modelled:.0f} | "
-                     f"{p.measured:.0f} | {p.measured / p.modelled:.2f} | {rel} | "
-                     f"{'-' if err is None else f'{err * 100:+.0f}%'} |")
-    errors = [abs(e) for e in leave_one_out(pts) if e is not None]
-    if errors:
-        lines.append(f"\nwithin 15% (leave one out): {sum(e <= 0.15 for e in errors)} of {len(errors)}")
+                     f"{p.measured:.0f} | {p.measured / p.modelled:.2f} | {rel} | {_pct(err)} | "
+                     f"{'-' if weights is None else f'{fitted(p, weights):.0f}'} | {_pct(err_fit)} |")
+    for name, errs in (("one factor per kernel and head dim", loo), ("the fitted sum of units", loo_fit)):
+        errors = [abs(e) for e in errs if e is not None]
+        if errors:
+            lines.append(f"\nwithin 15% (leave one out, {name}): "
+                         f"{sum(e <= 0.15 for e in errors)} of {len(errors)}")
+    if weights:
+        lines.append("\nfitted weights (cycles per modelled cycle): "
+                     + ", ".join(f"{u} {w:.2f}" for u, w in weights.items()))
     return lines
+
+
+def _pct(err: float | None) -> str:
+    return "-" if err is None else f"{err * 100:+.0f}%"
 
 
 def main(argv=None) -> int:

@@ -52,7 +52,8 @@ def test_measured_cycles_follow_the_run_and_the_model_compiles(tmp_path):
     want = (laplace_fwd["measured"] / laplace_fwd["modelled"]) * uniform_fwd["modelled"] / uniform_fwd["measured"] - 1
     assert f"| uniform | 64 | fwd | {uniform_fwd['modelled']:.0f} |" in out
     assert f"{want * 100:+.0f}% |" in out.splitlines()[2], out
-    assert "within 15% (leave one out):" in out
+    assert "within 15% (leave one out, one factor per kernel and head dim):" in out
+    assert all(p["units"] and max(u for _, u in p["units"]) == p["modelled"] for p in points)
 
 
 def test_a_run_without_kernel_times_says_what_to_do(tmp_path, capsys):
@@ -64,3 +65,28 @@ def test_a_run_without_kernel_times_says_what_to_do(tmp_path, capsys):
     path.write_text(json.dumps(run))
     assert check.main([str(path)]) == 1
     assert "run benchmarks/gpu.py with --kernels" in capsys.readouterr().out
+
+
+def test_the_fitted_sum_of_units_recovers_known_weights_and_reports_its_loo():
+    """Kernels timed at 1.5 x tensor + 0.8 x issue cycles (and one 20% off): the fit finds those
+    weights (no negative one for the units that do not matter), its LOO is exact but for the
+    point off the law, and the table carries both columns."""
+    check = load_script(SCRIPT, "model_check")
+    rng = [(120, 30, 40, 300, 90), (250, 60, 50, 410, 160), (90, 90, 120, 250, 60),
+           (300, 20, 80, 700, 300), (180, 50, 60, 520, 100), (60, 10, 30, 200, 40),
+           (400, 100, 90, 350, 250), (140, 40, 70, 610, 130)]
+    pts = []
+    for n, (tensor, mufu, fp32, issue, lsu) in enumerate(rng):
+        units = dict(tensor=tensor, mufu=mufu, fp32=fp32, issue=issue, lsu=lsu)
+        measured = (1.5 * tensor + 0.8 * issue) * (1.2 if n == 3 else 1.0)
+        pts.append(check.Point(f"p{n}", 64, "fwd", max(units.values()), measured, "H200",
+                               tuple(sorted(units.items()))))
+    clean = [p for n, p in enumerate(pts) if n != 3]
+    weights = check.fit_units(clean)
+    assert abs(weights["tensor"] - 1.5) < 1e-9 and abs(weights["issue"] - 0.8) < 1e-9, weights
+    assert all(abs(w) < 1e-9 for u, w in weights.items() if u not in ("tensor", "issue")), weights
+    assert all(w >= 0 for w in check.fit_units(pts).values())
+    errors = check.leave_one_out_fit(pts)
+    assert abs(errors[3]) > 0.1 and sorted(abs(e) for e in errors)[3] < 0.1
+    lines = check.table(pts)
+    assert "LOO error, fitted" in lines[0] and any("fitted weights" in line for line in lines)
