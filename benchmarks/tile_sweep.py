@@ -24,16 +24,20 @@ KERNEL_NAMES = {"fwd": "attn_fwd", "bwd_dkdv": "attn_bwd_dkdv", "bwd_dq": "attn_
                 "decode": "attn_decode"}
 
 
-def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple) -> dict:
-    """Compile `kernel` of `module` with `config` for `arch`; its resources and model."""
+def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple,
+                layout: str = "plain") -> dict:
+    """Compile `kernel` of `module` (its `layout`'s kernels: bamgen inspect --layout) with
+    `config` for `arch`; its resources and model."""
     from bamgen import aot
     from bamgen.runtime.triton.tiles import TILES
-    table = TILES[module.TRAITS.tile_kind][arch]
+    positional = layout in ("positions", "positions_packed")
+    traits = module.POSITIONAL_TRAITS if positional else module.TRAITS
+    table = TILES[traits.tile_kind][arch]
     bucket = min(b for b in table if b >= head_dim)
     saved = table[bucket][kernel]
     table[bucket][kernel] = [config]
     try:
-        (k,) = aot.compile_module(module, arch=arch, head_dim=head_dim,
+        (k,) = aot.compile_module(module, arch=arch, head_dim=head_dim, layout=layout,
                                   only=(KERNEL_NAMES[kernel],))
     finally:
         table[bucket][kernel] = saved
@@ -52,6 +56,9 @@ def main(argv=None) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--configs", nargs="+", required=True, help="BLOCK_M,BLOCK_N,warps,stages")
     parser.add_argument("--priors", nargs="+", default=None, help="default: every shipped prior")
+    parser.add_argument("--layout", default="plain",
+                        choices=["plain", "padded", "packed", "positions", "positions_packed"],
+                        help="which kernels (bamgen inspect --layout): positions = pos_q/pos_k's")
     args = parser.parse_args(argv)
     from bamgen.driver.loader import load_prior
     from bamgen.resources import shipped_priors
@@ -59,14 +66,14 @@ def main(argv=None) -> None:
     names = args.priors or sorted(paths)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
     print(f"| prior | config | regs | stack | shared | tensor | mufu | fp32 | issue | lsu |  "
-          f"({args.arch}, {args.kernel}, head dim {args.head_dim}; cycles per 1000 "
+          f"({args.arch}, {args.kernel}, {args.layout}, head dim {args.head_dim}; cycles per 1000 "
           f"{'keys' if args.kernel == 'decode' else 'scores'})")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         module = load_prior(paths[name])
         for config in configs:
             try:
-                r = compile_one(module, args.kernel, args.arch, args.head_dim, config)
+                r = compile_one(module, args.kernel, args.arch, args.head_dim, config, args.layout)
             except Exception as exc:     # a config the compiler rejects (shared memory, ...)
                 print(f"| {name} | {config} | failed: {str(exc).splitlines()[0][:80]} |")
                 continue

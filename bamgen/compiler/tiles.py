@@ -8,9 +8,11 @@ the main loop computes per score:
 * ``dist``: a table prior whose dQ kernel sums dS per distance (T5);
 * ``heavy``: many scalars, read from memory per score (FIRE);
 * ``general``: a printed expression per score, or a score other than s + log_prior (SSMax);
-* ``positions_light`` and ``positions``: the positional plan (position tensors,
-  docs/positions.md), whose kernels also load each tile's positions and keep the positions'
-  gradient terms: a bias of a few operations and no learnable parameter (FoX's d), or more.
+* ``positions_light``, ``positions``, ``positions_vectors`` and ``positions_heavy``: the
+  positional plan (position tensors, docs/positions.md), whose kernels also load each tile's
+  positions and keep the positions' gradient terms: a bias of a few operations and no
+  learnable parameter (FoX's d), more, scalars read from memory (T5's buckets), or those with
+  a long position derivative (FIRE's MLP, whose derivative is the MLP's backward per score).
 """
 from __future__ import annotations
 
@@ -21,13 +23,18 @@ from .lower import KernelPlan
 # learnable parameters takes the light tiles (FoX: 3); a learnable one keeps two accumulators
 # per parameter in dQ beside the positions' three
 POSITIONS_LIGHT_COST = 6
+# ... and above which a prior of vectors read from memory takes the positions_heavy tiles: its
+# position derivative is a long computation per score (FIRE's MLP backward: 1251), where T5's
+# buckets (26) take positions_vectors, whose dK/dV tiles are twice the size
+POSITIONS_HEAVY_COST = 200
 
 
 def tile_kind(plan: KernelPlan) -> str:
     """Which tile table a prior's kernels use (see the module docstring)."""
     if plan.tensor_positions:
         if plan.vectors_in_memory:
-            return "heavy"
+            heavy = dict(plan.cost)["inline"] > POSITIONS_HEAVY_COST
+            return "positions_heavy" if heavy else "positions_vectors"
         light = not plan.learnable and dict(plan.cost)["inline"] <= POSITIONS_LIGHT_COST
         return "positions_light" if light else "positions"
     if not plan.score_is_identity:

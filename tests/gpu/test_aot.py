@@ -217,8 +217,9 @@ def test_aot_report_prints_every_kernel_with_a_key_loop():
 # Positions as tensors (docs/positions.md): each prior's positional kernels (`--layout
 # positions`: the pos_prior_* hooks, POSITIONS = 1; alibi_2d's two channels in its plain
 # layout). FoX and GGD (the most registers in dQ) at head dim 128 on sm_90 in every run; the
-# rest of the matrix in `make test-full`. FIRE is not in it: its positional dK/dV kernel spills
-# (docs/performance.md, "Positions as tensors").
+# rest of the matrix in `make test-full` (FIRE's on its own positions_heavy tiles, T5's on
+# positions_vectors). Sandwich is not in it: its positional kernels did not finish compiling in
+# 9 minutes for one architecture and head dim (docs/performance.md, "Positions as tensors").
 # With packed documents too (`--layout positions_packed`: VARLEN and key_mask beside the
 # positions, the masked tiles), in `make test-full`.
 POSITIONAL_EVERY_RUN = {("forget_gate", 128, "sm_90", "positions"),
@@ -227,7 +228,7 @@ POSITIONAL_MATRIX = [
     pytest.param(prior, arch, head_dim, layout, id=f"{prior.stem}-{head_dim}-{arch}-{layout}",
                  marks=[] if (prior.stem, head_dim, arch, layout) in POSITIONAL_EVERY_RUN
                  else [pytest.mark.aot_full])
-    for prior in PRIORS if prior.stem not in ("fire", "alibi_2d")
+    for prior in PRIORS if prior.stem not in ("alibi_2d", "sandwich")
     for head_dim in (64, 128) for arch in ("sm_80", "sm_90")
     for layout in ("positions", "positions_packed")]
 

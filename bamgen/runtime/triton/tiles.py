@@ -133,6 +133,44 @@ TILES = {
             256: _HEAD_256,
         },
     },
+    # T5's buckets over position tensors: the heavy kind's backward tiles; its forward tile
+    # 64x32 over 4 warps put 8-200 bytes on the stack (sm_90 at head dim 128, sm_80 at both),
+    # so 8 warps there on sm_90 and 32x32 on sm_80. Swept with `python benchmarks/tile_sweep.py
+    # --layout positions --kernel fwd --priors t5 t5_bidirectional`.
+    "positions_vectors": {
+        "sm_90": {
+            64: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            128: {"fwd": [(64, 32, 8, 2)], "bwd_dkdv": [(32, 16, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(32, 32, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            128: {"fwd": [(32, 32, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            256: _HEAD_256,
+        },
+    },
+    # FIRE over position tensors: the heavy kind, whose dK/dV kernel also runs the MLP's
+    # backward per score for the positions' gradient. Its 32-key tiles spill (sm_90, head dim
+    # 64: 3,904 bytes of stack at 32x32, 80 at 32x16); 16x16 is spill-free with 8 warps (4
+    # put 128 bytes on the stack on sm_90 at head dim 128, 40 on sm_80, and 72 with packed
+    # documents on sm_90 at 64); its dQ (the parameters' sums, 4 scalars a launch, beside the
+    # positions') at 16x16 takes 8 warps but on sm_80 at 64 (4 warps: 40-56 bytes). With packed
+    # documents on sm_90 at 128 the forward put 24 bytes on the stack at 64x32 (so 32x32) and
+    # the dQ kernel 32 with two stages (so one). Swept with
+    # `python benchmarks/tile_sweep.py --layout positions --kernel bwd_dkdv --priors fire`
+    # (and the other kernels, and --layout positions_packed).
+    "positions_heavy": {
+        "sm_90": {
+            64: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(16, 16, 8, 2)], "bwd_dq": [(16, 16, 8, 2)]},
+            128: {"fwd": [(32, 32, 4, 2)], "bwd_dkdv": [(16, 16, 8, 2)], "bwd_dq": [(16, 16, 8, 1)]},
+            256: _HEAD_256,
+        },
+        "sm_80": {
+            64: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(16, 16, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            128: {"fwd": [(32, 64, 4, 2)], "bwd_dkdv": [(16, 16, 8, 2)], "bwd_dq": [(16, 16, 8, 2)]},
+            256: _HEAD_256,
+        },
+    },
 }
 
 # The decode kernel (a generation step: 1-16 query rows, the keys split over programs). Its
@@ -149,7 +187,7 @@ for _families in TILES.values():
 
 # Learnable scalars one dQ launch sums, per kind (8 where not named): a launch per group
 # (launch.grad_groups), each with the registers of that many accumulators.
-GRAD_GROUPS = {"heavy": 4}
+GRAD_GROUPS = {"heavy": 4, "positions_vectors": 4, "positions_heavy": 4}
 
 # Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly.
 INTERPRET_TILES = {
