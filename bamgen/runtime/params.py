@@ -272,12 +272,28 @@ def from_domain(param: ParamTraits, value):
 
 def element_at(index, elements, where=torch.where):
     """w[index] for a vector's elements (the torch side of a printed gather, the Triton kernels'
-    is helpers._element): a chain of selects, w[0] below 1 (and for NaN), w[k] from k on, so an
-    index is clamped into [0, K - 1] (docs/priors.md, "Vectors")."""
+    is helpers._element): w[0] below 1 (and for NaN), w[k] from k on, so an index is clamped
+    into [0, K - 1] (docs/priors.md, "Vectors"). Tensors of one dtype take one gather (a table
+    of T5's 32 buckets is built in a few launches, not a hundred); anything else the chain of
+    selects, which is its definition (the same values: a selection, no arithmetic)."""
+    if (where is torch.where and len(elements) > 2 and isinstance(index, torch.Tensor)
+            and index.is_floating_point()
+            and all(isinstance(e, torch.Tensor) and e.dtype == elements[0].dtype for e in elements)):
+        return _gathered(index, elements)
     out = elements[0]
     for k in range(1, len(elements)):
         out = where(index >= float(k), elements[k], out)
     return out
+
+
+def _gathered(index, elements):
+    """element_at by one gather: the largest k <= index, clamped into [0, K - 1], NaN at 0."""
+    table = torch.stack(torch.broadcast_tensors(*elements), -1)            # [..., K]
+    k = torch.nan_to_num(index, nan=0.0, posinf=len(elements) - 1.0, neginf=0.0)
+    k = torch.floor(k).clamp(0, len(elements) - 1).to(torch.int64)
+    shape = torch.broadcast_shapes(k.shape, table.shape[:-1])
+    picked = torch.gather(table.expand(*shape, len(elements)), -1, k.expand(shape).unsqueeze(-1))
+    return picked.squeeze(-1)
 
 
 # An index's floor and ceiling (a vector's element, w[e]: docs/priors.md, "Vectors") snap a

@@ -55,24 +55,27 @@ def prior_tables(prior, theta, bottom, top, causal, with_grads, shifted=True):
     d_top = top + TABLE_PAD
     n_dist = top - bottom + 1 + 2 * TABLE_PAD
     pos_d = d_top - torch.arange(n_dist, device=theta.device, dtype=torch.float64)
-    prm = [theta[:, p].double().reshape(Hq, 1) for p in range(theta.shape[1])]
+    prm = list(theta.double().unsqueeze(2).unbind(1))   # [Hq, 1] each: one cast, then views
     entries = [torch.as_tensor(e, device=theta.device, dtype=torch.float64).expand(Hq, n_dist)
                for e in distance_prior(prior, pos_d, prm, with_grads)]
-    value, grads = entries[0], entries[1:]
+    # the derivatives as one [Hq, G, n_dist] block: each step below is one operation for all of
+    # them (T5's 32 buckets would otherwise take a hundred launches per call on a GPU)
+    value = entries[0]
+    grads = torch.stack(entries[1:], 1) if len(entries) > 1 else value.new_zeros(Hq, 0, n_dist)
     if shifted:
         lo, hi = (max(bottom, 0), top) if causal else (bottom, top)   # distances a query may see
         value, grads = shift_tables(value, grads, lo, hi, d_top)
-    slots = [value]
-    if with_grads:
-        live = value > -math.inf
-        for g in grads:
-            slots.append(torch.where(live, g, 0.0).clamp(-FLOAT32_MAX, FLOAT32_MAX))
-    return torch.stack(slots, 1).to(theta.dtype).contiguous(), d_top
+    if not with_grads:
+        return value.unsqueeze(1).to(theta.dtype).contiguous(), d_top
+    live = (value > -math.inf).unsqueeze(1)
+    grads = torch.where(live, grads, 0.0).clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    return torch.cat([value.unsqueeze(1), grads], 1).to(theta.dtype).contiguous(), d_top
 
 
 def shift_tables(value, grads, lo, hi, d_top):
     """f(d) - f(d*) and g(d) - g(d*) per head, where d* is the distance with the largest finite
-    log-prior f among those the call can see, [lo, hi] (float64).
+    log-prior f among those the call can see, [lo, hi] (float64; value [Hq, n_dist], grads the
+    derivatives [Hq, G, n_dist]).
 
     The softmax of a row is blind to a constant per head, so f(d) - f(d*) gives the same
     attention with small numbers where the call's queries look (1e6 rounds to a step of 0.06 in
@@ -90,11 +93,9 @@ def shift_tables(value, grads, lo, hi, d_top):
     # a NaN parameter keeps its NaN (a NaN shift), for the output to show it
     shift = torch.where(torch.isinf(shift), torch.zeros_like(shift), shift)
     shift = torch.where(torch.isnan(seen).any(1, keepdim=True), math.nan, shift)
-    shifted = []
-    for g in grads:
-        at_best = g[:, d_top - hi:d_top - lo + 1].gather(1, best)
-        shifted.append(g - torch.where(torch.isfinite(at_best), at_best, 0.0))
-    return value - shift, shifted
+    where = best.unsqueeze(1).expand(-1, grads.shape[1], -1)
+    at_best = grads[:, :, d_top - hi:d_top - lo + 1].gather(2, where)
+    return value - shift, grads - torch.where(torch.isfinite(at_best), at_best, 0.0)
 
 
 def row_key_counts(prior, B, Nq, Nk, q_offset, k_offset, causal, device, n=None, key_mask=None,

@@ -44,7 +44,7 @@ class DecodeTable:
         Hq = theta.shape[0]
         self.prior = prior
         self.size = 1 << max(4, (TORCH_DECODE_CHUNK // max(Hq, 1)).bit_length() - 1)
-        self.prm = [theta[:, p].detach().double().reshape(Hq, 1) for p in range(theta.shape[1])]
+        self.prm = list(theta.detach().double().unsqueeze(2).unbind(1))   # [Hq, 1] each
         self.heads = Hq
         # chunk -> (f(d) ascending [Hq, C] float64, the same with -inf for non-finite values,
         # whether it holds a NaN, whether it holds a -inf)
