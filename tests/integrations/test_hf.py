@@ -424,6 +424,36 @@ def test_a_model_with_a_prior_compiles_fullgraph_without_breaks_or_recompiles():
     assert frames[2:] == [frames[2]] * 5, frames   # compiled for the first length: no recompile
 
 
+
+@pytest.mark.full
+def test_a_model_with_a_prior_compiles_with_inductor_once_for_every_length():
+    """The same with inductor, the default backend (about a minute on 2 cores: make test-full):
+    padded batches at three lengths, one graph, loss and every prior gradient equal to eager."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    eager = tiny_llama(seed=9).train()
+    compiled_model = tiny_llama(seed=9).train()
+    dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(lambda **kw: compiled_model(**kw).loss, backend=counter, fullgraph=True,
+                         dynamic=True)
+    frames = []
+    for n in (12, 17, 23):
+        ids = torch.randint(1, 100, (2, n), generator=torch.Generator().manual_seed(n))
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        want = eager(**batch).loss
+        got = step(**batch)
+        frames.append(counter.frame_count)
+        torch.testing.assert_close(got, want, **CLOSE)
+        priors = [(name, p) for name, p in compiled_model.named_parameters() if "bamgen_prior" in name]
+        got_grads = torch.autograd.grad(got, [p for _, p in priors])
+        want_grads = torch.autograd.grad(want, [eager.get_parameter(name) for name, _ in priors])
+        for (name, _), a, b in zip(priors, got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n} {name}: {m}")
+    assert frames == [frames[0]] * 3, frames
+
 def test_trainer_three_steps_with_packed_documents(tmp_path):
     """transformers' Trainer (bamgen[hf] brings accelerate) on a model with a prior, batches
     from DataCollatorWithFlattening: three steps, a finite loss, and the prior's parameters
