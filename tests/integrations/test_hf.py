@@ -223,6 +223,26 @@ def test_a_windowed_layer_runs_a_prior_that_is_minus_infinity_beyond_the_window(
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_windowed_families_generate_alike_with_every_cache(family):
+    """Generation past the window (7 prompt tokens, 6 new, a window of 4) through the sliding
+    caches: no cache, the dynamic cache and the static one give the same tokens with a prior,
+    and with the zero prior (RoPE kept) the family's own eager attention's tokens."""
+    batch, mask = left_padded([[5, 6, 7, 8, 9, 10, 11], [11, 12, 13]])
+    caches = {"none": dict(use_cache=False), "dynamic": {}, "static": dict(cache_implementation="static")}
+
+    def generated(model, cache):
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                             pad_token_id=PAD, **caches[cache])
+        return out[:, batch.shape[1]:].tolist()
+    own = generated(family_model(family, seed=4), "static")
+    zero = apply_prior(family_model(family, seed=4), "uniform", rope="keep")
+    assert all(generated(zero, cache) == own for cache in caches), family
+    model = apply_prior(family_model(family, seed=4), ggd)
+    alone = generated(model, "none")
+    assert all(generated(model, cache) == alone for cache in ("dynamic", "static")), family
+
 def transformers_variant(attention):
     from bamgen.integrations.hf_variants import layer_extras
     from bamgen.integrations.transformers import _VARIANTS
