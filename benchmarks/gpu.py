@@ -23,6 +23,10 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       (ggd: learnable alpha, beta, mu), generated/laplace.py (ALiBi, learnable b),
                       generated/uniform.py (NoPE, no parameters). ``bamgen-<prior>-torch`` is the
                       same module on backend="torch" (default in --quick only).
+* ``bamgen-<prior>-inline``, ``bamgen-<prior>-table``  the prior built with that lowering
+                      strategy (bamgen.load(..., strategy=)): one kernel variant against another
+                      in the same run, where the model cannot decide (docs/performance.md);
+                      their outputs are held to the shipped build's.
 
 Ratios are of times, bamgen over the peer with the same prior (flex-<prior>; fa2-alibi for
 Laplace) and over sdpa: below 1 bamgen is faster. bamgen-uniform / sdpa is the cost of the
@@ -164,8 +168,15 @@ class Unavailable(Exception):
     """A peer that cannot run here; the message says why."""
 
 
-def load_module(prior: str):
-    return importlib.import_module(f"generated.{ALL_PRIORS[prior]}")
+STRATEGIES = ("inline", "table")
+
+
+def load_module(prior: str, strategy: str | None = None):
+    """The shipped build of ``prior``, or its build with another lowering strategy."""
+    if strategy is None:
+        return importlib.import_module(f"generated.{ALL_PRIORS[prior]}")
+    import bamgen
+    return bamgen.load(ALL_PRIORS[prior], strategy=strategy)
 
 
 def make_inputs(cfg: Config):
@@ -293,8 +304,11 @@ def flex_peer(prior: str, cfg, qkv, dout, learnable: bool = True) -> Peer:
                 backward=on_gpu, fallback=fallback)
 
 
-def bamgen_peer(prior: str, backend: str, cfg, qkv, dout) -> Peer:
-    module = load_module(prior)
+def bamgen_peer(prior: str, backend: str, cfg, qkv, dout, strategy: str | None = None) -> Peer:
+    try:
+        module = load_module(prior, strategy)
+    except ValueError as err:   # a strategy the prior cannot take (a SpecError saying why)
+        raise Unavailable(f"strategy {strategy}: {str(err).splitlines()[0]}") from None
     params = learnable_params(prior, cfg)
     if prior == "fox":   # the positions are the last input: gradients flow to them
         params["c"] = fox_positions(cfg)
@@ -306,7 +320,7 @@ def bamgen_peer(prior: str, backend: str, cfg, qkv, dout) -> Peer:
             c = kwargs.pop("c")
             kwargs.update(pos_q=c, pos_k=c)
         return module.attention(q, k, v, **kwargs, causal=True, backend=backend)
-    name = f"bamgen-{prior}" + ("-torch" if backend == "torch" else "")
+    name = f"bamgen-{prior}" + ("-torch" if backend == "torch" else "") + (f"-{strategy}" if strategy else "")
     return Peer(name, fn, list(qkv) + list(params.values()), dout)
 
 
@@ -322,7 +336,7 @@ def all_peers() -> list[str]:
     names = default_peers(True) + ["tutorial"]
     for prior in MORE_PRIORS:
         names += [f"flex-{prior}", f"bamgen-{prior}", f"bamgen-{prior}-torch"]
-    return names
+    return names + [f"bamgen-{prior}-{strategy}" for prior in ALL_PRIORS for strategy in STRATEGIES]
 
 
 def tutorial_peer(cfg, qkv, dout, path: str | None) -> Peer:
@@ -350,10 +364,12 @@ def make_peer(name: str, cfg, qkv, dout, tutorial: str | None = None) -> Peer:
         return fa2_peer(cfg, qkv, dout)
     if name == "tutorial":
         return tutorial_peer(cfg, qkv, dout, tutorial)
-    kind, prior, *backend = name.split("-")  # names from all_peers()
+    kind, prior, *variant = name.split("-")  # names from all_peers()
     if kind == "flex":
         return flex_peer(prior, cfg, qkv, dout)
-    return bamgen_peer(prior, backend[0] if backend else "triton", cfg, qkv, dout)
+    if variant and variant[0] in STRATEGIES:
+        return bamgen_peer(prior, "triton", cfg, qkv, dout, strategy=variant[0])
+    return bamgen_peer(prior, variant[0] if variant else "triton", cfg, qkv, dout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -482,6 +498,7 @@ def agreement(peers: list[Peer]) -> dict:
     refs = {f"bamgen-{p}": [f"flex-{p}"] for p in ALL_PRIORS}
     refs["bamgen-laplace"].append("fa2-alibi")
     refs["bamgen-uniform"] += ["sdpa", "tutorial"]
+    refs.update({f"bamgen-{p}-{s}": [f"bamgen-{p}"] for p in ALL_PRIORS for s in STRATEGIES})
     errors = {}
     for name in refs:
         if name not in by_name:

@@ -90,3 +90,15 @@ def test_the_field_priors_score_mods_compute_the_modules_functions():
     for check in ("bamgen-t5 vs flex-t5 fwd", "bamgen-fox vs flex-fox fwd",
                   "bamgen-fire-torch vs flex-fire fwd"):
         assert check in res.stdout, res.stdout
+
+
+def test_a_strategy_variant_runs_beside_the_shipped_build():
+    """bamgen-<prior>-<strategy>: the prior built with the other lowering, timed in the same run
+    as the shipped build and held to its output (issue: the model cannot decide every choice)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--n", "32", "--decode-n", "--peers",
+                          "bamgen-laplace", "bamgen-laplace-table"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "| 32 | 1 | 16 | bamgen-laplace-table |" in res.stdout, res.stdout
+    assert "bamgen-laplace-table vs bamgen-laplace fwd" in res.stdout, res.stdout
