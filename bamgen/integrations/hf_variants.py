@@ -10,6 +10,8 @@ window and the softcap written into it:
     log_prior: Piecewise((-oo, Abs(d) >= W), ((<the user's log_prior>), True))
     score:     <the user's score, s replaced by (cap*tanh(s/cap))>
 
+and n, the number of keys a query may attend to (BAM-SSMax's log n), becomes Min(n, W).
+
 It declares the same parameters, so the layer's prior module runs it with its own parameters
 (``PriorAttention.forward_with``): a shared prior stays one set of parameters across local and
 global layers, and save/reload is unchanged. The window is exact, so the GPU kernels skip the
@@ -115,22 +117,30 @@ def derived_source(text: str, extras: LayerExtras) -> str:
     spec = yaml.safe_load(text)
     if extras.sliding_window is not None:
         w = extras.sliding_window
+        # n, the keys a query may attend to, is at most the window's W
+        for field in ("log_prior", "density", "score"):
+            if field in spec:
+                spec[field] = _replace_name(str(spec[field]), "n", f"Min(n, {w})")
+        if isinstance(spec.get("let"), dict):
+            spec["let"] = {name: _replace_name(str(expr), "n", f"Min(n, {w})")
+                           for name, expr in spec["let"].items()}
         if "log_prior" in spec:
             spec["log_prior"] = f"Piecewise((-oo, Abs(d) >= {w}), (({spec['log_prior']}), True))"
         else:
             spec["density"] = f"Piecewise((0, Abs(d) >= {w}), (({spec['density']}), True))"
     if extras.softcap is not None:
         cap = repr(extras.softcap)
-        spec["score"] = _replace_s(str(spec.get("score", "s + log_prior")), f"({cap}*tanh(s/{cap}))")
+        spec["score"] = _replace_name(str(spec.get("score", "s + log_prior")), "s",
+                                      f"({cap}*tanh(s/{cap}))")
     spec["name"] = _variant_name(str(spec["name"]), extras)
     spec["description"] = f"{spec.get('description') or spec['name']} ({extras.describe()})"
     return yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
 
 
-def _replace_s(formula: str, replacement: str) -> str:
-    """``formula`` with every name ``s`` (the content score) replaced; names that contain the
-    letter (``ssmax``, ``sinh``) are other names and stay."""
-    return re.sub(r"(?<![\w.])s(?!\w)", replacement, formula)
+def _replace_name(formula: str, name: str, replacement: str) -> str:
+    """``formula`` with every use of the symbol ``name`` replaced (the content score s, the key
+    count n); names that contain the letter (``ssmax``, ``sinh``, ``n0``) are other names."""
+    return re.sub(rf"(?<![\w.]){re.escape(name)}(?!\w)", replacement, formula)
 
 
 def _variant_name(name: str, extras: LayerExtras) -> str:

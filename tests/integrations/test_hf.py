@@ -252,18 +252,40 @@ def transformers_variant(attention):
 
 def test_derived_priors_keep_the_users_formulas():
     """The prior file a window and a softcap derive: the score's s (not ssmax's or sinh's) is
-    capped, a density prior is 0 beyond the window, and the parameters are the user's."""
+    capped, n (the keys a query may attend to) is at most the window, a density prior is 0
+    beyond the window, and the parameters are the user's."""
     import yaml
     from bamgen.integrations.hf_variants import LayerExtras, derived_source
     from bamgen.resources import shipped_prior
     ssmax = yaml.safe_load(derived_source(shipped_prior("bam_ssmax").read_text(), LayerExtras(8, 30.0)))
     assert ssmax["name"] == "bam_ssmax_window8_softcap30"
-    assert ssmax["score"] == "((30.0*tanh(s/30.0)) + log_prior) * ssmax * log(n)"
+    assert ssmax["score"] == "((30.0*tanh(s/30.0)) + log_prior) * ssmax * log(Min(n, 8))"
     assert ssmax["log_prior"].startswith("Piecewise((-oo, Abs(d) >= 8), ((-exp(ta) * (Abs(j - i - 2*sinh(tm))")
     density = "name: wide\ndensity: exp(-(d/b)**2)\nparams:\n  b: {init: 4.0, domain: positive}\n"
     derived = yaml.safe_load(derived_source(density, LayerExtras(3, None)))
     assert derived["density"] == "Piecewise((0, Abs(d) >= 3), ((exp(-(d/b)**2)), True))"
     assert derived["params"] == yaml.safe_load(density)["params"] and "score" not in derived
+
+
+def test_a_windowed_ssmax_counts_the_keys_inside_the_window():
+    """BAM-SSMax's log n under a window of 4: n is the keys a query may attend to, min(i + 1, 4)
+    causally, checked against a float64 reference of the whole logit."""
+    from bamgen.integrations.hf_variants import LayerExtras
+    from bamgen.integrations.transformers import _prepare_variant
+    import bamgen.generated.bam_ssmax as ssmax
+    variant = _prepare_variant(ssmax.BamSsmaxAttention, LayerExtras(4, None), "test")
+    layer = ssmax.BamSsmaxAttention(2)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=torch.Generator().manual_seed(s)) for s in (4, 5, 6))
+    got = layer.forward_with(variant, q, k, v)
+    p = {n: t.double()[:, None, None] for n, t in layer.prior_params().items()}
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    d = i - j
+    log_prior = -torch.exp(p["ta"]) * ((j - i - 2 * torch.sinh(p["tm"])).abs() + 1e-5) ** p["tb"]
+    n = torch.clamp(i + 1, max=4).double()
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) / 4.0
+    logits = ((scores + log_prior) * p["ssmax"] * torch.log(n)).masked_fill((d < 0) | (d >= 4), -torch.inf)
+    want = torch.softmax(logits, -1) @ v.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_prior_without_its_file_is_refused_for_a_windowed_family(tmp_path, monkeypatch):
