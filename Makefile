@@ -16,9 +16,9 @@ demo: $(STAMP)
 	$(VENV)/bin/bamgen build --all -o generated
 	$(PY) examples/demo.py
 
-# The whole suite but the aot_full part of the AOT compile matrix (about 10 minutes on 2 cores);
-# test-full adds it (the other priors' compiles at head dim 64 and on sm_80, and their decode
-# kernels: about 5 more minutes).
+# The whole suite but the aot_full and full parts (about 19 minutes of tests on 2 cores);
+# test-full adds them (the rest of the AOT compile matrix, the positional one included, the
+# long forms of the training studies, inductor on an HF model: much longer).
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto -m "not aot_full and not full" tests
 
