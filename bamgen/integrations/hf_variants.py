@@ -53,7 +53,7 @@ def layer_extras(attention, config) -> LayerExtras:
     the layer as its forward reads them: its own ``sliding_window`` / ``attn_logit_softcapping``
     when it has them (Qwen 2/3, Gemma), else the config's window when its forward passes one
     (Mistral, Phi-3)."""
-    source = _forward_source(type(attention))
+    source = forward_source(type(attention))
     if "sliding_window" not in source:
         window = None
     elif hasattr(attention, "sliding_window"):
@@ -78,9 +78,12 @@ def _window(value) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_source(cls: type) -> str:
+def forward_source(cls: type) -> str:
+    """The source of the forward a class defines itself ("" when it defines none or its source
+    cannot be read): how the integration learns what a layer passes to attention."""
+    forward = cls.__dict__.get("forward")
     try:
-        return inspect.getsource(cls.forward)
+        return inspect.getsource(forward) if forward is not None else ""
     except (OSError, TypeError):
         return ""
 

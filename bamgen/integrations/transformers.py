@@ -24,10 +24,9 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
 """
 from __future__ import annotations
 
-import functools
 import importlib
-import inspect
 import os
+import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -35,7 +34,7 @@ from types import ModuleType
 import torch
 
 from .hf_layout import PaddingLayout, padding_layout
-from .hf_variants import (LayerExtras, call_extras, layer_extras, prior_source,
+from .hf_variants import (LayerExtras, call_extras, forward_source, layer_extras, prior_source,
                           variant_module)
 
 ATTN_IMPLEMENTATION = "bamgen"
@@ -198,7 +197,6 @@ def _variant(attention, prior, extras: LayerExtras):
 
 def _prepare_variant(cls: type, extras: LayerExtras, family: str):
     """Build (once) and record the derived prior of the prior class ``cls`` with ``extras``."""
-    import sys
     key = (cls, extras)
     if key not in _VARIANTS:
         derived = variant_module(sys.modules[cls.__module__], extras, family)
@@ -320,15 +318,8 @@ def _attention_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if _dispatches_attention(type(m))]
 
 
-@functools.lru_cache(maxsize=None)
 def _dispatches_attention(cls: type) -> bool:
-    forward = cls.__dict__.get("forward")
-    if forward is None or not cls.__module__.startswith("transformers."):
-        return False
-    try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
+    return cls.__module__.startswith("transformers.") and "ALL_ATTENTION_FUNCTIONS" in forward_source(cls)
 
 
 def _rotary_modules(model) -> list[tuple[torch.nn.Module, str, int]]:
