@@ -123,12 +123,14 @@ def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = Fal
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--head-dim", type=click.IntRange(1, 256), default=64, show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
-@click.option("--layout", type=click.Choice(["plain", "padded", "packed", "positions", "positions_packed"]),
+@click.option("--layout", type=click.Choice(["plain", "padded", "packed", "positions", "positions_packed",
+                                             "positions_table", "positions_table_packed"]),
               default="plain",
               show_default=True,
               help="The kernels' specialisation: no masks, key_mask with per-row offsets, or "
                    "packed documents (cu_seqlens) with key_mask, or position tensors (pos_q, pos_k), "
-                   "alone or with packed documents.")
+                   "alone or with packed documents; positions_table: integer positions read "
+                   "from a table prior's distance table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--save", "save_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write each kernel's cubin into this directory.")
@@ -150,6 +152,10 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
     from .driver.loader import import_module_file, load_prior
     with _reported(file):
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
+    if layout.startswith("positions_table") and getattr(module._prior, "position_table", None) is None:
+        _fail(f"--layout {layout}: the prior '{module.PRIOR['name']}' reads no distance table at "
+              f"integer positions (a table prior whose logit is s + log_prior(d) does); use "
+              f"--layout positions")
     with _reported(file, f"compiling for {arch}"):
         kernels = compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
                                  layout=layout, only=("attn_fwd", *kernels) if kernels else None)

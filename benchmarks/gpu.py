@@ -27,6 +27,11 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       strategy (bamgen.load(..., strategy=)): one kernel variant against another
                       in the same run, where the model cannot decide (docs/performance.md);
                       their outputs are held to the shipped build's.
+* ``flex-rpe``, ``bamgen-rpe``, ``bamgen-rpe-inline``  GGD over randomized integer positions
+                      (sorted random integers from [0, 4N), Ruoss et al.), passed as pos_q = pos_k:
+                      the shipped build reads its distance table at them (docs/positions.md,
+                      "Integer positions"), the inline build computes the prior per score, flex
+                      reads the positions in its score_mod.
 
 Ratios are of times, bamgen over the peer with the same prior (flex-<prior>; fa2-alibi for
 Laplace) and over sdpa: below 1 bamgen is faster. bamgen-uniform / sdpa is the cost of the
@@ -90,8 +95,11 @@ sys.path.insert(0, str(ROOT))
 
 PRIORS = {"ggd": "generalized_gaussian", "laplace": "laplace", "uniform": "uniform"}
 # run when named (--peers): BAM-SSMax, and the field's priors of docs/priors.md against flex with
-# the same score_mod; fox is forget_gate over per-head positions c (pos_q = pos_k = c)
-MORE_PRIORS = {"ssmax": "bam_ssmax", "t5": "t5", "fire": "fire", "fox": "forget_gate"}
+# the same score_mod; fox is forget_gate over per-head positions c (pos_q = pos_k = c); rpe is
+# GGD over randomized integer positions (Ruoss et al.: sorted random integers from [0, 4N)),
+# which the shipped build reads from its distance table and bamgen-rpe-inline computes per score
+MORE_PRIORS = {"ssmax": "bam_ssmax", "t5": "t5", "fire": "fire", "fox": "forget_gate",
+               "rpe": "generalized_gaussian"}
 ALL_PRIORS = {**PRIORS, **MORE_PRIORS}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GPU_NS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -202,6 +210,15 @@ def fox_positions(cfg: Config) -> torch.Tensor:
     return c.to(cfg.device).requires_grad_()
 
 
+def rpe_positions(cfg: Config) -> torch.Tensor:
+    """Randomized positions (Ruoss et al. 2023): per sequence, N sorted distinct integers drawn
+    from [0, 4N), [B, N] int64 (integers take no gradient)."""
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.sort(torch.randperm(4 * cfg.n, generator=g)[:cfg.n]).values
+            for _ in range(cfg.batch)]
+    return torch.stack(rows).to(cfg.device)
+
+
 def sdpa_peer(cfg, qkv, dout) -> Peer:
     return Peer("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                 list(qkv), dout)
@@ -229,11 +246,15 @@ def score_mod(prior: str, params: dict):
     if prior == "laplace":
         b = params["b"]
         return lambda score, bi, h, qi, kj: score - torch.abs((qi - kj).to(torch.float32)) / b[h]
-    if prior == "ggd":
+    if prior in ("ggd", "rpe"):
         alpha, beta, mu = params["alpha"], params["beta"], params["mu"]
+        pos = params.get("pos")   # rpe: the tokens' integer positions, [B, N]
 
         def ggd(score, bi, h, qi, kj):
-            d = (qi - kj).to(torch.float32)
+            if pos is None:
+                d = (qi - kj).to(torch.float32)
+            else:
+                d = (pos[bi, qi] - pos[bi, kj]).to(torch.float32)
             return score - torch.pow((torch.abs(d - mu[h]) + 1e-5) / alpha[h], beta[h])
         return ggd
     return FIELD_SCORE_MODS[prior](params)
@@ -285,6 +306,8 @@ def flex_peer(prior: str, cfg, qkv, dout, learnable: bool = True) -> Peer:
     if prior == "fox":
         params["c"] = fox_positions(cfg)
         params["c_keys"] = params["c"].detach().clone().requires_grad_()
+    if prior == "rpe":
+        params["pos"] = rpe_positions(cfg)
     if prior == "ssmax":
         raise Unavailable("no flex score_mod written for BAM-SSMax (its scale reads n)")
     if not learnable:
@@ -313,12 +336,15 @@ def bamgen_peer(prior: str, backend: str, cfg, qkv, dout, strategy: str | None =
     if prior == "fox":   # the positions are the last input: gradients flow to them
         params["c"] = fox_positions(cfg)
     names = list(params)
+    rpe = rpe_positions(cfg) if prior == "rpe" else None
 
     def fn(q, k, v, *values):
         kwargs = dict(zip(names, values))
         if prior == "fox":
             c = kwargs.pop("c")
             kwargs.update(pos_q=c, pos_k=c)
+        if rpe is not None:
+            kwargs.update(pos_q=rpe, pos_k=rpe)
         return module.attention(q, k, v, **kwargs, causal=True, backend=backend)
     name = f"bamgen-{prior}" + ("-torch" if backend == "torch" else "") + (f"-{strategy}" if strategy else "")
     return Peer(name, fn, list(qkv) + list(params.values()), dout)

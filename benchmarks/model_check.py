@@ -39,7 +39,9 @@ sys.path.insert(0, str(ROOT))
 # benchmarks/gpu.py's peer names -> (prior, AOT layout)
 PRIORS = {"uniform": ("uniform", "plain"), "laplace": ("laplace", "plain"),
           "ggd": ("generalized_gaussian", "plain"), "ssmax": ("bam_ssmax", "plain"),
-          "t5": ("t5", "plain"), "fire": ("fire", "plain"), "fox": ("forget_gate", "positions")}
+          "t5": ("t5", "plain"), "fire": ("fire", "plain"), "fox": ("forget_gate", "positions"),
+          "rpe": ("generalized_gaussian", "positions_table"),
+          "rpe-inline": ("generalized_gaussian", "positions")}
 # the profiler's kernel names -> (phase of gpu.py's kernel_times, AOT kernel name)
 KERNELS = {"fwd": ("fwd", "_attn_fwd", "attn_fwd"), "dkdv": ("bwd", "_attn_bwd_dkdv", "attn_bwd_dkdv"),
            "dq": ("bwd", "_attn_bwd_dq", "attn_bwd_dq")}

@@ -32,6 +32,8 @@ def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple,
     from bamgen.runtime.triton.tiles import TILES
     positional = layout in ("positions", "positions_packed")
     traits = module.POSITIONAL_TRAITS if positional else module.TRAITS
+    if layout.startswith("positions_table"):   # a table prior at integer positions
+        traits = module._prior.position_table.traits
     table = TILES[traits.tile_kind][arch]
     bucket = min(b for b in table if b >= head_dim)
     saved = table[bucket][kernel]
@@ -57,7 +59,8 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", nargs="+", required=True, help="BLOCK_M,BLOCK_N,warps,stages")
     parser.add_argument("--priors", nargs="+", default=None, help="default: every shipped prior")
     parser.add_argument("--layout", default="plain",
-                        choices=["plain", "padded", "packed", "positions", "positions_packed"],
+                        choices=["plain", "padded", "packed", "positions", "positions_packed",
+                                 "positions_table", "positions_table_packed"],
                         help="which kernels (bamgen inspect --layout): positions = pos_q/pos_k's")
     args = parser.parse_args(argv)
     from bamgen.driver.loader import load_prior

@@ -90,13 +90,16 @@ class PriorAttention(torch.autograd.Function):
 
 
 def positional_forward(prior, q, k, v, theta, pos, causal, scale, layout, use_triton,
-                       for_backward):
+                       for_backward, position_grads=True):
     """(out, then what the backend's backward needs) of a call with position tensors pos
-    (docs/positions.md; offsets 0, no decode step); layout: its key_mask and documents."""
+    (docs/positions.md; offsets 0, no decode step); layout: its key_mask and documents.
+    position_grads: whether a backward will want the positions' gradients (else the Triton
+    kernels may read a table prior at integer positions, launch.position_call)."""
     if use_triton:
         from .triton import launch
         return launch.forward(prior, q, k, v, theta, causal, scale, 0, 0,
-                              for_backward=for_backward, pos=pos, **layout.masks())
+                              for_backward=for_backward, pos=pos, position_grads=position_grads,
+                              **layout.masks())
     return cpu_forward.forward(prior, q, k, v, theta, causal, scale, 0, 0, pos=pos,
                                **layout.masks())
 
@@ -115,8 +118,9 @@ class PositionalAttention(torch.autograd.Function):
             return torch.zeros_like(q, memory_format=torch.contiguous_format)
         ctx.empty = False
         pos = (pos_q.detach(), pos_k.detach())
+        ctx.position_grads = any(ctx.needs_input_grad[5:7])
         out, *saved = positional_forward(prior, q, k, v, theta.detach(), pos, causal, scale,
-                                         layout, use_triton, True)
+                                         layout, use_triton, True, ctx.position_grads)
         ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, *saved)
         return out
 
@@ -132,7 +136,7 @@ class PositionalAttention(torch.autograd.Function):
             from .triton import launch
             dq, dk, dv, dparams, dpos_q, dpos_k = launch.backward(
                 prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,
-                pos=pos, **layout.masks())
+                pos=pos, position_grads=ctx.position_grads, **layout.masks())
         else:
             dq, dk, dv, dparams, dpos_q, dpos_k = cpu_backward.backward(
                 prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,

@@ -49,7 +49,7 @@ def attend(prior, q, k, v, theta, causal, scale, layout, backend, pos=None):
             if q.numel() == 0 or k.shape[2] == 0:
                 return torch.zeros_like(q, memory_format=torch.contiguous_format)
             return autograd.positional_forward(prior, q, k, v, theta, (pos.q, pos.k), causal,
-                                               scale, layout, use_triton, False)[0]
+                                               scale, layout, use_triton, False, False)[0]
         return autograd.PositionalAttention.apply(prior, q, k, v, theta, pos.q, pos.k, causal,
                                                   scale, layout, use_triton)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, theta)):

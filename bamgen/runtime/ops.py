@@ -199,12 +199,14 @@ def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backen
     use_triton = autograd.use_triton(q, backend)
     for_backward = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, theta, pos_q, pos_k))
+    # (no position gradient wanted: integer positions may read a table prior's distance table)
+    position_grads = for_backward and (pos_q.requires_grad or pos_k.requires_grad)
     return prior.ops.pfwd(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
-                          cu_seqlens_k, use_triton, for_backward, check)[0]
+                          cu_seqlens_k, use_triton, for_backward, check, position_grads)[0]
 
 
 def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
-             cu_seqlens_k, use_triton, for_backward, check):
+             cu_seqlens_k, use_triton, for_backward, check, position_grads):
     """(out, stats, extra) as _op_fwd's, of a call with position tensors."""
     layout = checks.layout(q, k, 0, 0, key_mask, cu_seqlens_q, cu_seqlens_k)
     if check:
@@ -212,9 +214,11 @@ def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_se
     if q.numel() == 0 or k.shape[2] == 0:
         return tuple(t.zero_() for t in _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale,
                                                       key_mask, cu_seqlens_q, cu_seqlens_k,
-                                                      use_triton, for_backward, check))
+                                                      use_triton, for_backward, check,
+                                                      position_grads))
     out, stats, *rest = autograd.positional_forward(prior, q, k, v, theta, (pos_q, pos_k), causal,
-                                                    scale, layout, use_triton, for_backward)
+                                                    scale, layout, use_triton, for_backward,
+                                                    position_grads)
     extra = q.new_empty((0,), dtype=torch.float32)
     if use_triton and rest[0] is not out:
         extra = rest[0]
@@ -222,13 +226,13 @@ def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_se
 
 
 def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q, cu_seqlens_k,
-                  use_triton, for_backward, check):
+                  use_triton, for_backward, check, position_grads):
     return _op_fwd_fake(q, k, v, theta, causal, scale, 0, 0, None, None, key_mask, cu_seqlens_q,
                         cu_seqlens_k, use_triton, for_backward, check)
 
 
 def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal, scale, key_mask,
-             cu_seqlens_q, cu_seqlens_k, use_triton):
+             cu_seqlens_q, cu_seqlens_k, use_triton, position_grads):
     """(dq, dk, dv, dparams, dpos_q, dpos_k) of one _op_pfwd."""
     if q.numel() == 0 or k.shape[2] == 0:
         return tuple(g.zero_() for g in _op_pbwd_fake(prior, dout, q, k, v, out, stats, extra,
@@ -238,7 +242,8 @@ def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causa
     if use_triton:
         from .triton import launch
         grads = launch.backward(prior, dout, q, k, v, out, stats, extra if extra.numel() else out,
-                                None, theta, causal, scale, 0, 0, pos=pos, **layout.masks())
+                                None, theta, causal, scale, 0, 0, pos=pos,
+                                position_grads=position_grads, **layout.masks())
     else:
         from .cpu import backward as cpu_backward
         grads = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal, scale, 0, 0,
@@ -256,19 +261,19 @@ def _op_pbwd_fake(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, 
 
 def _op_p_setup_context(ctx, inputs, output):
     q, k, v, theta, pos_q, pos_k, causal, scale, *masks = inputs[:11]
-    use_triton = inputs[11]
+    use_triton, position_grads = inputs[11], inputs[14]
     out, stats, extra = output
     ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, stats, extra, *masks)
-    ctx.settings = (causal, scale, use_triton)
+    ctx.settings = (causal, scale, use_triton, position_grads)
 
 
 def _op_p_backward(prior, ctx, dout, _dstats, _dextra):
     q, k, v, theta, pos_q, pos_k, out, stats, extra, *masks = ctx.saved_tensors
-    causal, scale, use_triton = ctx.settings
+    causal, scale, use_triton, position_grads = ctx.settings
     dq, dk, dv, dparams, dpos_q, dpos_k = prior.ops.pbwd(dout, q, k, v, out, stats, extra, theta,
                                                          pos_q, pos_k, causal, scale, *masks,
-                                                         use_triton)
-    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 8
+                                                         use_triton, position_grads)
+    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 9
 
 
 class FuncAttention(torch.autograd.Function):
@@ -332,19 +337,22 @@ class Ops:
                  pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool, scale: float,
                  key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                  cu_seqlens_k: Optional[torch.Tensor], use_triton: bool, for_backward: bool,
-                 check: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 check: bool, position_grads: bool
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask,
-                            cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check)
+                            cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check,
+                            position_grads)
 
         def pbwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, stats: torch.Tensor, extra: torch.Tensor, theta: torch.Tensor,
                  pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool, scale: float,
                  key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                 cu_seqlens_k: Optional[torch.Tensor], use_triton: bool
+                 cu_seqlens_k: Optional[torch.Tensor], use_triton: bool, position_grads: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
             return _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal,
-                            scale, key_mask, cu_seqlens_q, cu_seqlens_k, use_triton)
+                            scale, key_mask, cu_seqlens_q, cu_seqlens_k, use_triton,
+                            position_grads)
 
         # positions as tensors (docs/positions.md): <name>_pfwd / _pbwd
         self.pfwd = torch.library.custom_op(lib + "_pfwd", pfwd, mutates_args=())

@@ -13,7 +13,7 @@ from . import blocks, functional
 from .cpu.decode import DecodeTables
 from .ops import Ops, TritonOps, op_name, shared_ops
 from .params import DomainCheck
-from .traits import RUNTIME_ABI, PriorTraits
+from .traits import RUNTIME_ABI, PriorTraits, position_table_traits
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ class Prior:
             self.positional = PositionalPrior(self, *positional)
         else:
             self.positional = None
+        # a table prior's kernels for integer position tensors: its own table and hooks, read
+        # at each score's position distance (docs/positions.md, "Integer positions")
+        table_traits = position_table_traits(traits)
+        self.position_table = None if table_traits is None else PositionalPrior(
+            self, table_traits, triton_hooks)
 
     def __repr__(self):
         return f"<bamgen prior {self.traits.name!r} ({self.traits.strategy}), ops {self.op_name!r}>"
@@ -124,8 +129,9 @@ class Prior:
 
 class PositionalPrior:
     """A prior's kernels for calls whose positions are tensors: its positional plan's traits
-    and hooks (the generated module's pos_<hook> functions) with the prior's own torch hooks,
-    parameters and checks. The Triton launches take it where they take a Prior."""
+    and hooks (the generated module's pos_<hook> functions), or for integer positions its table
+    plan's with position_table_traits, with the prior's own torch hooks, parameters and checks.
+    The Triton launches take it where they take a Prior."""
 
     def __init__(self, prior: Prior, traits: PriorTraits, triton_hooks):
         self.traits = traits
@@ -137,8 +143,10 @@ class PositionalPrior:
         self._kernels = None
         self._kernels_lock = threading.Lock()
         self.positional = self
+        self.position_table = None
 
     def __repr__(self):
-        return f"<bamgen prior {self.traits.name!r} (positions as tensors)>"
+        what = "integer positions, table" if self.traits.table_positions else "positions as tensors"
+        return f"<bamgen prior {self.traits.name!r} ({what})>"
 
     kernels = Prior.kernels

@@ -6,7 +6,7 @@ No torch import: the compiler builds these too (docs/architecture.md, "Traits").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The interface between a generated module and bamgen.runtime. A module built for another ABI
 # is refused at import with a message that says to rebuild it (its cache key covers this number).
@@ -86,7 +86,9 @@ class PriorTraits:
     channels: position channels (`positions: C`): a prior over more than one reads d0, i0, j0,
     ... and takes its positions as tensors only (docs/positions.md). tensor_positions: these
     are the traits of the kernels whose positions come from tensors (pos_q, pos_k): inline,
-    with the position derivatives among the hooks."""
+    with the position derivatives among the hooks. table_positions: these are the traits of the
+    kernels that read the prior's distance table at integer position tensors
+    (position_table_traits)."""
     name: str
     class_name: str
     params: tuple[ParamTraits, ...]
@@ -111,6 +113,7 @@ class PriorTraits:
     dist_sums: bool = False
     channels: int = 1
     tensor_positions: bool = False
+    table_positions: bool = False
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -175,3 +178,20 @@ class PriorTraits:
 
     def param(self, name: str) -> ParamTraits:
         return next(p for p in self.params if p.name == name)
+
+
+def position_table_traits(traits: PriorTraits) -> PriorTraits | None:
+    """The traits of the kernels that read a table prior at integer position tensors
+    (docs/positions.md, "Integer positions"): the prior's own table lowering and hooks, with its
+    positions read from the tensors (PosQ, PosK) and the table entry of each score at
+    d = pos_i - pos_j, no block skipping (the window's tiles are over token distances), no
+    position gradients (integer positions take none), tiles of their own. None where that
+    does not apply: an inline prior (its positional plan computes the prior per score, as
+    fast), a score other than s + log_prior (the row factors read token positions), several
+    channels, or per-distance sums of dS (T5's many buckets: they need the Toeplitz tiles of
+    token positions)."""
+    if not (traits.table and traits.score_is_s and traits.distance_only and traits.channels == 1
+            and not traits.tensor_positions and not traits.row_factors and not traits.dist_sums):
+        return None
+    return replace(traits, skip=None, tensor_positions=True, table_positions=True,
+                   tile_kind="positions_table")

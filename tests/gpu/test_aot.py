@@ -233,6 +233,49 @@ POSITIONAL_MATRIX = [
     for layout in ("positions", "positions_packed")]
 
 
+# Integer positions through a table prior (`--layout positions_table`: the prior's own table
+# kernels with TABLE_POSITIONS, docs/positions.md "Integer positions"), alone and with packed
+# documents: GGD at head dim 128 on sm_90 in every run, the rest of the matrix (every shipped
+# prior that takes the table at integer positions; Sandwich's included, whose inline positional
+# kernels do not finish compiling, see POSITIONAL_MATRIX) in `make test-full`.
+TABLE_AT_POSITIONS = ("generalized_gaussian", "gaussian", "cauchy", "kerple_log", "kerple_power",
+                      "bam", "sandwich")
+POSITION_TABLE_MATRIX = [
+    pytest.param(prior, arch, head_dim, layout, id=f"{prior}-{head_dim}-{arch}-{layout}",
+                 marks=[] if (prior, head_dim, arch, layout) == (
+                     "generalized_gaussian", 128, "sm_90", "positions_table")
+                 else [pytest.mark.aot_full])
+    for prior in TABLE_AT_POSITIONS for head_dim in (64, 128) for arch in ("sm_80", "sm_90")
+    for layout in ("positions_table", "positions_table_packed")]
+
+
+def test_the_table_at_positions_matrix_holds_every_prior_that_takes_it():
+    import importlib
+    takes = {path.stem for path in PRIORS
+             if importlib.import_module(f"generated.{path.stem}")._prior.position_table is not None}
+    assert takes == set(TABLE_AT_POSITIONS)
+
+
+def test_inspect_refuses_the_table_at_positions_for_a_prior_without_one():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = run_cli("inspect", str(PRIOR_DIR / "laplace.yaml"), "--layout", "positions_table",
+                  env=env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("error: --layout positions_table: the prior 'laplace'"), res.stderr
+    assert "use --layout positions" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prior, arch, head_dim, layout", POSITION_TABLE_MATRIX)
+def test_table_kernels_at_integer_positions_compile_without_spills(prior, arch, head_dim, layout):
+    report = _inspect(PRIOR_DIR / f"{prior}.yaml", arch, head_dim, "--layout", layout)
+    assert {k["name"] for k in report["kernels"]} == KERNELS - DECODE
+    for kernel in report["kernels"]:
+        assert 0 < kernel["registers"] <= 255, kernel
+        assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel
+        assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prior, arch, head_dim, layout", POSITIONAL_MATRIX)
 def test_positional_kernels_compile_without_spills(prior, arch, head_dim, layout):

@@ -102,3 +102,18 @@ def test_a_strategy_variant_runs_beside_the_shipped_build():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "| 32 | 1 | 16 | bamgen-laplace-table |" in res.stdout, res.stdout
     assert "bamgen-laplace-table vs bamgen-laplace fwd" in res.stdout, res.stdout
+
+
+def test_randomized_integer_positions_run_the_table_beside_inline_and_flex():
+    """bamgen-rpe (GGD at sorted random integer positions: the distance table in the kernels),
+    bamgen-rpe-inline (the same positions, the prior per score) and flex-rpe (the positions in
+    its score_mod) compute one function: the smoke run's agreement check holds them together,
+    so that a GPU run can time the table against the inline kernels (docs/positions.md)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--n", "32", "--decode-n", "--peers",
+                          "flex-rpe", "bamgen-rpe", "bamgen-rpe-inline", "bamgen-rpe-torch"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for check in ("bamgen-rpe vs flex-rpe fwd", "bamgen-rpe vs bamgen-rpe-torch fwd+grads",
+                  "bamgen-rpe-inline vs bamgen-rpe fwd"):
+        assert check in res.stdout, res.stdout

@@ -362,6 +362,30 @@ def test_packed_documents_with_steep_gates_keep_finite_gradients(backend):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
+def _randomized_positions_call(name, causal, per_head, shift, backend, seed):
+    """run() -> [out, then the gradients of q, k, v and every parameter] of one call of the
+    shipped prior `name` at randomized positions (sorted random integers from a range 3x the
+    length, plus `shift`; shared or per head), GQA, a key_mask hiding a row's first keys."""
+    module = importlib.import_module(f"generated.{name}")
+    g = torch.Generator().manual_seed(seed)
+    B, H, Hk, N, D = 2, 4, 2, 37, 16
+    q, dout = (torch.randn(B, H, N, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, Hk, N, D, generator=g) for _ in range(2))
+    shape = (B, H) if per_head else (B,)
+    pos = torch.sort(torch.randperm(3 * N, generator=g)[:N]).values.expand(*shape, N) + shift
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    key_mask[1, :5] = False
+    params = module.default_params(H)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        p = {n: t.clone().requires_grad_() for n, t in params.items()}
+        out = module.attention(*leaves, **p, causal=causal, pos_q=pos, pos_k=pos,
+                               key_mask=key_mask, backend=backend)
+        return [out, *torch.autograd.grad(out, leaves + list(p.values()), dout)]
+    return run
+
+
 @pytest.mark.parametrize("name,causal,per_head", [
     ("generalized_gaussian", True, False), ("laplace", False, True), ("t5", True, True),
     ("kerple_log", True, False)])
@@ -371,24 +395,7 @@ def test_integer_positions_read_the_distance_table_on_the_cpu(name, causal, per_
     (docs/positions.md, "Integer positions") and gives what evaluating the prior per score
     gives, output and every gradient (the parameters' through the table's derivative slots)."""
     from bamgen.runtime.cpu import backward as cpu_backward, forward as cpu_forward, hooks
-    module = importlib.import_module(f"generated.{name}")
-    g = torch.Generator().manual_seed(17)
-    B, H, Hk, N, D = 2, 4, 2, 37, 16
-    q, dout = (torch.randn(B, H, N, D, generator=g) for _ in range(2))
-    k, v = (torch.randn(B, Hk, N, D, generator=g) for _ in range(2))
-    shape = (B, H) if per_head else (B,)
-    pos = torch.sort(torch.randperm(3 * N, generator=g)[:N]).values.expand(*shape, N).contiguous()
-    key_mask = torch.ones(B, N, dtype=torch.bool)
-    key_mask[1, :5] = False
-    params = module.default_params(H)
-
-    def run():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        p = {n: t.clone().requires_grad_() for n, t in params.items()}
-        out = module.attention(*leaves, **p, causal=causal, pos_q=pos, pos_k=pos,
-                               key_mask=key_mask, backend="torch")
-        return [out, *torch.autograd.grad(out, leaves + list(p.values()), dout)]
-
+    run = _randomized_positions_call(name, causal, per_head, 0, "torch", seed=17)
     used = []
     real = hooks.position_tables
 
@@ -419,3 +426,138 @@ def test_float_or_far_apart_positions_keep_the_per_score_path():
     assert grid.channels == 2
     two = near.expand(1, 2, 10, 2)
     assert position_tables(ALIBI_2D._prior, torch.ones(2, 1), (two, two), False, True) is None
+
+
+def _spy_position_calls(monkeypatch):
+    """Record each Triton call's choice for its positions (launch.position_call): the table's
+    span of distances, or None where the prior is computed inline."""
+    from bamgen.runtime.triton import launch
+    spans = []
+    real = launch.position_call
+
+    def spy(*args):
+        call = real(*args)
+        spans.append(call.span)
+        return call
+    monkeypatch.setattr(launch, "position_call", spy)
+    return spans
+
+
+def _force_inline(monkeypatch):
+    from bamgen.runtime.triton import launch
+    monkeypatch.setattr(launch, "position_call",
+                        lambda prior, pos, grads: launch.PositionCall(prior.positional, pos))
+
+
+@pytest.mark.parametrize("name,causal,per_head,shift", [
+    ("generalized_gaussian", True, False, 0), ("kerple_log", True, True, 5000),
+    ("gaussian", False, True, -77), ("cauchy", False, False, 2 ** 23), ("sandwich", True, True, 9)])
+def test_integer_positions_read_the_distance_table_in_the_triton_kernels(name, causal, per_head,
+                                                                        shift, monkeypatch):
+    """Randomized positions (sorted random integers from a range 3x the length, Ruoss et al.)
+    through a table prior, GQA and a key_mask, the positions anywhere (shifted by up to 2**23):
+    the Triton kernels read the prior's distance table at d = pos_i - pos_j, forward and
+    backward (docs/positions.md, "Integer positions"), and give what its inline positional
+    kernels give, output and every gradient (the parameters' from the table's derivative
+    slots); the float64 reference holds both (test_random_integer_positions_...)."""
+    run = _randomized_positions_call(name, causal, per_head, shift, "triton", seed=23)
+    spans = _spy_position_calls(monkeypatch)
+    table = run()
+    assert len(spans) == 2 and spans[0] is not None and spans[0] == spans[1], spans
+    _force_inline(monkeypatch)
+    inline = run()
+    for i, (a, b) in enumerate(zip(table, inline)):
+        assert bool(torch.isfinite(a).all()), i
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=lambda m: f"output {i}: {m}")
+
+
+def test_integer_positions_that_want_gradients_or_spread_far_are_computed_inline(monkeypatch):
+    """The table serves integer positions that take no gradient: float positions that require
+    one (even at integer values), fractional ones, and ones spread over more than
+    POSITION_TABLE_SPAN x (Nq + Nk) distances take the inline kernels, and a prior without a
+    table (ALiBi's ramp is inline) or over several channels never reads one."""
+    from bamgen.runtime.constants import POSITION_TABLE_SPAN
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(3))
+    near = torch.arange(20.0)[None]
+    spans = _spy_position_calls(monkeypatch)
+
+    def call(module, pos, **params):
+        return module.attention(q, k, v, **params, pos_q=pos, pos_k=pos, backend="triton")
+
+    call(GGD, near.long(), alpha=4.0, beta=1.0, mu=0.0)
+    call(GGD, near + 0.5, alpha=4.0, beta=1.0, mu=0.0)
+    call(GGD, near * (2 * POSITION_TABLE_SPAN + 1), alpha=4.0, beta=1.0, mu=0.0)
+    wants = near.clone().requires_grad_()
+    out = call(GGD, wants, alpha=4.0, beta=1.0, mu=0.0)
+    (grad,) = torch.autograd.grad(out.sum(), wants)
+    assert bool(torch.isfinite(grad).all())
+    laplace = importlib.import_module("generated.laplace")
+    call(laplace, near.long(), b=2.0)
+    assert spans[0] is not None and spans[1:] == [None] * 5, spans
+    assert GGD._prior.position_table is not None
+    for module in (laplace, ALIBI_2D, FOX, importlib.import_module("generated.t5"),
+                   importlib.import_module("generated.bam_ssmax")):
+        assert module._prior.position_table is None, module.__name__
+
+
+def test_packed_documents_read_the_table_at_their_integer_positions(monkeypatch):
+    """Packed documents (cu_seqlens) of 5, 17 and 9 tokens, each at random integer positions of
+    its own, through GGD on the Triton kernels' table: the same output and gradients as each
+    document alone."""
+    g = torch.Generator().manual_seed(31)
+    cu = torch.tensor([0, 5, 22, 31], dtype=torch.int32)
+    H, D = 2, 16
+    q, k, v, dout = (torch.randn(1, H, 31, D, generator=g) for _ in range(4))
+    spans = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    pos = torch.cat([torch.sort(torch.randperm(4 * (b - a), generator=g)[:b - a]).values
+                     for a, b in spans])[None]
+    params = dict(alpha=torch.tensor([3.0, 9.0]), beta=torch.tensor([1.0, 1.7]),
+                  mu=torch.tensor([0.0, 2.0]))
+    seen = _spy_position_calls(monkeypatch)
+
+    def run(packed):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        p = {n: t.clone().requires_grad_() for n, t in params.items()}
+        if packed:
+            out = GGD.attention(*leaves, **p, causal=True, pos_q=pos, pos_k=pos, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, backend="triton")
+        else:
+            out = torch.cat([GGD.attention(*(t[:, :, a:b] for t in leaves), **p, causal=True,
+                                           pos_q=pos[:, a:b], pos_k=pos[:, a:b], backend="triton")
+                             for a, b in spans], 2)
+        return (out, *torch.autograd.grad(out, leaves + list(p.values()), dout))
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert len(seen) == 8 and None not in seen, seen
+
+
+def test_integer_positions_read_the_table_under_a_fullgraph_compile(monkeypatch):
+    """torch.compile(fullgraph=True, dynamic=True) over GGD with integer positions: the
+    positional custom ops take the table too (no position gradient is wanted), one graph for
+    two lengths, output and gradients equal to eager's."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    seen = _spy_position_calls(monkeypatch)
+    alpha = torch.tensor([3.0, 9.0], requires_grad=True)
+
+    def step(q, k, v, pos):
+        return GGD.attention(q, k, v, alpha=alpha, beta=1.5, mu=0.0, causal=True, pos_q=pos,
+                             pos_k=pos, backend="triton")
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    for n in (19, 40):
+        leaves = [torch.randn(1, 2, n, 16, generator=g).requires_grad_() for _ in range(3)]
+        pos = torch.sort(torch.randperm(3 * n, generator=g)[:n]).values[None]
+        results = []
+        for fn in (compiled, step):
+            out = fn(*leaves, pos)
+            results.append((out, *torch.autograd.grad(out.square().sum(), leaves + [alpha])))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want)
+    assert len(seen) == 8 and None not in seen, seen
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()

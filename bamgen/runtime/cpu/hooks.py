@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..constants import FLOAT32_MAX, TABLE_PAD
+from ..constants import FLOAT32_MAX, POSITION_TABLE_SPAN, TABLE_PAD
 from ..tables import distance_span, prior_tables
 from .common import tile_entries
 
@@ -78,9 +78,6 @@ def distance_tables(prior, theta, Nq, Nk, q_offset, k_offset, causal, grads, shi
     return table, dtables
 
 
-# Integer positions (docs/positions.md, "Integer positions"): a span of distances up to this many
-# times the call's Nq + Nk takes a table; a wider one (positions far apart) is evaluated per score.
-POSITION_TABLE_SPAN = 8
 
 
 class PositionTables:

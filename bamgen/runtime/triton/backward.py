@@ -33,6 +33,9 @@ into [BLOCK_M] vectors, which frees registers for wider tiles; otherwise they ac
 [BLOCK_M, BLOCK_N] registers like the gradients.
 The backward kernels gather table entries with _table_load (PTX, in the MMA layout), the forward
 with tl.load (see helpers.py).
+With POSITIONS both kernels sum the positions' gradients (DPosK, DPosQ) unless TABLE_POSITIONS
+(integer positions, which take none: POS_GRADS is off), whose scores read the table at their
+positions' distance.
 Runtime: as in the forward, row_abs included (Mrow's reference, see forward.py): where the prior
 is a causal ramp, both kernels measure a row's scores from its own reference key
 (_ramp_reference) as the forward's statistics are, and the dQ kernel its parameter derivatives
@@ -49,7 +52,7 @@ from .helpers import (
     _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
     CENTER_GRADS, GRAD_MODES, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, SCORE_IS_S,
-    SKIP, TABLE, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
+    SKIP, TABLE, TABLE_POSITIONS, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
     prior_scalars, prior_score_factors)
 
 GRAD_TABLE = tl.constexpr(1)          # (bamgen.runtime.traits: GRAD_TABLE, GRAD_LOGIT_FACTOR)
@@ -103,6 +106,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
     """One program: one key tile of one (batch, kv head); loops over the GQA group's query
     heads and every query tile that can see it, so dK and dV need no atomics (POSITIONS: and
     each query head's column sums for the keys' positions, DPosK)."""
+    POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hk
     off_hk = pid_bh % Hk
@@ -145,10 +149,16 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
         if POSITIONS > 0:   # this query head's positions of the keys, and their gradient sums
             pos_j = _as_rows(_tensor_positions(PosK, off_bh.to(tl.int64) * keys_all + k_start, offs_n,
                                                key_ok))
+        if POS_GRADS:
             dpos_k = _zero_tiles(BLOCK_N, BLOCK_M)
-        # this head's table, at d_top - (query position - key position)
+        # this head's table, at d_top - (query position - key position): the tokens', or with
+        # TABLE_POSITIONS the integer positions of the tensors
         # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
-        tab_cols = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 + offs_n_abs)[:, None]
+        if TABLE_POSITIONS:
+            key_at = pos_j.to(tl.int32)
+        else:
+            key_at = offs_n_abs[:, None]
+        tab_cols = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 + key_at)
         m_start = m_lo
         m_end = Nq
         if SKIP:
@@ -184,6 +194,10 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
             else:
                 pos_i = _position(offs_m_abs)[None, :]
                 pos_d = _distance(offs_m_abs[None, :], offs_n_abs[:, None])
+            if TABLE_POSITIONS:
+                tab_at = tab_cols - pos_i.to(tl.int32)
+            else:
+                tab_at = tab_cols - offs_m_abs[None, :]
             visible = key_ok[:, None] & row_ok[None, :]
             n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
             pos_n = n_rows[None, :]
@@ -202,16 +216,16 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                     m_row -= _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
                 else:
                     zT = _logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
-                                 tab_cols - offs_m_abs[None, :], sc)
+                                 tab_at, sc)
             elif SCORE_IS_S and TABLE:
                 zT = _table_logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
-                                   _table_load(tab_cols - offs_m_abs[None, :]), sc)
+                                   _table_load(tab_at), sc)
             elif SCORE_IS_S:
                 zT = _logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
-                             tab_cols - offs_m_abs[None, :], sc)
+                             tab_at, sc)
             else:
                 if TABLE:   # (derivative tables are not read here)
-                    tab = _value_entries(_table_load(tab_cols - offs_m_abs[None, :]))
+                    tab = _value_entries(_table_load(tab_at))
                 else:
                     tab = ()
                 if ROW_FACTORS:
@@ -241,7 +255,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                 dsT = tl.where(visible, pT * tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :]), 0.0)
             else:
                 dsT = tl.where(visible, pT * (dpT - delta[None, :]), 0.0)
-            if POSITIONS > 0:   # column sums of dS * d logit / d j_c (dS: d loss / d logit)
+            if POS_GRADS:   # column sums of dS * d logit / d j_c (dS: d loss / d logit)
                 pos_grads = prior_position_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
                 dpos_k = _position_terms(dpos_k, dsT, pT, pos_grads, POSITIONS)
             if not SCORE_IS_S and not ROW_FACTORS:
@@ -249,7 +263,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                 # that sees no key), and 0 * inf would be NaN
                 dsT = tl.where(pT > 0.0, dsT * dlogit_ds, 0.0)
             dk = _dot(dsT.to(q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
-        if POSITIONS > 0:
+        if POS_GRADS:
             _store_positions(DPosK, off_bh.to(tl.int64) * keys_all + k_start, offs_n, key_ok,
                              _position_reduce(dpos_k, 1))
     dk = dk * sm_scale
@@ -322,6 +336,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     TILE_GRAD_SUMS: tl.constexpr = ROW_FACTORS and BLOCK_M * BLOCK_N >= 2048
     WRITE_DQ: tl.constexpr = GRAD_BASE == 0   # (one group's launch writes dQ: see GRAD_BASE)
     INTERLEAVED: tl.constexpr = TABLE_WIDTH > 0 and not DIST_SUMS   # (DIST_SUMS: the plain table)
+    POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
     # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
     pid_m, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
                                                     Nk, VARLEN)
@@ -344,12 +359,22 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     km_base = KeyMask + off_b.to(tl.int64) * stride_mb + k_start
     sc = prior_scalars(Theta + off_h * NUM_PARAMS)
     offs_m_abs = offs_m + q_offset
+    if POSITIONS > 0:
+        pos_i = _as_rows(_tensor_positions(PosQ, stats_rows, offs_m, row_ok))
+    else:
+        pos_i = _position(offs_m_abs)[:, None]
+    # the rows' table entries start at d_top - (the query's position): its token's, or with
+    # TABLE_POSITIONS its integer position from the tensor
+    if TABLE_POSITIONS:
+        row_at = pos_i.to(tl.int32)
+    else:
+        row_at = offs_m_abs[:, None]
     # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
     if INTERLEAVED:
         # the interleaved table: TABLE_WIDTH floats per distance (the log-prior, then its derivatives)
-        tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + ((d_top_b - 33554433 - offs_m_abs) * TABLE_WIDTH)[:, None]
+        tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 - row_at) * TABLE_WIDTH
     else:
-        tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 - offs_m_abs)[:, None]
+        tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 - row_at)
     if RAMP:
         ramp = prior_ramp(sc)
         ramp_slope = ramp[0]
@@ -368,10 +393,6 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 ramp_factors = ramp_factors + (ramp[2 + GRAD_BASE + g],)
             else:
                 ramp_factors = ramp_factors + (1.0,)
-    if POSITIONS > 0:
-        pos_i = _as_rows(_tensor_positions(PosQ, stats_rows, offs_m, row_ok))
-    else:
-        pos_i = _position(offs_m_abs)[:, None]
     n_hi = Nk
     n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
     pos_n = n_rows[:, None]
@@ -432,7 +453,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         dist_acc = ()
         for c in tl.static_range(DIST_K // DIST_CHUNK):
             dist_acc = dist_acc + (tl.zeros([DIST_CHUNK], dtype=tl.float32),)
-    if POSITIONS > 0 and WRITE_DQ:
+    if POS_GRADS and WRITE_DQ:
         # the rows' positions' gradients, sum_j dS g - (sum_j dS)(sum_j P g) per channel (the
         # parameters' correction: a FoX row's derivative is 1, and sum_j dS = 0)
         dpos_q = _zero_tiles(BLOCK_M, BLOCK_N)
@@ -458,14 +479,18 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         visible = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n_abs[None, :] <= offs_m_abs[:, None])
+        if TABLE_POSITIONS:
+            key_at = pos_j.to(tl.int32)
+        else:
+            key_at = offs_n_abs[None, :]
         if INTERLEAVED:
             # the tile's log-prior and derivative entries, four per vector load
-            tab_at = tab_rows + offs_n_abs[None, :] * TABLE_WIDTH
+            tab_at = tab_rows + key_at * TABLE_WIDTH
             tab = ()
             for group in tl.static_range(TABLE_WIDTH // 4):
                 tab = tab + _table_load4(tab_at + 4 * group)
         else:
-            tab_at = tab_rows + offs_n_abs[None, :]
+            tab_at = tab_rows + key_at
         if RAMP:
             if CAUSAL:
                 ramp_d = row_ref_f[:, None] - pos_j   # exact: positions stay within 2**24 (MAX_POSITION)
@@ -515,7 +540,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         p = tl.where(visible, tl.exp2(z - m_row[:, None]) * inv_l[:, None], 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
         ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)   # (see the dK/dV kernel)
-        if POSITIONS > 0 and WRITE_DQ:
+        if POS_GRADS and WRITE_DQ:
             pos_grads = prior_position_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
             dpos_q = _position_terms(dpos_q, ds, p, pos_grads, 0)
             pos_means = _position_terms(pos_means, p, p, pos_grads, 0)
@@ -581,7 +606,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         dq = tl.where((inv_l == 0.0)[:, None], 0.0, dq)
         tl.store(DQ + q_head + offs_m[:, None] * stride_qm + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=qd_mask)
-        if POSITIONS > 0:
+        if POS_GRADS:
             dpos_q = _position_reduce(dpos_q, 1)
             pos_means = _position_reduce(pos_means, 1)
             pos_ds = tl.sum(pos_ds, 1)

@@ -41,7 +41,8 @@ from .helpers import (
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
     _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, prior_ramp, prior_scalars)
+    POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, TABLE_POSITIONS, prior_ramp,
+    prior_scalars)
 
 
 @triton.jit
@@ -81,6 +82,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         else:
             pos_j = _position(offs_n_abs)[None, :]
             pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
+        if TABLE_POSITIONS:   # the entries at the keys' integer positions (see _attn_fwd)
+            tab_at = tab_rows + pos_j.to(tl.int32)
+        else:
+            tab_at = tab_rows + offs_n_abs[None, :]
         if RAMP:
             if CAUSAL:   # (a hidden score, d < 0, is off the line: the mask below drops it)
                 z = qk * qk_scale + (ramp_slope * (ramp_ref - offs_n_abs).to(tl.float32))[None, :]
@@ -88,17 +93,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                 z = _ramp_logit2(qk, qk_scale, ramp_slope, offs_m_abs[:, None], offs_n_abs[None, :],
                                  near_ref)
             else:
-                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
-                            tab_rows + offs_n_abs[None, :], sc)
+                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
         elif ROW_FACTORS:
             if TABLE:
-                tab = _value_entries(tl.load(tab_rows + offs_n_abs[None, :]))   # (see _logit2)
+                tab = _value_entries(tl.load(tab_at))   # (see _logit2)
             else:
                 tab = ()
             z = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
         else:
-            z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
-                        tab_rows + offs_n_abs[None, :], sc)
+            z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
         if not STEADY:
             visible = (offs_n < Nk)[None, :] & row_ok[:, None]
             if CAUSAL:
@@ -185,7 +188,13 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     # distance d of this head sits at Table + h * tab_stride_h + d_top - d: a query's row of
     # the Toeplitz table, indexed by the key's absolute position, starts here
     # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)
-    tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 - offs_m_abs)[:, None]
+    # (TABLE_POSITIONS: a query's row at its integer position, which the host shifted so that
+    # every position, and the 0 a masked load reads, has its distances inside the table)
+    if TABLE_POSITIONS:
+        row_at = pos_rows.to(tl.int32)
+    else:
+        row_at = offs_m_abs[:, None]
+    tab_rows = Table + off_h.to(tl.int64) * tab_stride_h + (d_top_b - 33554433 - row_at)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

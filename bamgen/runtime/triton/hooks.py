@@ -47,6 +47,10 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
                   channels, and the backward kernels write their gradients (DPosQ, DPosK) from
                   prior_position_grads; with C > 1 the hooks' pos_d, pos_i, pos_j are tuples of
                   C tiles (the positional plan: inline, no ramp, no row factors)
+  TABLE_POSITIONS (POSITIONS = 1, TABLE) the positions are integers (held in float32) and each
+                  score reads the distance table at d_top - (pos_i - pos_j) instead of at its
+                  tokens' distance; the positions take no gradient (DPosQ, DPosK are not
+                  written): traits.position_table_traits, docs/positions.md "Integer positions"
 
 Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
 tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
@@ -86,10 +90,11 @@ TILE_ROW_SUMS = tl.constexpr(False)
 CENTER_GRADS = tl.constexpr(False)
 CLAMP_POSITIONS = tl.constexpr(False)
 POSITIONS = tl.constexpr(0)
+TABLE_POSITIONS = tl.constexpr(False)
 
 FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
          "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS",
-         "CLAMP_POSITIONS", "POSITIONS")
+         "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
          "prior_score_factors", "prior_logit_row", "prior_logit_score", "prior_position_grads")
 

@@ -16,11 +16,13 @@ tiles inside the table, so the loads need no mask. The tables are filled on the 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 
-from ..constants import LOG2E, TABLE_PAD
+from ..checks import MAX_POSITION
+from ..constants import LOG2E, POSITION_TABLE_SPAN, TABLE_PAD
 from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
@@ -154,19 +156,22 @@ def upcast_dot(dtype):
 
 
 def prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, with_grads, shifted, table=None, n=None,
-                 key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+                 key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, span=None):
     """What the kernels read of the prior, built on the host: (table, d_top, window, counts).
     table: the call's distance table (_prior_tables, with its derivative slots if with_grads),
     or the forward's when given; theta itself, a placeholder, for the inline strategy, whose
     kernels take the table arguments and ignore them. window: _prior_window; counts:
-    _row_key_counts (n: its override)."""
+    _row_key_counts (n: its override). span: the distances of integer position tensors
+    (PositionCall), else the tokens' (distance_span)."""
     B, _, Nq, _ = q.shape
     Nk = k.shape[2]
     spans = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if prior.traits.table:
-        bottom, top = distance_span(Nq, Nk, q_offset, k_offset, **spans)
+        bottom, top = span if span is not None else distance_span(Nq, Nk, q_offset, k_offset, **spans)
         if table is None:
-            table, d_top = prior_tables(prior, theta, bottom, top, causal, with_grads, shifted)
+            # (positions: any distance of the span may be visible, so the shift takes them all)
+            table, d_top = prior_tables(prior, theta, bottom, top, causal and span is None,
+                                        with_grads, shifted)
             if prior.traits.score_is_s:
                 table = base2_log_prior(table)
         else:
@@ -175,6 +180,48 @@ def prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, with_grads, shi
         table, d_top = theta, 0
     counts = row_key_counts(prior, B, Nq, Nk, q_offset, k_offset, causal, q.device, n, key_mask, **spans)
     return table, d_top, prior_window(prior, table, d_top), counts
+
+
+@dataclass(frozen=True)
+class PositionCall:
+    """The kernels that take a call's position tensors and what they read: prior (the prior's
+    positional plan, or its table at integer positions: Prior.position_table), pos (pos_q, pos_k
+    [B, Hq, N, C] float32 as the kernels read them) and span ((bottom, top) of the table's
+    distances; None inline)."""
+    prior: object
+    pos: tuple
+    span: tuple | None = None
+
+
+def position_call(prior, pos, position_grads) -> PositionCall:
+    """How the kernels take a call's position tensors (docs/positions.md, "Integer positions").
+    A table prior (Prior.position_table) whose positions are all integers, need no gradient,
+    and span at most POSITION_TABLE_SPAN * (Nq + Nk) distances reads its distance table at
+    d = pos_i - pos_j, as it does at token positions: the positions are shifted by the keys'
+    smallest (d is blind to it) so that they sit in [0, 2**24], where float32 holds them
+    exactly, and the span covers 0, the position a masked load reads (rows and keys past the
+    end), so every load stays inside the table. Otherwise the positional plan computes the prior
+    inline. One host read of four numbers decides (the same in the backward: the same
+    positions give the same decision)."""
+    table_prior = getattr(prior, "position_table", None)
+    inline = PositionCall(prior.positional, pos)
+    pos_q, pos_k = pos
+    if (position_grads or table_prior is None or pos_q.shape[-1] != 1 or pos_q.numel() == 0
+            or pos_k.numel() == 0):
+        return inline
+    pq, pk = pos_q.double(), pos_k.double()
+    integral = torch.stack([(p == p.round()).all() for p in (pq, pk)]).all()   # (NaN fails it)
+    q_lo, q_hi, k_lo, k_hi, whole = torch.stack(
+        [pq.min(), pq.max(), pk.min(), pk.max(), integral.double()]).tolist()
+    if whole != 1.0:
+        return inline
+    q_lo, q_hi, k_hi = q_lo - k_lo, q_hi - k_lo, k_hi - k_lo   # (keys from 0)
+    bottom, top = min(q_lo, 0.0) - k_hi, max(q_hi, 0.0)
+    if (top - bottom + 1 > POSITION_TABLE_SPAN * (pos_q.shape[2] + pos_k.shape[2])
+            or max(abs(q_lo), q_hi, k_hi) > MAX_POSITION):
+        return inline
+    shifted = tuple((p - k_lo).float().contiguous() for p in (pq, pk))
+    return PositionCall(table_prior, shifted, (int(bottom), int(top)))
 
 
 def base2_log_prior(table):
@@ -308,7 +355,8 @@ def skipped_kernel(kernel):
 
 
 def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backward=False,
-            shifted=True, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, pos=None):
+            shifted=True, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, pos=None,
+            position_grads=True):
     """Launch the forward kernel. Returns (out, stats, out32, table): stats [2, B, Hq, Nq]
     float32 holds the softmax's per-row max (base 2) and sum; out32 is O in float32 when a
     backward will follow a low-precision input, else out itself; table is the prior's table
@@ -318,11 +366,15 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backwa
     construction, one build per step). shifted: see _prior_tables; n: see _row_key_counts.
     key_mask, cu_seqlens_q/k and tensor offsets: as _layout() normalised them. pos: position
     tensors (pos_q, pos_k) [B, Hq, N, C] (docs/positions.md), taken by prior.positional's
-    kernels (offsets 0; packed documents taken)."""
+    kernels (offsets 0; packed documents taken), or at integer positions that need no gradient
+    (position_grads False) by the prior's table (position_call)."""
+    span = None
     if pos is not None:
-        prior = prior.positional
+        call = position_call(prior, pos, position_grads)
+        prior, pos, span = call.prior, call.pos, call.span
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, for_backward,
-                                                shifted, None, n, key_mask, cu_seqlens_q, cu_seqlens_k)
+                                                shifted, None, n, key_mask, cu_seqlens_q, cu_seqlens_k,
+                                                span)
     lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k, pos)
     out, stats, out32 = forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window,
                                         counts, lay, for_backward, shifted)
@@ -431,16 +483,19 @@ def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab
 
 def backward(prior, dout, q, k, v, out, stats, out32, table, theta, causal, scale, q_offset,
              k_offset, row_sums=False, shifted=True, n=None, key_mask=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, pos=None):
+             cu_seqlens_k=None, pos=None, position_grads=True):
     """Launch preprocess, dK/dV and dQ kernels. Returns dq, dk, dv, dparams [Hq, NUM_GRADS];
     with row_sums (backward_block), dparams without the row correction and the row sums
     [B, Hq, Nq, 1 + NUM_GRADS] that it needs; with pos (forward's), then the positions'
     gradients, float32 [B, Hq, N, C] each (with row_sums, pos_q's without its row correction:
-    one block's share, which adds up over the blocks)."""
+    one block's share, which adds up over the blocks; zeros where position_grads is False and
+    the forward read the table at integer positions: position_call, as the forward)."""
+    span = None
     if pos is not None:
-        prior = prior.positional
+        call = position_call(prior, pos, position_grads)
+        prior, pos, span = call.prior, call.pos, call.span
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, True, shifted,
-                                                table, n, key_mask, cu_seqlens_q, cu_seqlens_k)
+                                                table, n, key_mask, cu_seqlens_q, cu_seqlens_k, span)
     lay = KernelLayout(q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k, pos)
     return backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, table, d_top,
                             window, counts, lay, row_sums, shifted)
@@ -575,8 +630,17 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
     tile config from the family's TRITON_CONFIG list (clamped to the list's length). layout:
     "plain" (no masks), "padded" (key_mask and per-row offsets: batched generation),
     "packed" (packed documents and key_mask), "positions" (position tensors: the kernels of
-    prior.positional, which a prior over several channels is itself; no decode kernels) or
-    "positions_packed" (position tensors with packed documents and key_mask)."""
+    prior.positional, which a prior over several channels is itself; no decode kernels),
+    "positions_packed" (position tensors with packed documents and key_mask), or
+    "positions_table" / "positions_table_packed" (integer position tensors read by a table prior:
+    the kernels of prior.position_table, position_call)."""
+    if layout.startswith("positions_table"):
+        if getattr(prior, "position_table", None) is None:
+            raise ValueError(f"--layout {layout}: the prior {prior.traits.name!r} reads no distance "
+                             f"table at integer positions (a table prior in d alone, score "
+                             f"s + log_prior, does); use --layout positions")
+        prior = prior.position_table
+        layout = layout.replace("_table", "")
     positional = layout in ("positions", "positions_packed") or prior.traits.tensor_positions
     if positional:
         prior = prior.positional

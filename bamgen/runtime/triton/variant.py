@@ -33,7 +33,8 @@ def flags(traits: PriorTraits) -> dict:
         ROW_CACHE=traits.row_cache, LOGIT_FMA=traits.logit_fma, SKIP=traits.skip is not None,
         GRAD_MODES=tuple(traits.grad_modes), TILE_ROW_SUMS=traits.tile_row_sums,
         CENTER_GRADS=traits.center_grads, CLAMP_POSITIONS=traits.clamp_positions,
-        POSITIONS=traits.channels if traits.tensor_positions else 0)
+        POSITIONS=traits.channels if traits.tensor_positions else 0,
+        TABLE_POSITIONS=traits.table_positions)
     assert set(values) == set(hooks.FLAGS)
     return {name: tl.constexpr(value) for name, value in values.items()}
 
