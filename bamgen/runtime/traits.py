@@ -191,7 +191,8 @@ def position_table_traits(traits: PriorTraits) -> PriorTraits | None:
     channels, or per-distance sums of dS (T5's many buckets: they need the Toeplitz tiles of
     token positions)."""
     if not (traits.table and traits.score_is_s and traits.distance_only and traits.channels == 1
-            and not traits.tensor_positions and not traits.row_factors and not traits.dist_sums):
+            and not traits.tensor_positions and not traits.row_factors and not traits.dist_sums
+            and not traits.ramp):   # (a ramp reads token positions; the compiler gives tables none)
         return None
     return replace(traits, skip=None, tensor_positions=True, table_positions=True,
                    tile_kind="positions_table")

@@ -561,3 +561,41 @@ def test_integer_positions_read_the_table_under_a_fullgraph_compile(monkeypatch)
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_range,k_range", [((150, 400), (0, 200)), ((300, 330), (0, 60))],
+                         ids=["overlapping", "apart"])
+def test_cross_attention_at_unsorted_integer_positions_reads_the_table(q_range, k_range, causal,
+                                                                        monkeypatch):
+    """Cross-attention (Nq = 23, Nk = 41, GQA, a key_mask) at integer positions drawn per batch
+    row and per head, unsorted and with repeats, queries and keys from ranges of their own
+    (overlapping, or apart): distances reach past the table's 256 entries of padding either
+    side, so every entry the kernels read must be the right one. The table kernels give the
+    inline kernels' output and every gradient."""
+    g = torch.Generator().manual_seed(41)
+    B, H, Hk, Nq, Nk, D = 2, 4, 2, 23, 41, 16
+    q, dout = (torch.randn(B, H, Nq, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, Hk, Nk, D, generator=g) for _ in range(2))
+    pos_q = torch.randint(*q_range, (B, H, Nq), generator=g)
+    pos_k = torch.randint(*k_range, (B, H, Nk), generator=g)
+    key_mask = torch.ones(B, Nk, dtype=torch.bool)
+    key_mask[0, -6:] = False
+    params = dict(alpha=torch.tensor([30.0, 90.0, 200.0, 50.0]),
+                  beta=torch.tensor([1.0, 1.5, 2.0, 0.7]), mu=torch.tensor([0.0, 20.0, -5.0, 150.0]))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        p = {n: t.clone().requires_grad_() for n, t in params.items()}
+        out = GGD.attention(*leaves, **p, causal=causal, pos_q=pos_q, pos_k=pos_k,
+                            key_mask=key_mask, backend="triton")
+        return [out, *torch.autograd.grad(out, leaves + list(p.values()), dout)]
+
+    spans = _spy_position_calls(monkeypatch)
+    table = run()
+    assert len(spans) == 2 and spans[0] is not None, spans
+    assert max(-spans[0][0], spans[0][1]) > 256, spans   # past the padding of a (0, 0) span
+    _force_inline(monkeypatch)
+    for i, (a, b) in enumerate(zip(table, run())):
+        assert bool(torch.isfinite(a).all()), i
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=lambda m: f"output {i}: {m}")

@@ -78,8 +78,6 @@ def distance_tables(prior, theta, Nq, Nk, q_offset, k_offset, causal, grads, shi
     return table, dtables
 
 
-
-
 class PositionTables:
     """The distance tables of a call whose positions are integers: the float64 tables the same
     prior gives token positions (prior_tables), over the distances the positions span, read per

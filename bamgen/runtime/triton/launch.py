@@ -197,31 +197,41 @@ def position_call(prior, pos, position_grads) -> PositionCall:
     """How the kernels take a call's position tensors (docs/positions.md, "Integer positions").
     A table prior (Prior.position_table) whose positions are all integers, need no gradient,
     and span at most POSITION_TABLE_SPAN * (Nq + Nk) distances reads its distance table at
-    d = pos_i - pos_j, as it does at token positions: the positions are shifted by the keys'
-    smallest (d is blind to it) so that they sit in [0, 2**24], where float32 holds them
-    exactly, and the span covers 0, the position a masked load reads (rows and keys past the
-    end), so every load stays inside the table. Otherwise the positional plan computes the prior
-    inline. One host read of four numbers decides (the same in the backward: the same
-    positions give the same decision)."""
+    d = pos_i - pos_j, as it does at token positions. Otherwise (and while a CUDA graph is being
+    captured: deciding reads five numbers on the host) the positional plan computes the prior
+    inline. The same positions give the same decision in the backward."""
     table_prior = getattr(prior, "position_table", None)
     inline = PositionCall(prior.positional, pos)
     pos_q, pos_k = pos
     if (position_grads or table_prior is None or pos_q.shape[-1] != 1 or pos_q.numel() == 0
-            or pos_k.numel() == 0):
+            or pos_k.numel() == 0 or (pos_q.is_cuda and torch.cuda.is_current_stream_capturing())):
         return inline
-    pq, pk = pos_q.double(), pos_k.double()
-    integral = torch.stack([(p == p.round()).all() for p in (pq, pk)]).all()   # (NaN fails it)
+    # (float32 positions: an integer there is exact, and so is the difference of two of them
+    # up to 2**24)
+    integral = torch.stack([(p == p.round()).all() for p in pos]).all()   # (NaN fails it)
     q_lo, q_hi, k_lo, k_hi, whole = torch.stack(
-        [pq.min(), pq.max(), pk.min(), pk.max(), integral.double()]).tolist()
+        [pos_q.min(), pos_q.max(), pos_k.min(), pos_k.max(), integral.float()]).tolist()
     if whole != 1.0:
         return inline
-    q_lo, q_hi, k_hi = q_lo - k_lo, q_hi - k_lo, k_hi - k_lo   # (keys from 0)
-    bottom, top = min(q_lo, 0.0) - k_hi, max(q_hi, 0.0)
+    shift = table_shift(q_lo, q_hi, k_lo, k_hi)
+    q_lo, q_hi, k_lo, k_hi = q_lo - shift, q_hi - shift, k_lo - shift, k_hi - shift
+    # a masked load reads position 0 (rows and keys past a tile's end): its distances to the
+    # real positions, 0 - pos_j and pos_i - 0, are in the table too
+    bottom, top = min(q_lo, 0.0) - max(k_hi, 0.0), max(q_hi, 0.0) - min(k_lo, 0.0)
     if (top - bottom + 1 > POSITION_TABLE_SPAN * (pos_q.shape[2] + pos_k.shape[2])
-            or max(abs(q_lo), q_hi, k_hi) > MAX_POSITION):
+            or max(abs(q_lo), abs(q_hi), abs(k_lo), abs(k_hi)) > MAX_POSITION):
         return inline
-    shifted = tuple((p - k_lo).float().contiguous() for p in (pq, pk))
-    return PositionCall(table_prior, shifted, (int(bottom), int(top)))
+    moved = tuple((p - shift).contiguous() for p in pos)
+    return PositionCall(table_prior, moved, (int(bottom), int(top)))
+
+
+def table_shift(q_lo, q_hi, k_lo, k_hi) -> float:
+    """The integer subtracted from every position of a table call (d is blind to it): one in
+    both ranges where the queries' and the keys' positions overlap, so that the masked loads'
+    0 adds no distance the real ones do not span (0 - pos_j and pos_i - 0 are then distances
+    of real pairs' range), else the keys' smallest."""
+    lo, hi = max(q_lo, k_lo), min(q_hi, k_hi)
+    return lo if lo <= hi else k_lo
 
 
 def base2_log_prior(table):
@@ -367,7 +377,8 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backwa
     key_mask, cu_seqlens_q/k and tensor offsets: as _layout() normalised them. pos: position
     tensors (pos_q, pos_k) [B, Hq, N, C] (docs/positions.md), taken by prior.positional's
     kernels (offsets 0; packed documents taken), or at integer positions that need no gradient
-    (position_grads False) by the prior's table (position_call)."""
+    (position_grads False) by the prior's table (position_call); the default, position_grads
+    True (the block API's and the ring's calls), is always the inline kernels."""
     span = None
     if pos is not None:
         call = position_call(prior, pos, position_grads)
@@ -489,7 +500,8 @@ def backward(prior, dout, q, k, v, out, stats, out32, table, theta, causal, scal
     [B, Hq, Nq, 1 + NUM_GRADS] that it needs; with pos (forward's), then the positions'
     gradients, float32 [B, Hq, N, C] each (with row_sums, pos_q's without its row correction:
     one block's share, which adds up over the blocks; zeros where position_grads is False and
-    the forward read the table at integer positions: position_call, as the forward)."""
+    the forward read the table at integer positions: position_call decides as it did for the
+    forward; the default, True, is always the inline kernels)."""
     span = None
     if pos is not None:
         call = position_call(prior, pos, position_grads)
