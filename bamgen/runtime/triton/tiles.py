@@ -133,23 +133,6 @@ TILES = {
             256: _HEAD_256,
         },
     },
-    # A table prior at integer position tensors (TABLE_POSITIONS, traits.position_table_traits):
-    # the token table kernels' tiles, but for dQ at head dim 128 on sm_90, whose 64x32 tile put
-    # 24 bytes on the stack for KERPLE and Gaussian (the entries' addresses are per score now,
-    # not a row's base plus the key's index); 64x16 takes 164-207 registers and none. Swept with
-    # `python benchmarks/tile_sweep.py --layout positions_table --kernel bwd_dq --head-dim 128`.
-    "positions_table": {
-        "sm_90": {
-            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
-            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 16, 4, 2)]},
-            256: _HEAD_256,
-        },
-        "sm_80": {
-            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(64, 32, 4, 2)], "bwd_dq": [(32, 32, 4, 2)]},
-            128: {"fwd": [(128, 32, 8, 2)], "bwd_dkdv": [(32, 32, 8, 2)], "bwd_dq": [(32, 32, 4, 2)]},
-            256: _HEAD_256,
-        },
-    },
     # T5's buckets over position tensors: the heavy kind's backward tiles; its forward tile
     # 64x32 over 4 warps put 8-200 bytes on the stack (sm_90 at head dim 128, sm_80 at both),
     # so 8 warps there on sm_90 and 32x32 on sm_80. Swept with `python benchmarks/tile_sweep.py
@@ -204,6 +187,25 @@ for _families in TILES.values():
 
 # Learnable scalars one dQ launch sums, per kind (8 where not named): a launch per group
 # (launch.grad_groups), each with the registers of that many accumulators.
+
+def _derived(kind: str, changes: dict) -> dict:
+    """A copy of TILES[kind] with {(arch, head dim, kernel): candidates} replaced."""
+    table = {arch: {dim: dict(kernels) for dim, kernels in dims.items()}
+             for arch, dims in TILES[kind].items()}
+    for (arch, dim, kernel), configs in changes.items():
+        table[arch][dim][kernel] = configs
+    return table
+
+
+# A table prior at integer position tensors (TABLE_POSITIONS, traits.position_table_traits): the
+# token table kernels' tiles, but dQ on sm_90 takes its first candidate alone, and at head dim
+# 128 64x16, where 64x32 put 24 bytes on the stack for KERPLE and Gaussian (the entries'
+# addresses are per score now, not a row's base plus the key's index); 64x16 takes 164-207
+# registers and none. Swept with `python benchmarks/tile_sweep.py --layout positions_table
+# --kernel bwd_dq --head-dim 128`.
+TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32, 4, 2)],
+                                              ("sm_90", 128, "bwd_dq"): [(64, 16, 4, 2)]})
+
 GRAD_GROUPS = {"heavy": 4, "positions_vectors": 4, "positions_heavy": 4}
 
 # Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly.
