@@ -27,6 +27,14 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       strategy (bamgen.load(..., strategy=)): one kernel variant against another
                       in the same run, where the model cannot decide (docs/performance.md);
                       their outputs are held to the shipped build's.
+* ``bamgen-<prior>@<pins>``  a pinned kernel variant of ``bamgen-<prior>`` (Triton backend):
+                      pins, comma-separated, are ``<kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>``
+                      (kernel: fwd, bwd_dkdv, bwd_dq, decode) and ``gather=async|direct`` (how the
+                      forward reads a table prior's entries: tiles.FWD_TABLE_GATHER), e.g.
+                      ``bamgen-ggd@fwd=128x64x8x3`` or ``bamgen-ggd@gather=direct``; the calls
+                      run inside ``bamgen.runtime.triton.launch.pinned``, the output is held to
+                      ``bamgen-<prior>``'s, and the JSON keeps the pins (``variants``) for
+                      benchmarks/model_check.py. A pinned tile is not checked for spills.
 * ``flex-rpe``, ``bamgen-rpe``, ``bamgen-rpe-inline``  GGD over randomized integer positions
                       (sorted random integers from [0, 4N), Ruoss et al.), passed as pos_q = pos_k:
                       the shipped build reads its distance table at them (docs/positions.md,
@@ -145,19 +153,27 @@ class Peer:
     bnhd: bool = False  # output in [B, N, H, D] (flash_attn's layout)
     fallback: Callable[[], "Peer"] | None = None  # a cheaper variant if this one fails
     last: list = field(default_factory=list)  # see keep()
+    pins: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # (Variant)
 
     def __post_init__(self):
         self.frozen = [t.detach() for t in self.inputs]  # same storage, no autograd
 
     def call(self) -> torch.Tensor:
         """One call recording autograd."""
-        return self.fn(*self.inputs)
+        with self.pins():
+            return self.fn(*self.inputs)
 
     def infer(self) -> torch.Tensor:
         """One inference call: no grad mode and inputs that do not require grad (a module may
         save more for the backward when they do)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.pins():
             return self.fn(*self.frozen)
+
+    def backward_of(self, out: torch.Tensor) -> None:
+        """The backward of a call's output (a pinned variant's backward kernels are launched
+        here, outside the call: the pins hold here too)."""
+        with self.pins():
+            out.backward(self.dout)
 
     def leaves(self) -> list:
         return self.inputs + self.captured
@@ -350,6 +366,61 @@ def bamgen_peer(prior: str, backend: str, cfg, qkv, dout, strategy: str | None =
     return Peer(name, fn, list(qkv) + list(params.values()), dout)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """The pins of a ``bamgen-<prior>@<pins>`` peer: tile configs per kernel, and the
+    forward's table gather (None: the default)."""
+    tiles: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+    gather: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        """``fwd=128x64x8x3,gather=direct`` (ValueError saying what is wrong)."""
+        from bamgen.runtime.triton.tiles import INTERPRET_TILES, TABLE_GATHERS
+        tiles, gather = {}, None
+        for pin in text.split(","):
+            key, _, value = pin.partition("=")
+            if key == "gather" and value in TABLE_GATHERS:
+                gather = value
+            elif key in INTERPRET_TILES and len(value.split("x")) == 4 and all(
+                    x.isdigit() and int(x) > 0 for x in value.split("x")):
+                tiles[key] = tuple(int(x) for x in value.split("x"))
+            else:
+                raise ValueError(
+                    f"pin {pin!r}: write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages> with kernel "
+                    f"one of {', '.join(INTERPRET_TILES)}, or gather= one of {', '.join(TABLE_GATHERS)}")
+        return cls(tuple(sorted(tiles.items())), gather)
+
+    def context(self):
+        from bamgen.runtime.triton.launch import pinned
+        return pinned(dict(self.tiles), self.gather)
+
+    def as_json(self) -> dict:
+        return {"tiles": {k: list(v) for k, v in self.tiles}, "gather": self.gather}
+
+
+def split_variant(name: str) -> tuple[str, Variant | None]:
+    """(base peer name, its Variant or None) of a --peers name."""
+    base, at, pins = name.partition("@")
+    return base, (Variant.parse(pins) if at else None)
+
+
+def peer_name(text: str) -> str:
+    """--peers' type: one of all_peers(), or bamgen-<prior>@<pins> (Variant)."""
+    base, at, _ = text.partition("@")
+    if base not in all_peers():
+        raise argparse.ArgumentTypeError(f"{base!r} is not a peer; choose from: {' '.join(all_peers())}")
+    if at:
+        if not base.startswith("bamgen-") or base.endswith("-torch"):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: only a bamgen peer on the Triton backend takes pins (bamgen-<prior>@...)")
+        try:
+            split_variant(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+    return text
+
+
 def default_peers(quick: bool) -> list[str]:
     names = ["sdpa", "fa2-alibi"]
     for prior in PRIORS:
@@ -384,6 +455,11 @@ def tutorial_peer(cfg, qkv, dout, path: str | None) -> Peer:
 
 
 def make_peer(name: str, cfg, qkv, dout, tutorial: str | None = None) -> Peer:
+    base, variant = split_variant(name)
+    if variant is not None:   # a pinned variant of a bamgen peer (peer_name checked the name)
+        peer = make_peer(base, cfg, qkv, dout, tutorial)
+        peer.name, peer.pins = name, variant.context
+        return peer
     if name == "sdpa":
         return sdpa_peer(cfg, qkv, dout)
     if name == "fa2-alibi":
@@ -439,7 +515,7 @@ def time_forward(timer: Timer, peer: Peer) -> float:
 def time_backward(timer: Timer, peer: Peer) -> float:
     peer.zero_grad()
     out = peer.call()  # untimed
-    seconds, _ = timer(lambda: out.backward(peer.dout))
+    seconds, _ = timer(lambda: peer.backward_of(out))
     peer.keep(out, grads=True)
     return seconds
 
@@ -518,7 +594,8 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def agreement(peers: list[Peer]) -> dict:
     """Relative max error of each bamgen module against the peers computing its function:
     forward against flex-<prior>, fa2-alibi (Laplace) and sdpa (uniform); forward and every
-    gradient of the Triton backend against the torch backend, where both ran. It reads what
+    gradient of the Triton backend against the torch backend, where both ran, and of a pinned
+    variant against its base peer. It reads what
     each peer's last timed call left (``Peer.keep``): no extra calls."""
     by_name = {p.name: p for p in peers}
     refs = {f"bamgen-{p}": [f"flex-{p}"] for p in ALL_PRIORS}
@@ -537,6 +614,12 @@ def agreement(peers: list[Peer]) -> dict:
         for ref in refs[name]:
             if ref in by_name:
                 errors[f"{name} vs {ref} fwd"] = _rel_err(got[0], by_name[ref].last[0])
+    for peer in peers:   # a pinned variant computes its base's function, gradients included
+        base = by_name.get(split_variant(peer.name)[0]) if "@" in peer.name else None
+        if base is not None and base.last:
+            what = "fwd+grads" if len(peer.last) > 1 and len(base.last) == len(peer.last) else "fwd"
+            pairs = zip(peer.last, base.last) if what == "fwd+grads" else [(peer.last[0], base.last[0])]
+            errors[f"{peer.name} vs {base.name} {what}"] = max(_rel_err(a, b) for a, b in pairs)
     for name in refs:   # a module run on the torch backend alone is held to flex too
         flex, torch_backend = by_name.get(refs[name][0]), by_name.get(name + "-torch")
         if name not in by_name and flex and torch_backend:
@@ -661,12 +744,16 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     qkv, dout = make_inputs(cfg)
     timer = Timer(cfg.device)
     unavailable: dict = {}
-    peers, first = set_up(names, lambda name: make_peer(name, cfg, qkv, dout, args.tutorial),
+    peers, first = set_up(names, lambda name: forward_only(make_peer(name, cfg, qkv, dout, args.tutorial),
+                                                           args.forward_only),
                           cfg.device, timer, args.warmup, unavailable)
     times = measure(peers, timer, args.repeats, unavailable)
     errors = agreement(peers)
     result = {"N": cfg.n, "B": cfg.batch, "H": cfg.heads, "D": cfg.dim, "peers": {},
               "unavailable": unavailable, "agreement": errors}
+    variants = {p.name: split_variant(p.name)[1] for p in peers if "@" in p.name}
+    if variants:   # the pins, as fields for benchmarks/model_check.py
+        result["variants"] = {name: v.as_json() for name, v in variants.items()}
     if args.kernels and cfg.device == "cuda":
         result["kernels"] = {p.name: kernel_times(p) for p in peers
                              if p.name.startswith("bamgen-") or p.name == "tutorial"}
@@ -681,13 +768,25 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     return result
 
 
+def forward_only(peer: Peer, only: bool) -> Peer:
+    """--forward-only: the peer's forward alone (no backward timed, profiled or compiled)."""
+    if only:
+        peer.backward = False
+        if peer.fallback is not None:
+            fallback = peer.fallback
+            peer.fallback = lambda: forward_only(fallback(), True)
+    return peer
+
+
 def kernel_times(peer: Peer, rounds: int = 3) -> dict:
     """Device microseconds per kernel, from torch.profiler: of one inference forward
     ("fwd:<kernel>") and of one forward with grad and its backward ("bwd:<kernel>"), averaged
     over ``rounds`` calls. These are the per-kernel points the GPU cost model is fit to
     (docs/performance.md, "The GPU cost model"); a profiler failure is recorded, not raised."""
     from torch.profiler import ProfilerActivity, profile
-    phases = {"fwd": peer.infer, "bwd": lambda: peer.call().backward(peer.dout)}
+    phases = {"fwd": peer.infer}
+    if peer.backward:
+        phases["bwd"] = lambda: peer.backward_of(peer.call())
     found = {}
     try:
         for phase, fn in phases.items():
@@ -884,14 +983,18 @@ def parse_args(argv):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=16384, help="B = max(1, tokens // N)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    ap.add_argument("--peers", nargs="+", choices=all_peers(), metavar="PEER",
-                    help=f"subset of: {' '.join(all_peers())} (default: {' '.join(default_peers(False))})")
+    ap.add_argument("--peers", nargs="+", type=peer_name, metavar="PEER",
+                    help=f"subset of: {' '.join(all_peers())}, and pinned variants "
+                         f"bamgen-<prior>@<pins> (default: {' '.join(default_peers(False))})")
     ap.add_argument("--kernels", action="store_true",
                     help="also record each bamgen (and tutorial) kernel's device time, from "
                          "torch.profiler, in the JSON (the cost model's fit reads them)")
     ap.add_argument("--tutorial", metavar="PATH",
                     help="a copy of Triton's python/tutorials/06-fused-attention.py, for the "
                          "'tutorial' peer (fp16)")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="time (and with --kernels profile) the forwards alone: forward kernel "
+                         "variants need no backward, and compile in a fraction of the time")
     ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; medians reported")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before (compiles)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")

@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py                        # what `make gpu-check` runs
     python benchmarks/gpu_check.py --bench-args "--n 1024 4096 --head-dim 64 128"
 
-With a CUDA GPU that torch can use, it runs five steps, one after the other, each under a time
+With a CUDA GPU that torch can use, it runs six steps, one after the other, each under a time
 limit (LIMITS_S: each has its own but the benchmark, which gets what the others leave of
 TOTAL_S, 9.5 minutes in all; a step killed at its limit counts as failed):
 
@@ -22,10 +22,14 @@ TOTAL_S, 9.5 minutes in all; a step killed at its limit counts as failed):
 4. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
    report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
    the raw results beside it as .json, each kernel's device time included: --kernels);
-5. ``model``: benchmarks/model_check.py on that JSON: the throughput model's prediction beside
+5. ``variants``: benchmarks/gpu.py on forward kernel variants that the model cannot rank, each
+   timed against the shipped kernel in the same run (VARIANT_ARGS: pinned tiles and the
+   forward's table gather, ``bamgen-<prior>@<pins>``, forwards alone; N = 8192 at head dims 64
+   and 128, the shape of the points already fitted), its JSON to <device>-<date>-variants.json;
+6. ``model``: benchmarks/model_check.py on both JSONs: the throughput model's prediction beside
    each kernel's measured time, with leave-one-out errors, appended to the report; the pairs go
    to <device>-<date>-pairs.json for the next fit (docs/performance.md, "Second GPU session").
-This script then adds the outcome of the five steps to the report and prints where it is.
+This script then adds the outcome of the six steps to the report and prints where it is.
 
 It exits 0 when every step passed and 1 otherwise. Without a GPU (no CUDA device visible to
 torch, and none that ``nvidia-smi`` lists) it prints one line saying so and what it would run,
@@ -59,14 +63,23 @@ RESULTS = ROOT / "docs" / "results" / "gpu"
 # kernel (GPU, modelled)"); one flex compile each. --kernels keeps each kernel's device time in the
 # JSON: the points the GPU cost model is fit to.
 BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64 --kernels"
+# The variants (docs/performance.md, "Where a table forward's time goes"), forwards alone: the
+# table read through shared memory by the shipped copy, by a coalesced one, or directly, and
+# three pipeline stages instead of two (the tutorial's Hopper forwards take 3 or 4), for NoPE and
+# GGD, each against the shipped kernel in the same run (tiles.FWD_TABLE_GATHER).
+VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@fwd=128x64x8x3", "bamgen-ggd",
+                 "bamgen-ggd@gather=coalesced", "bamgen-ggd@gather=direct",
+                 "bamgen-ggd@fwd=128x64x8x3", "bamgen-ggd@fwd=128x64x8x3,gather=coalesced")
+VARIANT_ARGS = ("--n 8192 --head-dim 64 128 --repeats 5 --warmup 1 --decode-n --forward-only "
+                "--kernels --peers " + " ".join(VARIANT_PEERS))
 PROPERTY_SELECTION = "triton or hard_case or module_init"
 # the property tests took 110 s on 15 workers on an H200 (docs/performance.md); the compile
 # tests take ~60 s on 2 CPU workers under the interpreter, most of it tracing
 TOTAL_S = 570
-LIMITS_S = {"properties": 170, "aot": 60, "compile": 90, "model": 60}
+LIMITS_S = {"properties": 150, "aot": 60, "compile": 90, "variants": 90, "model": 60}
 
 
-STEP_NAMES = ("properties", "aot", "compile", "benchmark")
+STEP_NAMES = ("properties", "aot", "compile", "variants", "benchmark")
 
 
 def _limit(text: str) -> tuple[str, int]:
@@ -121,11 +134,13 @@ def report_path(device_name: str, day: datetime.date, folder: Path) -> Path:
 
 def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
          workers: int = 0) -> tuple[Step, ...]:
-    """The five steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
+    """The six steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider") + (
         ("-n", str(workers)) if workers else ())
     bench = (python, "benchmarks/gpu.py", *shlex.split(bench_args),
              "--markdown", str(report), "--json", str(report.with_suffix(".json")))
+    variants = (python, "benchmarks/gpu.py", *shlex.split(VARIANT_ARGS),
+                "--json", str(variants_json(report)))
     return (
         Step("properties", pytest + ("tests/runtime/test_properties.py", "tests/runtime/test_library.py", "-k",
                                      PROPERTY_SELECTION),
@@ -134,12 +149,22 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
         Step("compile", pytest + ("tests/runtime/test_compile.py", "-k", "triton"),
              (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0"),
               ("TRITON_DEFAULT_FP_FUSION", "0")), LIMITS_S["compile"]),
+        Step("variants", variants, (), LIMITS_S["variants"]),
         Step("benchmark", bench, (), TOTAL_S - sum(LIMITS_S.values())),
-        Step("model", (python, "benchmarks/model_check.py", str(report.with_suffix(".json")),
-                       "--arch", arch, "--append", str(report),
-                       "--pairs", str(report.with_name(report.stem + "-pairs.json"))),
-             (), LIMITS_S["model"]),
+        model_step(python, arch, report, (report.with_suffix(".json"), variants_json(report))),
     )
+
+
+def variants_json(report: Path) -> Path:
+    return report.with_name(report.stem + "-variants.json")
+
+
+def model_step(python: str, arch: str, report: Path, runs) -> Step:
+    """benchmarks/model_check.py on the runs' JSONs (main keeps those that were written)."""
+    return Step("model", (python, "benchmarks/model_check.py", *map(str, runs), "--arch", arch,
+                          "--append", str(report),
+                          "--pairs", str(report.with_name(report.stem + "-pairs.json"))),
+                (), LIMITS_S["model"])
 
 
 @dataclass(frozen=True)
@@ -263,6 +288,11 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
         if step.name == "benchmark":   # what the others leave of the total
             after = limits["model"] if "model" not in args.skip else 0
             step = replace(step, limit_s=int(limits["total"] - after - (clock() - t0)))
+        elif step.name == "model":   # the runs that wrote their JSON (a step may have failed)
+            runs = [report.with_suffix(".json"), variants_json(report)]
+            step = replace(model_step(sys.executable, arch, report,
+                                      [r for r in runs if r.exists()] or runs[:1]),
+                           limit_s=limits["model"])
         else:
             step = replace(step, limit_s=limits[step.name])
         outcomes.append(run(step))

@@ -1,6 +1,6 @@
 """The GPU throughput model against the kernels a GPU timed: one row per (prior, head dim,
-kernel) of a `benchmarks/gpu.py --kernels` run, the model's cycles per 1000 scores beside the
-measured ones, and the leave-one-out error of a one-factor fit (docs/performance.md, "Second GPU
+kernel) of a `benchmarks/gpu.py --kernels` run (pinned variants, bamgen-<prior>@<pins>, compiled
+with their pins), the model's cycles per 1000 scores beside the measured ones, and the leave-one-out error of a one-factor fit (docs/performance.md, "Second GPU
 session").
 
     python benchmarks/model_check.py docs/results/gpu/h200_2026-11-26_priors.json [more.json ...]
@@ -8,8 +8,8 @@ session").
 
 Measured: each kernel's device time from torch.profiler (`--kernels`), as cycles per 1000
 scores: time x clock x SMs / (B*H*N^2/2 / 1000) for a causal call. Modelled: the kernel compiled
-ahead of time for the GPU's family with the tile the run used (`bamgen.aot.compile_module`,
-candidate 0), its main loop through `bamgen.aot.loop_model`: the largest of its tensor, MUFU,
+ahead of time for the GPU's family with the tile the run used (the first candidate, or a
+variant's pins: `bamgen.aot.compile_spec`), its main loop through `bamgen.aot.loop_model`: the largest of its tensor, MUFU,
 FP32, issue and load/store cycles per 1000 scores; dQ counts every launch of a prior with
 several groups of learnable scalars. LOO: each point predicted from the median
 measured/modelled ratio of the other priors' same kernel and head dim, so a term the model
@@ -63,54 +63,95 @@ class Point:
 UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")
 
 
-def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float]]:
-    """(peer prior, head dim, kernel, measured cycles per 1000 scores) of a gpu.py JSON."""
+def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float, dict]]:
+    """(peer prior, head dim, kernel, measured cycles per 1000 scores, pins) of a gpu.py JSON:
+    a pinned variant (bamgen-<prior>@<pins>) is the prior "<prior>@<pins>", its pins the
+    run's ``variants`` entry ({} for the shipped tiles)."""
     out = []
     for result in run["results"]:
         scores = result["B"] * result["H"] * result["N"] ** 2 / 2
         for peer, kernels in result.get("kernels", {}).items():
             prior = peer.removeprefix("bamgen-")
-            if prior not in PRIORS:
+            if prior.partition("@")[0] not in PRIORS:
                 continue
+            pins = result.get("variants", {}).get(peer, {})
             for kernel, (phase, profiled, _) in KERNELS.items():
                 entry = kernels.get(f"{phase}:{profiled}")
                 if entry:
                     cycles = entry["us"] * 1e-6 * ghz * 1e9 * sms / (scores / 1000)
-                    out.append((prior, result["D"], kernel, cycles))
+                    out.append((prior, result["D"], kernel, cycles, pins))
     return out
 
 
-def modelled(prior: str, head_dim: int, arch: str, dtype: str, cache: dict) -> dict:
-    """{kernel: {unit: modelled cycles per 1000 scores}} of a prior's kernels (compiled once)."""
-    key = (prior, head_dim, arch, dtype)
-    if key not in cache:
-        from bamgen.aot import compile_module, loop_model
-        from bamgen.driver.loader import load_prior
-        from bamgen.resources import shipped_prior
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from aot_report import dq_launches
-        name, layout = PRIORS[prior]
-        module = load_prior(shipped_prior(name))
-        wanted = {aot: kernel for kernel, (_, _, aot) in KERNELS.items()}
-        cycles = {}
-        for k in compile_module(module, arch=arch, dtype=dtype, head_dim=head_dim, layout=layout,
-                                only=tuple(wanted)):
-            model = loop_model(k.main_loop, arch, k.num_warps)
-            scale = 1000 / (k.block[0] * k.block[1]) * (
-                dq_launches(module) if k.name == "attn_bwd_dq" else 1)
-            cycles[wanted[k.name]] = {u: c * scale for u, c in model["cycles"].items()}
-        cache[key] = cycles
-    return cache[key]
+def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
+    """A kernel spec (triton_kernel_specs) with a variant's pinned tile and table gather, as
+    bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's name of it
+    ("fwd", "bwd_dkdv", "bwd_dq")."""
+    name, fn, signature, constexprs, warps, stages = spec
+    constexprs = dict(constexprs)
+    tile = pins.get("tiles", {}).get(kernel)
+    if tile:
+        constexprs.update(BLOCK_M=tile[0], BLOCK_N=tile[1])
+        warps, stages = tile[2], tile[3]
+    if kernel == "fwd" and pins.get("gather"):
+        constexprs["TABLE_GATHER"] = pins["gather"]
+    return name, fn, signature, constexprs, warps, stages
+
+
+def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None = None) -> dict:
+    """{kernel: {unit: modelled cycles per 1000 scores}} of a prior's kernels, compiled with a
+    variant's pins."""
+    from bamgen.aot import compile_spec, loop_model
+    from bamgen.driver.loader import load_prior
+    from bamgen.resources import shipped_prior
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from aot_report import dq_launches
+    name, layout = PRIORS[prior.partition("@")[0]]
+    module = load_prior(shipped_prior(name))
+    wanted = {aot: kernel for kernel, (_, _, aot) in KERNELS.items()}
+    kwargs = {} if layout == "plain" else {"layout": layout}
+    cycles = {}
+    for spec in module.triton_kernel_specs(dtype, head_dim, True, arch=arch, **kwargs):
+        if spec[0] not in wanted:
+            continue
+        k = compile_spec(pinned_spec(spec, spec[0].removeprefix("attn_"), pins or {}), arch)
+        model = loop_model(k.main_loop, arch, k.num_warps)
+        scale = 1000 / (k.block[0] * k.block[1]) * (
+            dq_launches(module) if k.name == "attn_bwd_dq" else 1)
+        cycles[wanted[k.name]] = {u: c * scale for u, c in model["cycles"].items()}
+    return cycles
+
+
+def _modelled(key: tuple) -> dict:
+    prior, head_dim, arch, dtype, pins = key
+    return modelled(prior, head_dim, arch, dtype, json.loads(pins))
+
+
+def compile_all(keys: list[tuple]) -> dict:
+    """{key: modelled(*key)} for (prior, head dim, arch, dtype, pins as JSON) keys, compiled
+    once each, in parallel processes (a compile is single-threaded; a GPU machine has many
+    cores, and make gpu-check gives this step a minute)."""
+    if len(keys) <= 1:
+        return {key: _modelled(key) for key in keys}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    workers = min(len(keys), os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return dict(zip(keys, pool.map(_modelled, keys)))
 
 
 def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
-    cache, out = {}, []
+    measured = []
     for run in runs:
         dtype = DTYPES.get(run["args"].get("dtype", "bf16"), "bf16")
-        for prior, head_dim, kernel, cycles in measured_points(run, ghz, sms):
-            units = modelled(prior, head_dim, arch, dtype, cache)[kernel]
-            out.append(Point(prior, head_dim, kernel, max(units.values()), cycles,
-                             run["env"]["device"], tuple(sorted(units.items()))))
+        measured += [(run, (prior, head_dim, arch, dtype, json.dumps(pins, sort_keys=True)), kernel, cycles)
+                     for prior, head_dim, kernel, cycles, pins in measured_points(run, ghz, sms)]
+    compiled = compile_all(list(dict.fromkeys(key for _, key, _, _ in measured)))
+    out = []
+    for run, key, kernel, cycles in measured:
+        units = compiled[key][kernel]
+        out.append(Point(key[0], key[1], kernel, max(units.values()), cycles, run["env"]["device"],
+                         tuple(sorted(units.items()))))
     return out
 
 

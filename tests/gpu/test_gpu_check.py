@@ -1,5 +1,5 @@
 """`make gpu-check` (benchmarks/gpu_check.py): without a GPU one line and exit 0, nothing written;
-with one, the five steps it runs select what they should, and one report comes out.
+with one, the six steps it runs select what they should, and one report comes out.
 
 The GPU branch runs here with its steps replaced (no GPU on the development machine); the real
 run is `make gpu-check` on a CUDA machine."""
@@ -128,6 +128,9 @@ def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=(), argv=()):
     def run(step):
         ran.append(step)
         now[0] += step.limit_s
+        if step.name in ("benchmark", "variants") and step.name not in failing:
+            with open(step.argv[step.argv.index("--json") + 1], "w") as f:
+                f.write("{}")
         if step.name == "benchmark" and step.name not in failing:
             md = step.argv[step.argv.index("--markdown") + 1]
             with open(md, "w") as f:
@@ -138,14 +141,24 @@ def _fake_gpu_run(gc, monkeypatch, tmp_path, failing=(), argv=()):
     return rc, ran, tmp_path / "nvidia-h100-80gb-hbm3-2026-11-22.md"
 
 
-def test_with_a_gpu_it_runs_five_steps_and_writes_one_report(monkeypatch, tmp_path, capsys):
+def test_with_a_gpu_it_runs_six_steps_and_writes_one_report(monkeypatch, tmp_path, capsys):
     gc = _load_script()
     rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path)
     assert rc == 0
-    assert [s.name for s in ran] == ["properties", "aot", "compile", "benchmark", "model"]
-    bench_json = ran[3].argv[ran[3].argv.index("--json") + 1]
-    assert "--kernels" in ran[3].argv and ran[4].argv[1:3] == ("benchmarks/model_check.py", bench_json)
-    assert ran[4].argv[ran[4].argv.index("--append") + 1] == str(report)
+    assert [s.name for s in ran] == ["properties", "aot", "compile", "variants", "benchmark", "model"]
+    variants, bench, model = ran[3], ran[4], ran[5]
+    bench_json = bench.argv[bench.argv.index("--json") + 1]
+    variants_json = variants.argv[variants.argv.index("--json") + 1]
+    assert variants_json == str(report.with_name(report.stem + "-variants.json"))
+    assert "--kernels" in bench.argv and "--kernels" in variants.argv
+    # the variants are timed beside the shipped kernels they vary
+    peers = variants.argv[variants.argv.index("--peers") + 1:variants.argv.index("--json")]
+    assert {p.partition("@")[0] for p in peers if "@" in p} <= set(peers)
+    assert {"gather=direct", "gather=coalesced", "fwd=128x64x8x3"} <= {
+        pin for p in peers for pin in p.partition("@")[2].split(",")}
+    assert "--forward-only" in variants.argv
+    assert model.argv[1:4] == ("benchmarks/model_check.py", bench_json, variants_json)
+    assert model.argv[model.argv.index("--append") + 1] == str(report)
     assert ran[1].argv[-2:] == ("-k", "sm_90")
     assert ran[2].argv[-3:] == ("tests/runtime/test_compile.py", "-k", "triton")
     assert dict(ran[2].env)["BAMGEN_TEST_DEVICE"] == "cuda"
@@ -160,17 +173,23 @@ def test_with_a_gpu_it_runs_five_steps_and_writes_one_report(monkeypatch, tmp_pa
 def test_a_failed_step_fails_the_check_and_still_reports(monkeypatch, tmp_path, capsys):
     gc = _load_script()
     rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("aot",))
-    assert rc == 1 and len(ran) == 5
+    assert rc == 1 and len(ran) == 6
     assert "* aot: failed (exit 1)" in report.read_text()
     rc, _, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("benchmark",))
     assert rc == 1 and not report.exists()
     assert "the benchmark wrote no report" in capsys.readouterr().out
+    # the variants wrote no JSON: the model reads the benchmark's alone
+    for p in tmp_path.iterdir():
+        p.unlink()
+    rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path, failing=("variants",))
+    assert rc == 1 and "* variants: failed (exit 1)" in report.read_text()
+    assert ran[5].argv[2:4] == (str(report.with_suffix(".json")), "--arch")
 
 
 def test_a_short_lease_skips_steps_and_sets_their_limits(monkeypatch, tmp_path):
     gc = _load_script()
     rc, ran, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, argv=[
-        "--skip", "aot", "--limit", "properties=110", "--limit", "compile=50",
+        "--skip", "aot", "variants", "--limit", "properties=110", "--limit", "compile=50",
         "--limit", "total=260"])
     assert rc == 0
     assert [(s.name, s.limit_s) for s in ran] == [("properties", 110), ("compile", 50),
@@ -183,4 +202,17 @@ def test_a_bad_limit_names_the_steps(bad, capsys):
     with pytest.raises(SystemExit) as exit_:
         gc.main(["--limit", bad])
     assert exit_.value.code == 2
-    assert "STEP=SECONDS with STEP one of properties, aot, compile, model, total" in capsys.readouterr().err
+    assert "STEP=SECONDS with STEP one of properties, aot, compile, variants, model, total" in capsys.readouterr().err
+
+
+def test_the_variant_peers_are_peers_the_benchmark_takes():
+    """Every peer of the variants step parses as benchmarks/gpu.py's --peers, and each pinned
+    variant's pins are what its name says."""
+    gc = _load_script()
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_bench")
+    args = gpu.parse_args(__import__("shlex").split(gc.VARIANT_ARGS))
+    assert args.peers == list(gc.VARIANT_PEERS) and args.kernels and args.decode_n == []
+    assert args.forward_only
+    pinned = {name: gpu.split_variant(name)[1] for name in args.peers if "@" in name}
+    assert pinned["bamgen-ggd@gather=direct"] == gpu.Variant((), "direct")
+    assert pinned["bamgen-ggd@fwd=128x64x8x3"] == gpu.Variant((("fwd", (128, 64, 8, 3)),), None)

@@ -98,12 +98,14 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
                                     offs_m_abs, n_visible, row_ok, offs_d, s_lo, s_full, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, True, BLOCK_N,
-                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
+                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
+                                    "async")   # (the pipelined read: tiles.FWD_TABLE_GATHER)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, s_full, s_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, False, BLOCK_N,
-                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
+                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
+                                    "async")   # (the pipelined read: tiles.FWD_TABLE_GATHER)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference, as the forward's statistics are
             row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)

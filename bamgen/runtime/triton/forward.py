@@ -21,6 +21,8 @@ Constexpr flags of the launch:
                (document, query tile) items, and the program's rows and keys are its
                document's (CuSeqQ / CuSeqK: int32 cumulative lengths), positions local and
                offsets 0; key tiles of other documents are never visited
+  TABLE_GATHER "async" or "direct": how a table prior's tile of entries is read
+               (tiles.FWD_TABLE_GATHER; helpers._gather_table); ignored without a table
 With the three flags off the kernel compiles to what it was without them (the same loops).
 The prior's flags (TABLE, RAMP, ROW_FACTORS, SKIP, ...) are hooks.py's.
 Runtime (never recompiles): Nq, Nk, q_offset, k_offset, sm_scale, strides, Hq, GROUP, the
@@ -37,12 +39,23 @@ import triton.language as tl
 
 from .helpers import (
     TABLE_ROW_ARGS, _as_cols, _as_rows, _distance, _dot, _factored_logit2, _kept_keys, _load_kept,
-    _load_kv, _logit2, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
+    _gather_table, _load_kv, _logit2, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
-    _tensor_positions, _value_entries, _window_keys)
+    _table_logit2, _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
     POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, TABLE_POSITIONS, prior_ramp,
     prior_scalars)
+
+
+@triton.jit
+def _fwd_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc,
+                TABLE_GATHER: tl.constexpr):
+    """_logit2, with a table prior's entries read as TABLE_GATHER says."""
+    if TABLE:
+        return _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                             _gather_table(tab_at, TABLE_GATHER), sc)
+    else:
+        return _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
 
 
 @triton.jit
@@ -51,7 +64,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                     sm_scale, tab_rows, ramp_slope, ramp_ref, km_base, sc, pos_rows, PosK, pk_head,
                     CAUSAL: tl.constexpr, STEADY: tl.constexpr, BLOCK_N: tl.constexpr,
                     D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
-                    UPCAST_DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+                    UPCAST_DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+                    TABLE_GATHER: tl.constexpr):
     """Online softmax over the key tiles [n_lo, n_hi) of one query tile (base-2 exponent).
 
     STEADY: every key of these tiles exists and is visible to every row of the tile (the
@@ -93,15 +107,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                 z = _ramp_logit2(qk, qk_scale, ramp_slope, offs_m_abs[:, None], offs_n_abs[None, :],
                                  near_ref)
             else:
-                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
+                z = _fwd_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc,
+                                TABLE_GATHER)
         elif ROW_FACTORS:
             if TABLE:
-                tab = _value_entries(tl.load(tab_at))   # (see _logit2)
+                tab = _value_entries(_gather_table(tab_at, TABLE_GATHER))
             else:
                 tab = ()
             z = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
         else:
-            z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
+            z = _fwd_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc,
+                            TABLE_GATHER)
         if not STEADY:
             visible = (offs_n < Nk)[None, :] & row_ok[:, None]
             if CAUSAL:
@@ -133,7 +149,8 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
               NUM_PARAMS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
               DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, STORE_O32: tl.constexpr,
-              HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, VARLEN: tl.constexpr):
+              HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, VARLEN: tl.constexpr,
+              TABLE_GATHER: tl.constexpr):
     """One program: one query tile of one (batch, head). Writes O and, per row, the running
     max m (base 2) and sum l of the online softmax: the backward rebuilds P as
     exp2(z - m) / l, exact where a rounded log-sum-exp m + log2(l) would cost eps * |z|."""
@@ -211,12 +228,14 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
                                     offs_m_abs, n_visible, row_ok, offs_d, n_lo, n_full, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, True, BLOCK_N,
-                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
+                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
+                                    TABLE_GATHER)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, n_full, n_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, False, BLOCK_N,
-                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK)
+                                    D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
+                                    TABLE_GATHER)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference (what the backward rebuilds)
             row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)

@@ -253,6 +253,23 @@ def _table_load(ptrs):
         return tl.load(ptrs)
 
 @triton.jit
+def _gather_table(ptrs, TABLE_GATHER: tl.constexpr):
+    """The forward's tile of table entries, read as TABLE_GATHER says (tiles.FWD_TABLE_GATHER):
+    "async" through tl.load (the pipeliner's asynchronous copy), "coalesced" the same from a
+    pointer tensor of another shape, "direct" through _table_load."""
+    if TABLE_GATHER == "direct":
+        return _table_load(ptrs)
+    elif TABLE_GATHER == "coalesced":
+        # the pointers as [M, 1, N]: a shape no other load or store of the kernel has, so that
+        # Triton's coalescing pass gives the copy a layout of its own (a warp reads 32
+        # consecutive entries of a row) instead of Q's (see tiles.FWD_TABLE_GATHER)
+        M: tl.constexpr = ptrs.shape[0]
+        N: tl.constexpr = ptrs.shape[1]
+        return tl.reshape(tl.load(tl.expand_dims(ptrs, 1)), (M, N))
+    else:
+        return tl.load(ptrs)
+
+@triton.jit
 def _table_load4(ptrs):
     """Four consecutive table entries at each of a tile's 16-byte aligned pointers (the dQ
     kernel's interleaved table: the log-prior and its derivatives of one distance), in one
@@ -483,9 +500,10 @@ def _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_ptrs, sc):
     qk_scale = sm_scale * log2(e); tab_ptrs point at the tile's table entries (table strategy;
     unused otherwise)."""
     if TABLE:
-        # tl.load: the forward and decode loops are issue-bound, and Triton's pipeliner turns
-        # this load into an asynchronous copy that hides its latency (the backward kernels
-        # gather with _table_load instead)
+        # tl.load: Triton's pipeliner turns this load into an asynchronous copy (the
+        # backward's rebuilt P in some branches; the forward and decode loops read their
+        # entries as TABLE_GATHER says, _gather_table, and the backward's gradients gather
+        # with _table_load)
         return _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tl.load(tab_ptrs), sc)
     elif SCORE_IS_S and HAS_BIAS:
         return (qk * sm_scale + prior_bias(pos_d, pos_i, pos_j, pos_n, sc)) * 1.4426950408889634

@@ -15,8 +15,10 @@ tiles inside the table, so the loads need no mask. The tables are filled on the 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -26,7 +28,7 @@ from ..constants import LOG2E, POSITION_TABLE_SPAN, TABLE_PAD
 from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
-from .tiles import GRAD_GROUPS, INTERPRET_TILES, TILES
+from .tiles import FWD_TABLE_GATHER, GRAD_GROUPS, INTERPRET_TILES, TABLE_GATHERS, TILES
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -97,6 +99,48 @@ def masked_tile(kernel, config):
 
 
 
+@dataclass(frozen=True)
+class Pins:
+    """Launch choices fixed for the calls inside pinned(): a tile config per kernel name
+    (KERNELS' keys, "fwd", "bwd_dq", ...) and the forward's table gather (TABLE_GATHERS)."""
+    tiles: dict = field(default_factory=dict)
+    gather: str | None = None
+
+
+_PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
+
+
+@contextlib.contextmanager
+def pinned(tiles=None, gather=None):
+    """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
+    that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
+    tiles included), and the forward reads a table as ``gather`` says: so that a benchmark
+    times one kernel variant against another in the same process (benchmarks/gpu.py's
+    bamgen-<prior>@... peers). Nothing checks that a pinned config compiles without spills, as
+    the tile table's do (tests/gpu/test_aot.py)."""
+    tiles = dict(tiles or {})
+    unknown = sorted(set(tiles) - set(INTERPRET_TILES))
+    if unknown:
+        raise ValueError(f"pinned(tiles=...): no kernel {unknown[0]!r}; the kernels are "
+                         f"{', '.join(INTERPRET_TILES)}")
+    for name, config in tiles.items():
+        if len(config) != 4 or not all(isinstance(x, int) and x > 0 for x in config):
+            raise ValueError(f"pinned(tiles=...): {name}={config!r} is not a tile config "
+                             f"(BLOCK_M, BLOCK_N, num_warps, num_stages) of positive integers")
+    if gather is not None and gather not in TABLE_GATHERS:
+        raise ValueError(f"pinned(gather=...): {gather!r} is not one of {', '.join(TABLE_GATHERS)}")
+    token = _PINS.set(Pins({k: tuple(v) for k, v in tiles.items()}, gather))
+    try:
+        yield
+    finally:
+        _PINS.reset(token)
+
+
+def table_gather():
+    """The forward's TABLE_GATHER: the pinned one, else tiles.FWD_TABLE_GATHER."""
+    return _PINS.get().gather or FWD_TABLE_GATHER
+
+
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
     """run(config) launches `kernel` with a tile config and returns what the caller needs.
 
@@ -107,6 +151,9 @@ def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False
     outputs, so the timing runs leave nothing behind but the result of the last run. A traced
     launch (the triton ops) takes a config an eager call tuned for its key, else the default: a
     trace cannot time anything."""
+    pin = _PINS.get().tiles.get(kernel)
+    if pin is not None:
+        return run(pin)
     if interpreting():
         return run(INTERPRET_TILES[kernel])
     arch = gpu_family(device)
@@ -419,6 +466,8 @@ def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, 
                tab_stride_h, window, counts, lay, shifted, wrap)
         return out, stats, out32
 
+    gather = table_gather()
+
     def run(config):
         block_m, block_n, warps, stages = config
         return wrap(kernels["fwd"])[(lay.grid0(0, block_m, Nq), B * Hq)](
@@ -431,7 +480,7 @@ def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, 
             NUM_PARAMS=theta.shape[1], CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
             HEAD_DIM=head_dim_padded(D), D=D, DOT_PREC=dot_precision(q.dtype),
             UPCAST_DOT=upcast_dot(q.dtype), STORE_O32=store_o32, **lay.flags(),
-            num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+            TABLE_GATHER=gather, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
 
     launch(prior, "fwd", D, q.device, tune_key(q, Nq, Nk, causal), run, lay.masked, wrap is not eager_kernel)
     return out, stats, out32
@@ -675,7 +724,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
         ("attn_fwd", kernels["fwd"], "fwd",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", O=ptr, O32="*fp32", Mrow="*fp32", Lrow="*fp32",
               Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs, **pos_ptrs),
-         dict(STORE_O32=dtype != "fp32")),
+         dict(STORE_O32=dtype != "fp32", TABLE_GATHER=FWD_TABLE_GATHER)),
         ("bwd_preprocess", kernels["preprocess"], None,
          dict(O=ptr if dtype == "fp32" else "*fp32", DO=ptr, Delta="*fp32", Theta="*fp32",
               NRow="*fp32", RowF="*fp32"), None),

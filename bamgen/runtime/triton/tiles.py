@@ -206,6 +206,29 @@ def _derived(kind: str, changes: dict) -> dict:
 TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32, 4, 2)],
                                               ("sm_90", 128, "bwd_dq"): [(64, 16, 4, 2)]})
 
+# How the forward reads a table prior's tile of entries (the TABLE_GATHER constexpr of _attn_fwd):
+#   "async"     tl.load, which Triton's software pipeliner turns into asynchronous copies into
+#               shared memory (one 4-byte LDGSTS per score: the rows of a tile start one entry
+#               apart, so no wider copy is aligned), read back in the MMA layout: a
+#               [BLOCK_M, BLOCK_N] float32 buffer of shared memory (32 KB at 128x64). Where
+#               BLOCK_N equals the head dim (128x64 at 64), the pointers have the shape of Q's
+#               load and O's store, and Triton's coalescing pass gives every access of one shape
+#               the widest vector among them: Q's 8 bf16, so each thread copies 8 entries of a row
+#               32 bytes apart from its neighbour's, and a warp's 4-byte copy touches 32 sectors
+#               for 128 bytes (Triton 3.6 and 3.9; at head dim 128 the copy is coalesced);
+#   "coalesced" the same copy from pointers shaped [BLOCK_M, 1, BLOCK_N], a shape of their own: a
+#               warp copies 32 consecutive entries of a row (4-5 sectors); read back with 32
+#               4-byte shared loads instead of 16 8-byte ones (the same wavefronts), and 215-218
+#               registers instead of 168-174 at head dim 64 on sm_90 (one CTA per SM either way);
+#   "direct"    ld.global.nc in the MMA layout (helpers._table_load, as the backward kernels
+#               gather): no shared memory and no copy back, but the load is not pipelined.
+# The H200 measured the "async" table forwards at 1.40x NoPE's at head dim 128 and 3.4-3.9x at
+# 64 (docs/performance.md, "Where a table forward's time goes"): the uncoalesced copy is the
+# candidate. Which read is faster is for a GPU to decide: `make gpu-check` times the three in
+# one run (gpu_check.VARIANT_PEERS), and the default changes here when it has.
+FWD_TABLE_GATHER = "async"
+TABLE_GATHERS = ("async", "coalesced", "direct")
+
 GRAD_GROUPS = {"heavy": 4, "positions_vectors": 4, "positions_heavy": 4}
 
 # Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly.

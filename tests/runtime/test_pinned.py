@@ -1,0 +1,72 @@
+"""Pinned launches (bamgen.runtime.triton.launch.pinned): what benchmarks/gpu.py's
+bamgen-<prior>@<pins> peers run, a kernel variant timed against the shipped one in one process.
+Under the interpreter: the pins reach the kernels (a tile the kernels cannot take fails, in the
+forward and in the backward kernels autograd launches), a variant computes what the shipped
+kernels compute, and a wrong pin is refused by name."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from bamgen.runtime.triton.launch import pinned, table_gather
+from bamgen.runtime.triton.tiles import FWD_TABLE_GATHER
+
+GGD = importlib.import_module("generated.generalized_gaussian")
+
+
+def _call(module, causal=True, n=37, seed=0):
+    """A GQA call at a ragged length, its output and every gradient (q, k, v, parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, n, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, n, 16, generator=g, requires_grad=True) for _ in range(2))
+    params = {name: t.clone().requires_grad_() for name, t in module.default_params(4).items()}
+    out = module.attention(q, k, v, causal=causal, backend="triton", **params)
+    grads = torch.autograd.grad(out, [q, k, v, *params.values()],
+                                torch.randn(out.shape, generator=g), allow_unused=True)
+    return [out.detach(), *(t for t in grads if t is not None)]
+
+
+BAM_SSMAX = importlib.import_module("generated.bam_ssmax")
+
+
+@pytest.mark.parametrize("gather", ["coalesced", "direct"])
+@pytest.mark.parametrize("module", [GGD, BAM_SSMAX], ids=["ggd", "bam_ssmax"])
+def test_another_table_gather_computes_what_the_shipped_forward_does(gather, module):
+    """The forward reading its table entries another way (a copy from pointers of another
+    shape; ld.global.nc on a GPU, a plain load under the interpreter) gives the same bits, and
+    so the backward's rebuilt P the same gradients; SSMax reads them through its row factors."""
+    want = _call(module)
+    with pinned(gather=gather):
+        assert table_gather() == gather
+        got = _call(module)
+    assert table_gather() == FWD_TABLE_GATHER   # (the pin ends with the block)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
+def test_a_pinned_tile_reaches_its_kernel(kernel):
+    """A tile pinned for one kernel is the one it launches with: a tile no kernel can take (24
+    rows: not a power of two) fails there, the backward's included (launched by autograd), and
+    a tile it can take gives the shipped kernels' result to rounding."""
+    with pinned(tiles={kernel: (24, 16, 4, 1)}), pytest.raises(Exception, match="power of 2"):
+        _call(GGD)
+    want = _call(GGD)
+    with pinned(tiles={kernel: (16, 16, 4, 2)}):
+        got = _call(GGD)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiles, gather, match", [
+    ({"forward": (64, 64, 4, 2)}, None, r"no kernel 'forward'; the kernels are fwd, bwd_dkdv"),
+    ({"fwd": (64, 64, 4)}, None, r"fwd=\(64, 64, 4\) is not a tile config"),
+    ({"fwd": (64, 64, 4, 0)}, None, r"is not a tile config \(BLOCK_M, BLOCK_N, num_warps"),
+    (None, "shared", r"pinned\(gather=...\): 'shared' is not one of async, coalesced, direct"),
+])
+def test_a_wrong_pin_is_refused_by_name(tiles, gather, match):
+    with pytest.raises(ValueError, match=match):
+        with pinned(tiles, gather):
+            pass
