@@ -21,6 +21,11 @@ class PriorAttention(torch.nn.Module):
     _bamgen_prior = None   # the generated subclass's bamgen.runtime.Prior
 
     def __init__(self, num_heads, *, init=None, device=None):
+        if self._bamgen_prior is None:   # the base class itself: no prior to attend with
+            raise TypeError("PriorAttention is the base class of the generated modules and has "
+                            "no prior: construct a generated module's own class, such as "
+                            "bamgen.load('generalized_gaussian').GeneralizedGaussianAttention"
+                            "(num_heads=8)")
         super().__init__()
         traits = self._bamgen_prior.traits
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:

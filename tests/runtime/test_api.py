@@ -61,6 +61,14 @@ def test_default_params_follow_the_spec_inits():
     assert torch.allclose(1 / b, torch.tensor([2 ** (-8 * (h + 1) / 4) for h in range(4)]))
 
 
+def test_the_base_module_class_says_to_use_a_prior_s_own():
+    """A user who reaches for the base class every generated module exposes gets told what to
+    construct instead, not an AttributeError from inside it."""
+    with pytest.raises(TypeError, match=r"base class .*\.GeneralizedGaussianAttention\(num_heads=8\)"):
+        ggd.PriorAttention(num_heads=8)
+    assert ggd.GeneralizedGaussianAttention(num_heads=2).num_heads == 2
+
+
 def test_module_parameters_stay_in_domain_and_train():
     attn = ggd.GeneralizedGaussianAttention(num_heads=4)
     names = sorted(n for n, _ in attn.named_parameters())
