@@ -26,11 +26,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from bamgen.cli import main
 from bamgen.driver.loader import import_module_file
-from tests.helpers import run_cli, write_prior
+from tests.helpers import run_cli, run_cli_in_process, write_prior
 from tests.reference import reference_attention
 from tests.tolerance import assert_all_close
 
@@ -454,12 +452,7 @@ def test_a_hostile_file_name_is_refused(tmp_path, filename):
 
 def _cli(*args: str, cwd: Path):
     """The CLI in this process (click's runner), with ``cwd`` as the working folder."""
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
-        return CliRunner().invoke(main, list(args))
-    finally:
-        os.chdir(here)
+    return run_cli_in_process(*args, cwd=cwd)
 
 
 def test_late_refusals_leave_a_built_module_of_the_same_name_untouched(tmp_path):

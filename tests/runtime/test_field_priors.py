@@ -104,8 +104,8 @@ def test_gradients_are_bit_identical_run_to_run(name, backend):
     program, summed in a fixed order; the CPU path's threads each own their rows)."""
     module, make = CASES[name]
     torch.manual_seed(2)
-    # (FIRE's 98 gradients take 25 dQ launches, each a full pass of the interpreter: a smaller
-    # batch keeps its two runs under a minute; still several query and key tiles, ragged)
+    # (FIRE's gradients take a dQ launch per 16 scalars under the interpreter, each a full pass
+    # of it: a smaller batch keeps its two runs short; still several query and key tiles, ragged)
     batch, heads, n = (1, 2, 29) if name == "fire" else (2, 4, 37)
     q, k, v = (torch.randn(batch, heads, n, 16) for _ in range(3))
     params = make(heads)

@@ -76,7 +76,7 @@ def _losses(layer, data, dtype, steps=STEPS, **mode):
     return torch.tensor(losses, dtype=torch.float64), layer
 
 
-# The Triton kernels under the interpreter take about 35 s a step here: make test runs two steps
+# The Triton kernels under the interpreter take about 12 s a step here: make test runs two steps
 # (the second step's loss already depends on every gradient of the first), make test-full all 20.
 @pytest.mark.parametrize("backend, steps", [
     ("torch", STEPS), ("triton", 2), pytest.param("triton", STEPS, marks=pytest.mark.full)])

@@ -98,6 +98,33 @@ def test_ssmax_dq_with_per_tile_parameter_sums(dq_tile, monkeypatch):
     _check_against_reference("bam_ssmax", "triton")
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_dq_launches_in_groups_give_the_one_launch_gradients(group, monkeypatch):
+    """A prior with more learnable scalars than a dQ launch sums takes a launch per group
+    (FIRE's 134 in a two-head test, 4 a launch on a GPU, 16 under the interpreter): GGD's
+    three, one or two a launch (the last group ragged), give one launch's dQ and parameter
+    gradients bit for bit, dK and dV untouched."""
+    import generated.generalized_gaussian as ggd
+    from bamgen.runtime.triton import launch
+
+    def grads():
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(1, 2, 37, 16, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, 1, 37, 16, generator=g, requires_grad=True) for _ in range(2))
+        params = {n: t.clone().requires_grad_() for n, t in ggd.default_params(2).items()}
+        out = ggd.attention(q, k, v, causal=True, backend="triton", **params)
+        return torch.autograd.grad(out, [q, k, v, *params.values()], torch.randn(out.shape, generator=g))
+
+    want = grads()
+    monkeypatch.setattr(launch, "INTERPRET_GRAD_GROUP", group)
+    launched, real = [], launch.grad_groups
+    monkeypatch.setattr(launch, "grad_groups", lambda *a: launched.append(real(*a)) or launched[-1])
+    got = grads()
+    assert launched == [[(0, 1), (1, 1), (2, 1)] if group == 1 else [(0, 2), (2, 1)]]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 # BAMGEN_TEST_DEVICE=cuda (make gpu-check) runs the Triton checks on a GPU, as in
 # tests/runtime/test_properties.py; the reference stays float64 on the CPU
 DEVICE = torch.device(os.environ.get("BAMGEN_TEST_DEVICE", "cpu"))

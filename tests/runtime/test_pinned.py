@@ -19,9 +19,9 @@ GGD = importlib.import_module("generated.generalized_gaussian")
 def _call(module, causal=True, n=37, seed=0):
     """A GQA call at a ragged length, its output and every gradient (q, k, v, parameters)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 4, n, 16, generator=g, requires_grad=True)
-    k, v = (torch.randn(2, 2, n, 16, generator=g, requires_grad=True) for _ in range(2))
-    params = {name: t.clone().requires_grad_() for name, t in module.default_params(4).items()}
+    q = torch.randn(1, 2, n, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 1, n, 16, generator=g, requires_grad=True) for _ in range(2))
+    params = {name: t.clone().requires_grad_() for name, t in module.default_params(2).items()}
     out = module.attention(q, k, v, causal=causal, backend="triton", **params)
     grads = torch.autograd.grad(out, [q, k, v, *params.values()],
                                 torch.randn(out.shape, generator=g), allow_unused=True)

@@ -619,7 +619,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         dq_stride_h = table_dq.shape[1] * table_dq.shape[2]
     else:
         table_dq, dq_stride_h = table, tab_stride_h
-    groups = [(0, 0)] if dist_sums else grad_groups(prior.traits.num_grads, prior.traits.tile_kind)
+    groups = [(0, 0)] if dist_sums else grad_groups(
+        prior.traits.num_grads, prior.traits.tile_kind, INTERPRET_GRAD_GROUP if interpreting() else None)
     dq = torch.empty_like(q)
     partials = {}   # one partial sum per dQ program: its shape follows the tile
 
@@ -660,6 +661,11 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
 # group, each with the registers of a few accumulators (FIRE's 99 in one launch would need 198
 # of them per row, and spill); every group recomputes P and dS, and the first also writes dQ.
 GRAD_GROUP = 8
+# Under TRITON_INTERPRET=1 a dQ launch sums up to this many: the interpreter's time goes by
+# launches, not registers (FIRE's 134 scalars of a two-head test, 4 a launch, took 33 s a
+# backward; 16 a launch, 11 s). FIRE still takes several launches, the last one ragged, so the
+# tests run the multi-launch path; tests/runtime/test_pinned.py also runs GGD a scalar a launch.
+INTERPRET_GRAD_GROUP = 16
 
 
 def dist_width(num_grads: int) -> int:
