@@ -151,6 +151,14 @@ def loop_model(mix: dict, arch: str, num_warps: int) -> dict:
     32 lanes of every warp. Every instruction of every warp takes an issue slot; every shared /
     L1 access takes LSU wavefronts. The estimate is the slowest unit (the units overlap
     perfectly), which is optimistic about latency and ignores DRAM/L2 stalls.
+
+    What it cannot see (docs/performance.md, "Why the copy is slow at head dim 64"): where an
+    access's addresses go (a warp's 4-byte access counts one wavefront whether its 32 threads
+    read one 128-byte line or 32 sectors; the table copy at head dim 64 is the latter), how
+    deep the software pipeline is (two stages wait for every copy at each tile's top, so only
+    another CTA hides a load's latency), and how many CTAs share an SM. benchmarks/model_check.py
+    fits weights to its units against a GPU's kernel times; `make gpu-check` times the variants
+    it cannot rank.
     """
     rates = THROUGHPUT[arch]
     flops = 0
