@@ -27,7 +27,8 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       strategy (bamgen.load(..., strategy=)): one kernel variant against another
                       in the same run, where the model cannot decide (docs/performance.md);
                       their outputs are held to the shipped build's.
-* ``bamgen-<prior>@<pins>``  a pinned kernel variant of ``bamgen-<prior>`` (Triton backend):
+* ``bamgen-<prior>@<pins>``  a pinned kernel variant of ``bamgen-<prior>`` (Triton backend; a
+                      decode peer too, --decode-peers bamgen-ggd@gather=coalesced):
                       pins, comma-separated, are ``<kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>``
                       (kernel: fwd, bwd_dkdv, bwd_dq, decode) and ``gather=async|direct`` (how the
                       forward reads a table prior's entries: tiles.FWD_TABLE_GATHER), e.g.
@@ -672,6 +673,11 @@ def decode_peer(name: str, cfg: DecodeConfig, qkv) -> Peer:
     ``bamgen-<prior>-forward``: the same call through the forward kernel (what a step ran
     before the decode kernel existed), by asking for a gradient it does not use."""
     q_offset = cfg.n - 1
+    base, pins = split_variant(name)
+    if pins is not None:   # a pinned variant of a bamgen decode peer (decode_peer_name checked it)
+        peer = decode_peer(base, cfg, qkv)
+        peer.name, peer.pins = name, pins.context
+        return peer
     if name == "sdpa":
         return Peer(name, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                     list(qkv), None, backward=False)
@@ -701,11 +707,31 @@ def default_decode_peers(quick: bool) -> list[str]:
              "bamgen-uniform"] + (["bamgen-ggd-torch"] if quick else []))
 
 
+def decode_peer_name(text: str) -> str:
+    """--decode-peers' type: one of default_decode_peers(True), or a bamgen one's pinned
+    variant (bamgen-ggd@gather=coalesced: the decode kernel's table read, or its tile)."""
+    base, at, _ = text.partition("@")
+    if base not in default_decode_peers(True):
+        raise argparse.ArgumentTypeError(
+            f"{base!r} is not a decode peer; choose from: {' '.join(default_decode_peers(True))}")
+    if at:
+        if not base.startswith("bamgen-") or base.endswith(("-torch", "-forward")):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: only a bamgen decode peer on the decode kernels takes pins")
+        try:
+            split_variant(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+    return text
+
+
 def decode_agreement(peers: list[Peer]) -> dict:
-    """The decode peers that compute one function, compared on their last outputs."""
+    """The decode peers that compute one function, compared on their last outputs (a pinned
+    variant with its base peer)."""
     by_name = {p.name: p for p in peers}
     pairs = [("bamgen-ggd", "flex-ggd"), ("bamgen-uniform", "sdpa"),
              ("bamgen-ggd", "bamgen-ggd-forward"), ("bamgen-ggd", "bamgen-ggd-torch")]
+    pairs += [(p.name, split_variant(p.name)[0]) for p in peers if "@" in p.name]
     return {f"decode {a} vs {b}": _rel_err(by_name[a].last[0], by_name[b].last[0])
             for a, b in pairs if a in by_name and b in by_name}
 
@@ -1006,8 +1032,9 @@ def parse_args(argv):
     ap.add_argument("--decode-batch", type=int, nargs="+", help="sequences per decode step (default 1 64)")
     ap.add_argument("--kv-heads", type=int, default=None,
                     help="key/value heads of the decode steps (default heads / 4: GQA)")
-    ap.add_argument("--decode-peers", nargs="+", choices=default_decode_peers(True), metavar="PEER",
-                    help=f"subset of: {' '.join(default_decode_peers(True))}")
+    ap.add_argument("--decode-peers", nargs="+", type=decode_peer_name, metavar="PEER",
+                    help=f"subset of: {' '.join(default_decode_peers(True))}, and pinned variants "
+                         "of the bamgen ones (bamgen-ggd@gather=coalesced)")
     ap.add_argument("--quick", action="store_true",
                     help="CI smoke run on the CPU under the Triton interpreter, with checks "
                          "(fixes H=2, B=1, fp32, one repeat)")

@@ -28,7 +28,9 @@ TOTAL_S, 9.5 minutes in all; a step killed at its limit counts as failed):
 5. ``variants``: benchmarks/gpu.py on forward kernel variants that the model cannot rank, each
    timed against the shipped kernel in the same run (VARIANT_ARGS: pinned tiles and the
    forward's table gather, ``bamgen-<prior>@<pins>``, forwards alone; N = 8192 at head dims 64
-   and 128, the shape of the points already fitted), its JSON to <device>-<date>-variants.json;
+   and 128, the shape of the points already fitted; and the decode kernel's table read, 64
+   sequences against 4096 cached keys), its table to <device>-<date>-variants.md and its JSON
+   beside it;
 6. ``model``: benchmarks/model_check.py on both JSONs: the throughput model's prediction beside
    each kernel's measured time, with leave-one-out errors, appended to the report; the pairs go
    to <device>-<date>-pairs.json for the next fit (docs/performance.md, "Second GPU session").
@@ -73,8 +75,12 @@ BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode
 VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@fwd=128x64x8x3", "bamgen-ggd",
                  "bamgen-ggd@gather=coalesced", "bamgen-ggd@gather=direct",
                  "bamgen-ggd@fwd=128x64x8x3", "bamgen-ggd@fwd=128x64x8x3,gather=coalesced")
-VARIANT_ARGS = ("--n 8192 --head-dim 64 128 --repeats 5 --warmup 1 --decode-n --forward-only "
-                "--kernels --peers " + " ".join(VARIANT_PEERS))
+# and the decode kernel's read (at head dim 128 its 16x128 tile has Q's shape): 64 sequences
+# against 4096 cached keys
+VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced")
+VARIANT_ARGS = ("--n 8192 --head-dim 64 128 --repeats 5 --warmup 1 --forward-only --kernels "
+                "--decode-n 4096 --decode-batch 64 --peers " + " ".join(VARIANT_PEERS)
+                + " --decode-peers " + " ".join(VARIANT_DECODE_PEERS))
 PROPERTY_SELECTION = "triton or hard_case or module_init"
 # the property tests took 110 s on 15 workers on an H200 (docs/performance.md); the compile
 # tests take ~60 s on 2 CPU workers under the interpreter, most of it tracing
@@ -143,6 +149,7 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
     bench = (python, "benchmarks/gpu.py", *shlex.split(bench_args),
              "--markdown", str(report), "--json", str(report.with_suffix(".json")))
     variants = (python, "benchmarks/gpu.py", *shlex.split(VARIANT_ARGS),
+                "--markdown", str(variants_json(report).with_suffix(".md")),
                 "--json", str(variants_json(report)))
     return (
         Step("properties", pytest + ("tests/runtime/test_properties.py", "tests/runtime/test_library.py", "-k",

@@ -86,14 +86,14 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
 def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
     """A kernel spec (triton_kernel_specs) with a variant's pinned tile and table gather, as
     bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's name of it
-    ("fwd", "bwd_dkdv", "bwd_dq")."""
+    ("fwd", "bwd_dkdv", "bwd_dq", "decode")."""
     name, fn, signature, constexprs, warps, stages = spec
     constexprs = dict(constexprs)
     tile = pins.get("tiles", {}).get(kernel)
     if tile:
         constexprs.update(BLOCK_M=tile[0], BLOCK_N=tile[1])
         warps, stages = tile[2], tile[3]
-    if kernel == "fwd" and pins.get("gather"):
+    if kernel in ("fwd", "decode") and pins.get("gather"):
         constexprs["TABLE_GATHER"] = pins["gather"]
     return name, fn, signature, constexprs, warps, stages
 

@@ -156,7 +156,8 @@ def test_with_a_gpu_it_runs_six_steps_and_writes_one_report(monkeypatch, tmp_pat
     assert variants_json == str(report.with_name(report.stem + "-variants.json"))
     assert "--kernels" in bench.argv and "--kernels" in variants.argv
     # the variants are timed beside the shipped kernels they vary
-    peers = variants.argv[variants.argv.index("--peers") + 1:variants.argv.index("--json")]
+    peers = variants.argv[variants.argv.index("--peers") + 1:variants.argv.index("--decode-peers")]
+    assert variants.argv[variants.argv.index("--markdown") + 1] == variants_json.replace(".json", ".md")
     assert {p.partition("@")[0] for p in peers if "@" in p} <= set(peers)
     assert {"gather=direct", "gather=coalesced", "fwd=128x64x8x3"} <= {
         pin for p in peers for pin in p.partition("@")[2].split(",")}
@@ -215,8 +216,9 @@ def test_the_variant_peers_are_peers_the_benchmark_takes():
     gc = _load_script()
     gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_bench")
     args = gpu.parse_args(__import__("shlex").split(gc.VARIANT_ARGS))
-    assert args.peers == list(gc.VARIANT_PEERS) and args.kernels and args.decode_n == []
-    assert args.forward_only
+    assert args.peers == list(gc.VARIANT_PEERS) and args.kernels and args.forward_only
+    assert args.decode_peers == list(gc.VARIANT_DECODE_PEERS) and args.decode_n == [4096]
     pinned = {name: gpu.split_variant(name)[1] for name in args.peers if "@" in name}
     assert pinned["bamgen-ggd@gather=direct"] == gpu.Variant((), "direct")
     assert pinned["bamgen-ggd@fwd=128x64x8x3"] == gpu.Variant((("fwd", (128, 64, 8, 3)),), None)
+    assert gpu.split_variant(args.decode_peers[1])[1] == gpu.Variant((), "coalesced")

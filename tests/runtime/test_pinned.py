@@ -46,6 +46,39 @@ def test_another_table_gather_computes_what_the_shipped_forward_does(gather, mod
         assert torch.equal(g, w)
 
 
+class _Spy:
+    """A kernel whose launches record their keyword arguments (the constexprs among them)."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.seen.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return run
+
+
+@pytest.mark.parametrize("nq", [37, 1], ids=["forward", "decode"])
+def test_the_pinned_gather_is_what_the_kernels_launch_with(nq, monkeypatch):
+    """The forward (a prefill) and the decode kernels (one query row, no gradient) are launched
+    with the pinned read, and with tiles.FWD_TABLE_GATHER outside the block."""
+    kernels = GGD._prior.kernels().kernels
+    name = "fwd" if nq > 1 else "decode"
+    seen = []
+    monkeypatch.setitem(kernels, name, _Spy(kernels[name], seen))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, nq, 16, generator=g)
+    k, v = (torch.randn(1, 1, 40, 16, generator=g) for _ in range(2))
+    params = GGD.default_params(2)
+    with torch.no_grad():
+        want = GGD.attention(q, k, v, causal=True, backend="triton", **params)
+        with pinned(gather="coalesced"):
+            got = GGD.attention(q, k, v, causal=True, backend="triton", **params)
+    assert [s["TABLE_GATHER"] for s in seen] == [FWD_TABLE_GATHER, "coalesced"]
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
 def test_a_pinned_tile_reaches_its_kernel(kernel):
     """A tile pinned for one kernel is the one it launches with: a tile no kernel can take (24

@@ -10,7 +10,9 @@ programs fills the GPU; the partial (acc, m, l) of each split merge exactly, sin
 exp2(z - m) rescales to any common m.
 
 Constexpr flags (as in forward.py unless said):
-  NUM_PARAMS, CAUSAL, BLOCK_N, HEAD_DIM, D, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK, ROW_OFFSETS
+  NUM_PARAMS, CAUSAL, BLOCK_N, HEAD_DIM, D, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK, ROW_OFFSETS,
+  TABLE_GATHER (at head dim 128 the 16x128 tile's table pointers have Q's shape, as the
+               forward's do at 64: tiles.FWD_TABLE_GATHER)
   BLOCK_M      query rows per program: every row of the call (Nq <= BLOCK_M), padded to 16,
                the smallest M of a tensor-core MMA
   BLOCK_S      (combine) the number of splits padded to a power of two
@@ -40,7 +42,7 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
                  NUM_PARAMS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr):
+                 HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, TABLE_GATHER: tl.constexpr):
     """One program: the keys of one split for every query row of one (batch, head). Writes
     the split's unnormalised output and its row statistics (base 2) to the partials."""
     pid_s = tl.program_id(0)
@@ -99,13 +101,13 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, True, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
-                                    "async")   # (the pipelined read: tiles.FWD_TABLE_GATHER)
+                                    TABLE_GATHER)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, s_full, s_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, False, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
-                                    "async")   # (the pipelined read: tiles.FWD_TABLE_GATHER)
+                                    TABLE_GATHER)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference, as the forward's statistics are
             row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)

@@ -114,7 +114,7 @@ _PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
 def pinned(tiles=None, gather=None):
     """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
-    tiles included), and the forward reads a table as ``gather`` says: so that a benchmark
+    tiles included), and the forward and decode kernels read a table as ``gather`` says: so that a benchmark
     times one kernel variant against another in the same process (benchmarks/gpu.py's
     bamgen-<prior>@... peers). Nothing checks that a pinned config compiles without spills, as
     the tile table's do (tests/gpu/test_aot.py)."""
@@ -512,6 +512,7 @@ def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab
     D = int(D)
     head_dim = head_dim_padded(D)
     sms = None if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
+    gather = table_gather()
 
     def run(config):
         block_m, block_n, warps, stages = config
@@ -530,7 +531,7 @@ def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab
             counts.stride(0), lay.stride_mb, row_abs_flag(shifted), keys,
             NUM_PARAMS=theta.shape[1], CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
             HEAD_DIM=head_dim, D=D, DOT_PREC=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
-            HAS_KEY_MASK=lay.has_key_mask, ROW_OFFSETS=lay.row_offsets,
+            HAS_KEY_MASK=lay.has_key_mask, ROW_OFFSETS=lay.row_offsets, TABLE_GATHER=gather,
             num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
         wrap(kernels["combine"])[(Nq, B * Hq)](
             part_o, part_m, part_l, out, stats[0], stats[1], out.stride(0), out.stride(1),
@@ -754,7 +755,8 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
         plans += [
             ("attn_decode", kernels["decode"], "decode",
              dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", PartO="*fp32", PartM="*fp32", PartL="*fp32",
-                  Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs), {}),
+                  Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs),
+             dict(TABLE_GATHER=FWD_TABLE_GATHER)),
             ("decode_combine", kernels["combine"], None,
              dict(PartO="*fp32", PartM="*fp32", PartL="*fp32", O=ptr, Mrow="*fp32", Lrow="*fp32"),
              None),
