@@ -406,20 +406,26 @@ def split_variant(name: str) -> tuple[str, Variant | None]:
     return base, (Variant.parse(pins) if at else None)
 
 
-def peer_name(text: str) -> str:
-    """--peers' type: one of all_peers(), or bamgen-<prior>@<pins> (Variant)."""
+def checked_name(text: str, names: list[str], what: str, unpinned: tuple[str, ...]) -> str:
+    """A --peers / --decode-peers name: one of ``names``, or a bamgen one's pinned variant
+    (bamgen-<prior>@<pins>, not one ending in ``unpinned``); argparse's error says why not."""
     base, at, _ = text.partition("@")
-    if base not in all_peers():
-        raise argparse.ArgumentTypeError(f"{base!r} is not a peer; choose from: {' '.join(all_peers())}")
+    if base not in names:
+        raise argparse.ArgumentTypeError(f"{base!r} is not a {what}; choose from: {' '.join(names)}")
     if at:
-        if not base.startswith("bamgen-") or base.endswith("-torch"):
+        if not base.startswith("bamgen-") or base.endswith(unpinned):
             raise argparse.ArgumentTypeError(
-                f"{text!r}: only a bamgen peer on the Triton backend takes pins (bamgen-<prior>@...)")
+                f"{text!r}: only a bamgen {what} on the Triton kernels takes pins (bamgen-<prior>@...)")
         try:
             split_variant(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
     return text
+
+
+def peer_name(text: str) -> str:
+    """--peers' type: one of all_peers(), or bamgen-<prior>@<pins> (Variant)."""
+    return checked_name(text, all_peers(), "peer", ("-torch",))
 
 
 def default_peers(quick: bool) -> list[str]:
@@ -710,19 +716,7 @@ def default_decode_peers(quick: bool) -> list[str]:
 def decode_peer_name(text: str) -> str:
     """--decode-peers' type: one of default_decode_peers(True), or a bamgen one's pinned
     variant (bamgen-ggd@gather=coalesced: the decode kernel's table read, or its tile)."""
-    base, at, _ = text.partition("@")
-    if base not in default_decode_peers(True):
-        raise argparse.ArgumentTypeError(
-            f"{base!r} is not a decode peer; choose from: {' '.join(default_decode_peers(True))}")
-    if at:
-        if not base.startswith("bamgen-") or base.endswith(("-torch", "-forward")):
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: only a bamgen decode peer on the decode kernels takes pins")
-        try:
-            split_variant(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
-    return text
+    return checked_name(text, default_decode_peers(True), "decode peer", ("-torch", "-forward"))
 
 
 def decode_agreement(peers: list[Peer]) -> dict:

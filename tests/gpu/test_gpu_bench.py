@@ -117,3 +117,42 @@ def test_randomized_integer_positions_run_the_table_beside_inline_and_flex():
     for check in ("bamgen-rpe vs flex-rpe fwd", "bamgen-rpe vs bamgen-rpe-torch fwd+grads",
                   "bamgen-rpe-inline vs bamgen-rpe fwd"):
         assert check in res.stdout, res.stdout
+
+
+def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
+    """bamgen-<prior>@<pins> (a kernel variant the model cannot rank: make gpu-check's variants
+    step) is timed in the same run as its base peer and held to it, forward and every gradient,
+    and so is a pinned decode peer; the JSON keeps the pins for benchmarks/model_check.py."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = tmp_path / "run.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--n", "32", "--decode-n", "80",
+                          "--decode-batch", "2", "--peers", "bamgen-ggd", "bamgen-ggd@gather=coalesced",
+                          "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1", "--decode-peers", "bamgen-ggd",
+                          "bamgen-ggd@gather=coalesced", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for check in ("bamgen-ggd@gather=coalesced vs bamgen-ggd fwd+grads",
+                  "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1 vs bamgen-ggd fwd+grads",
+                  "decode bamgen-ggd@gather=coalesced vs bamgen-ggd"):
+        assert check in res.stdout, res.stdout
+    import json
+    training = json.loads(out.read_text())["results"][0]
+    assert training["variants"]["bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1"] == {
+        "tiles": {"bwd_dq": [16, 16, 4, 1], "fwd": [16, 16, 4, 1]}, "gather": None}
+
+
+@pytest.mark.parametrize("flag, name, words", [
+    ("--peers", "flex-ggd@gather=direct", "only a bamgen peer on the Triton kernels takes pins"),
+    ("--peers", "bamgen-ggd-torch@gather=direct", "only a bamgen peer on the Triton kernels"),
+    ("--peers", "bamgen-ggd@gather=shared", "gather= one of async, coalesced, direct"),
+    ("--peers", "bamgen-ggd@fwd=128x64", "write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>"),
+    ("--peers", "bamgen-nope@gather=direct", "'bamgen-nope' is not a peer; choose from:"),
+    ("--decode-peers", "bamgen-ggd-forward@gather=direct", "only a bamgen decode peer"),
+])
+def test_a_bad_pinned_peer_is_refused_by_name(flag, name, words, capsys):
+    gpu = _load_script()
+    with pytest.raises(SystemExit) as exit_:
+        gpu.parse_args([flag, name])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and words in err, err
