@@ -30,12 +30,16 @@ the next round) and reported as medians, like benchmarks/cpu.py:
 * ``bamgen-<prior>@<pins>``  a pinned kernel variant of ``bamgen-<prior>`` (Triton backend; a
                       decode peer too, --decode-peers bamgen-ggd@gather=coalesced):
                       pins, comma-separated, are ``<kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>``
-                      (kernel: fwd, bwd_dkdv, bwd_dq, decode) and ``gather=async|direct`` (how the
-                      forward reads a table prior's entries: tiles.FWD_TABLE_GATHER), e.g.
+                      (kernel: fwd, bwd_dkdv, bwd_dq, decode) and ``gather=async|coalesced|direct``
+                      (how the forward and decode kernels read a table prior's entries:
+                      tiles.FWD_TABLE_GATHER), e.g.
                       ``bamgen-ggd@fwd=128x64x8x3`` or ``bamgen-ggd@gather=direct``; the calls
                       run inside ``bamgen.runtime.triton.launch.pinned``, the output is held to
                       ``bamgen-<prior>``'s, and the JSON keeps the pins (``variants``) for
-                      benchmarks/model_check.py. A pinned tile is not checked for spills.
+                      benchmarks/model_check.py. A pinned tile is not checked for spills. A
+                      pinned peer's backward runs on the calling thread (Peer.backward_of): to
+                      time backward tiles, pin the base too (bamgen-ggd@bwd_dq=64x32x4x2
+                      against bamgen-ggd@bwd_dq=64x16x4x2).
 * ``flex-rpe``, ``bamgen-rpe``, ``bamgen-rpe-inline``  GGD over randomized integer positions
                       (sorted random integers from [0, 4N), Ruoss et al.), passed as pos_q = pos_k:
                       the shipped build reads its distance table at them (docs/positions.md,
@@ -171,9 +175,14 @@ class Peer:
             return self.fn(*self.frozen)
 
     def backward_of(self, out: torch.Tensor) -> None:
-        """The backward of a call's output (a pinned variant's backward kernels are launched
-        here, outside the call: the pins hold here too)."""
-        with self.pins():
+        """The backward of a call's output. A pinned variant's backward kernels are launched
+        here, outside the call, so its pins hold here too, and on the calling thread: autograd
+        runs a CUDA backward on a device thread of its own, which the pins' ContextVar does not
+        reach (set_multithreading_enabled(False) keeps it on this one)."""
+        if self.pins is contextlib.nullcontext:
+            out.backward(self.dout)
+            return
+        with self.pins(), torch.autograd.set_multithreading_enabled(False):
             out.backward(self.dout)
 
     def leaves(self) -> list:
@@ -381,6 +390,8 @@ class Variant:
         tiles, gather = {}, None
         for pin in text.split(","):
             key, _, value = pin.partition("=")
+            if key in tiles or (key == "gather" and gather is not None):
+                raise ValueError(f"pin {key!r} given twice: give each kernel's tile and the gather once")
             if key == "gather" and value in TABLE_GATHERS:
                 gather = value
             elif key in INTERPRET_TILES and len(value.split("x")) == 4 and all(

@@ -290,7 +290,10 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
     arch = family(gpu.capability)
     report = report_path(gpu.name, today(), RESULTS)
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.unlink(missing_ok=True)   # a second run on the same day replaces the first
+    # a second run on the same day replaces the first, whose JSONs the model step must not read
+    for path in (report, report.with_suffix(".json"), variants_json(report),
+                 variants_json(report).with_suffix(".md"), report.with_name(report.stem + "-pairs.json")):
+        path.unlink(missing_ok=True)
     print(f"gpu-check on {gpu.name} ({arch}); report: {_shown(report)}", flush=True)
     outcomes, t0 = [], clock()
     for step in plan(arch, sys.executable, report, args.bench_args, _xdist_workers()):

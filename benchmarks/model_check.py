@@ -98,9 +98,10 @@ def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
     return name, fn, signature, constexprs, warps, stages
 
 
-def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None = None) -> dict:
-    """{kernel: {unit: modelled cycles per 1000 scores}} of a prior's kernels, compiled with a
-    variant's pins."""
+def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None = None,
+             kernels: tuple[str, ...] = tuple(KERNELS)) -> dict:
+    """{kernel: {unit: modelled cycles per 1000 scores}} of a prior's kernels (KERNELS' names:
+    those a run measured), compiled with a variant's pins."""
     from bamgen.aot import compile_spec, loop_model
     from bamgen.driver.loader import load_prior
     from bamgen.resources import shipped_prior
@@ -108,7 +109,7 @@ def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None
     from aot_report import dq_launches
     name, layout = PRIORS[prior.partition("@")[0]]
     module = load_prior(shipped_prior(name))
-    wanted = {aot: kernel for kernel, (_, _, aot) in KERNELS.items()}
+    wanted = {aot: kernel for kernel, (_, _, aot) in KERNELS.items() if kernel in kernels}
     kwargs = {} if layout == "plain" else {"layout": layout}
     cycles = {}
     for spec in module.triton_kernel_specs(dtype, head_dim, True, arch=arch, **kwargs):
@@ -123,12 +124,12 @@ def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None
 
 
 def _modelled(key: tuple) -> dict:
-    prior, head_dim, arch, dtype, pins = key
-    return modelled(prior, head_dim, arch, dtype, json.loads(pins))
+    prior, head_dim, arch, dtype, pins, kernels = key
+    return modelled(prior, head_dim, arch, dtype, json.loads(pins), kernels)
 
 
 def compile_all(keys: list[tuple]) -> dict:
-    """{key: modelled(*key)} for (prior, head dim, arch, dtype, pins as JSON) keys, compiled
+    """{key: modelled(*key)} for (prior, head dim, arch, dtype, pins as JSON, kernels) keys, compiled
     once each, in parallel processes (a compile is single-threaded; a GPU machine has many
     cores, and make gpu-check gives this step a minute)."""
     if len(keys) <= 1:
@@ -146,10 +147,14 @@ def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
         dtype = DTYPES.get(run["args"].get("dtype", "bf16"), "bf16")
         measured += [(run, (prior, head_dim, arch, dtype, json.dumps(pins, sort_keys=True)), kernel, cycles)
                      for prior, head_dim, kernel, cycles, pins in measured_points(run, ghz, sms)]
-    compiled = compile_all(list(dict.fromkeys(key for _, key, _, _ in measured)))
+    needed = {}   # the kernels each (prior, head dim, ..., pins) was measured for
+    for _, key, kernel, _ in measured:
+        needed.setdefault(key, set()).add(kernel)
+    keys = {key: key + (tuple(k for k in KERNELS if k in kernels),) for key, kernels in needed.items()}
+    compiled = compile_all(list(keys.values()))
     out = []
     for run, key, kernel, cycles in measured:
-        units = compiled[key][kernel]
+        units = compiled[keys[key]][kernel]
         out.append(Point(key[0], key[1], kernel, max(units.values()), cycles, run["env"]["device"],
                          tuple(sorted(units.items()))))
     return out
@@ -183,20 +188,33 @@ def fitted(p: Point, weights: dict[str, float]) -> float:
     return sum(w * dict(p.units)[u] for u, w in weights.items())
 
 
+def _kin(p: Point, q: Point) -> bool:
+    """q is p's kernel of the same prior (p itself, a pinned variant of it, or the shipped
+    kernel of a variant): a point leave-one-out must not predict p from."""
+    return (q.kernel, q.head_dim, base_prior(q)) == (p.kernel, p.head_dim, base_prior(p))
+
+
+def base_prior(p: Point) -> str:
+    """The prior a point's kernel computes: "ggd" for ggd@gather=coalesced."""
+    return p.prior.partition("@")[0]
+
+
 def leave_one_out_fit(pts: list[Point]) -> list[float | None]:
-    """Each point's relative error under the fit of the other points."""
+    """Each point's relative error under the fit of the points of other priors or kernels
+    (its own variants left out with it: they are the same kernel but for a tile or a read)."""
     if len(pts) <= len(UNITS):
         return [None] * len(pts)
-    return [fitted(p, fit_units([q for q in pts if q is not p])) / p.measured - 1 for p in pts]
+    return [fitted(p, fit_units([q for q in pts if not _kin(p, q)])) / p.measured - 1 for p in pts]
 
 
 def leave_one_out(pts: list[Point]) -> list[float | None]:
     """Each point's relative error when its kernel's factor (measured / modelled) is the
-    median over the other priors of the same kernel and head dim (None: no other prior)."""
+    median over the other priors of the same kernel and head dim, variants of its own prior
+    left out (None: no other prior)."""
     errors = []
     for p in pts:
         others = [q.measured / q.modelled for q in pts
-                  if q is not p and q.kernel == p.kernel and q.head_dim == p.head_dim and q.prior != p.prior]
+                  if q.kernel == p.kernel and q.head_dim == p.head_dim and base_prior(q) != base_prior(p)]
         errors.append(None if not others else statistics.median(others) * p.modelled / p.measured - 1)
     return errors
 

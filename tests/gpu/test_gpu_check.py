@@ -191,6 +191,17 @@ def test_a_failed_step_fails_the_check_and_still_reports(monkeypatch, tmp_path, 
     assert ran[5].argv[2:4] == (str(report.with_suffix(".json")), "--arch")
 
 
+def test_a_second_run_the_same_day_reads_none_of_the_first_s_results(monkeypatch, tmp_path):
+    """After a whole run, one that skips the variants step models its own benchmark alone: the
+    first run's variants JSON (the same name) is gone before any step runs."""
+    gc = _load_script()
+    _fake_gpu_run(gc, monkeypatch, tmp_path)
+    rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path, argv=["--skip", "variants"])
+    assert rc == 0 and [s.name for s in ran][-1] == "model"
+    assert ran[-1].argv[2:4] == (str(report.with_suffix(".json")), "--arch")
+    assert not report.with_name(report.stem + "-variants.json").exists()
+
+
 def test_a_short_lease_skips_steps_and_sets_their_limits(monkeypatch, tmp_path):
     gc = _load_script()
     rc, ran, _ = _fake_gpu_run(gc, monkeypatch, tmp_path, argv=[

@@ -1,8 +1,9 @@
 """Pinned launches (bamgen.runtime.triton.launch.pinned): what benchmarks/gpu.py's
 bamgen-<prior>@<pins> peers run, a kernel variant timed against the shipped one in one process.
-Under the interpreter: the pins reach the kernels (a tile the kernels cannot take fails, in the
-forward and in the backward kernels autograd launches), a variant computes what the shipped
-kernels compute, and a wrong pin is refused by name."""
+Under the interpreter: the pins are what the kernels launch with (the forward, the decode
+kernel and the backward kernels autograd launches, seen by a spy on the prior's kernels), a
+variant computes what the shipped kernels compute, nested blocks add up, and a wrong pin is
+refused by name."""
 from __future__ import annotations
 
 import importlib
@@ -10,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from bamgen.runtime.triton.launch import pinned, table_gather
+from bamgen.runtime.triton.launch import _PINS, pinned, table_gather
 from bamgen.runtime.triton.tiles import FWD_TABLE_GATHER
 
 GGD = importlib.import_module("generated.generalized_gaussian")
@@ -80,23 +81,41 @@ def test_the_pinned_gather_is_what_the_kernels_launch_with(nq, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
-def test_a_pinned_tile_reaches_its_kernel(kernel):
-    """A tile pinned for one kernel is the one it launches with: a tile no kernel can take (24
-    rows: not a power of two) fails there, the backward's included (launched by autograd), and
-    a tile it can take gives the shipped kernels' result to rounding."""
-    with pinned(tiles={kernel: (24, 16, 4, 1)}), pytest.raises(Exception, match="power of 2"):
-        _call(GGD)
+def test_a_pinned_tile_is_the_one_its_kernel_launches_with(kernel, monkeypatch):
+    """A tile pinned for one kernel is the one it launches with (the backward's too, launched
+    by autograd), the other kernels keep theirs, and the result is the shipped kernels' to
+    rounding."""
     want = _call(GGD)
+    kernels = GGD._prior.kernels().kernels
+    seen = []
+    monkeypatch.setitem(kernels, kernel, _Spy(kernels[kernel], seen))
     with pinned(tiles={kernel: (16, 16, 4, 2)}):
         got = _call(GGD)
+    assert seen and all((s["BLOCK_M"], s["BLOCK_N"], s["num_warps"], s["num_stages"])
+                        == (16, 16, 4, 2) for s in seen), seen
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    seen.clear()
+    _call(GGD)   # (outside the block: the interpreter's tile again)
+    assert (seen[0]["BLOCK_M"], seen[0]["BLOCK_N"]) != (16, 16)
+
+
+def test_a_block_inside_another_adds_to_its_pins():
+    with pinned(tiles={"fwd": (16, 16, 4, 2)}):
+        with pinned(gather="coalesced", tiles={"bwd_dq": (16, 16, 4, 1)}):
+            assert table_gather() == "coalesced"
+            assert _PINS.get().tiles == {"fwd": (16, 16, 4, 2), "bwd_dq": (16, 16, 4, 1)}
+        assert table_gather() == FWD_TABLE_GATHER and _PINS.get().tiles == {"fwd": (16, 16, 4, 2)}
 
 
 @pytest.mark.parametrize("tiles, gather, match", [
     ({"forward": (64, 64, 4, 2)}, None, r"no kernel 'forward'; the kernels are fwd, bwd_dkdv"),
     ({"fwd": (64, 64, 4)}, None, r"fwd=\(64, 64, 4\) is not a tile config"),
     ({"fwd": (64, 64, 4, 0)}, None, r"is not a tile config \(BLOCK_M, BLOCK_N, num_warps"),
+    ({"fwd": (24, 16, 4, 1)}, None, r"fwd=\(24, 16, 4, 1\) is not a tile config .* powers of two"),
+    ({"decode": (8, 16, 4, 1)}, None, r"decode=\(8, 16, 4, 1\) is not a tile config .* >= 16"),
+    ({"fwd": (True, 16, 4, 1)}, None, r"is not a tile config"),
+    ({"fwd": (64, 64, 32, 2)}, None, r"warps a power of two up to 16"),
     (None, "shared", r"pinned\(gather=...\): 'shared' is not one of async, coalesced, direct"),
 ])
 def test_a_wrong_pin_is_refused_by_name(tiles, gather, match):

@@ -21,7 +21,7 @@ Constexpr flags of the launch:
                (document, query tile) items, and the program's rows and keys are its
                document's (CuSeqQ / CuSeqK: int32 cumulative lengths), positions local and
                offsets 0; key tiles of other documents are never visited
-  TABLE_GATHER "async" or "direct": how a table prior's tile of entries is read
+  TABLE_GATHER "async", "coalesced" or "direct": how a table prior's tile of entries is read
                (tiles.FWD_TABLE_GATHER; helpers._gather_table); ignored without a table
 With the three flags off the kernel compiles to what it was without them (the same loops).
 The prior's flags (TABLE, RAMP, ROW_FACTORS, SKIP, ...) are hooks.py's.

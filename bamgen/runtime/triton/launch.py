@@ -114,9 +114,15 @@ _PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
 def pinned(tiles=None, gather=None):
     """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
-    tiles included), and the forward and decode kernels read a table as ``gather`` says: so that a benchmark
-    times one kernel variant against another in the same process (benchmarks/gpu.py's
-    bamgen-<prior>@... peers). Nothing checks that a pinned config compiles without spills, as
+    tiles included), and the forward and decode kernels read a table as ``gather`` says: so
+    that a benchmark times one kernel variant against another in the same process
+    (benchmarks/gpu.py's bamgen-<prior>@... peers). A block inside another adds to its pins.
+
+    Pins are read where a kernel is launched, on the calling thread: a backward run in the
+    block takes them, but autograd runs a CUDA backward on a thread of its own unless
+    torch.autograd.set_multithreading_enabled(False) keeps it on this one (benchmarks/gpu.py
+    does); under torch.compile they are read when the launch is traced, so a graph keeps the
+    pins it was compiled with. Nothing checks that a pinned config compiles without spills, as
     the tile table's do (tests/gpu/test_aot.py)."""
     tiles = dict(tiles or {})
     unknown = sorted(set(tiles) - set(INTERPRET_TILES))
@@ -124,16 +130,30 @@ def pinned(tiles=None, gather=None):
         raise ValueError(f"pinned(tiles=...): no kernel {unknown[0]!r}; the kernels are "
                          f"{', '.join(INTERPRET_TILES)}")
     for name, config in tiles.items():
-        if len(config) != 4 or not all(isinstance(x, int) and x > 0 for x in config):
+        if not _tile_config(config):
             raise ValueError(f"pinned(tiles=...): {name}={config!r} is not a tile config "
-                             f"(BLOCK_M, BLOCK_N, num_warps, num_stages) of positive integers")
+                             f"(BLOCK_M, BLOCK_N, num_warps, num_stages): blocks powers of two "
+                             f">= 16, warps a power of two up to 16, stages >= 1")
     if gather is not None and gather not in TABLE_GATHERS:
         raise ValueError(f"pinned(gather=...): {gather!r} is not one of {', '.join(TABLE_GATHERS)}")
-    token = _PINS.set(Pins({k: tuple(v) for k, v in tiles.items()}, gather))
+    outer = _PINS.get()
+    token = _PINS.set(Pins({**outer.tiles, **{k: tuple(v) for k, v in tiles.items()}},
+                           gather or outer.gather))
     try:
         yield
     finally:
         _PINS.reset(token)
+
+
+def _tile_config(config) -> bool:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) as a kernel can take it: blocks of at least one
+    MMA (16) and powers of two, as tl.arange and tl.dot need."""
+    if len(config) != 4 or not all(type(x) is int for x in config):
+        return False
+    block_m, block_n, warps, stages = config
+    power = lambda x: x > 0 and x & (x - 1) == 0   # noqa: E731
+    return (power(block_m) and power(block_n) and min(block_m, block_n) >= 16
+            and power(warps) and warps <= 16 and stages >= 1)
 
 
 def table_gather():
@@ -665,7 +685,7 @@ GRAD_GROUP = 8
 # Under TRITON_INTERPRET=1 a dQ launch sums up to this many: the interpreter's time goes by
 # launches, not registers (FIRE's 134 scalars of a two-head test, 4 a launch, took 33 s a
 # backward; 16 a launch, 11 s). FIRE still takes several launches, the last one ragged, so the
-# tests run the multi-launch path; tests/runtime/test_pinned.py also runs GGD a scalar a launch.
+# tests run the multi-launch path; tests/runtime/test_library.py also runs GGD a scalar a launch.
 INTERPRET_GRAD_GROUP = 16
 
 
