@@ -158,10 +158,15 @@ class Peer:
     bnhd: bool = False  # output in [B, N, H, D] (flash_attn's layout)
     fallback: Callable[[], "Peer"] | None = None  # a cheaper variant if this one fails
     last: list = field(default_factory=list)  # see keep()
-    pins: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # (Variant)
+    base: str | None = None          # a pinned variant's base peer (bamgen-<prior>@<pins>)
+    variant: "Variant | None" = None  # ... and its pins
 
     def __post_init__(self):
         self.frozen = [t.detach() for t in self.inputs]  # same storage, no autograd
+
+    def pins(self) -> contextlib.AbstractContextManager:
+        """The block a call runs in: a variant's pins, else nothing."""
+        return contextlib.nullcontext() if self.variant is None else self.variant.context()
 
     def call(self) -> torch.Tensor:
         """One call recording autograd."""
@@ -179,7 +184,7 @@ class Peer:
         here, outside the call, so its pins hold here too, and on the calling thread: autograd
         runs a CUDA backward on a device thread of its own, which the pins' ContextVar does not
         reach (set_multithreading_enabled(False) keeps it on this one)."""
-        if self.pins is contextlib.nullcontext:
+        if self.variant is None:
             out.backward(self.dout)
             return
         with self.pins(), torch.autograd.set_multithreading_enabled(False):
@@ -472,12 +477,21 @@ def tutorial_peer(cfg, qkv, dout, path: str | None) -> Peer:
                 list(qkv), dout)
 
 
-def make_peer(name: str, cfg, qkv, dout, tutorial: str | None = None) -> Peer:
+def pinned_peer(name: str, make: Callable[[str], Peer]) -> Peer | None:
+    """The peer of a pinned name (bamgen-<prior>@<pins>, which peer_name or decode_peer_name
+    checked): its base peer, make(base), with the pins; None for a name without pins."""
     base, variant = split_variant(name)
-    if variant is not None:   # a pinned variant of a bamgen peer (peer_name checked the name)
-        peer = make_peer(base, cfg, qkv, dout, tutorial)
-        peer.name, peer.pins = name, variant.context
-        return peer
+    if variant is None:
+        return None
+    peer = make(base)
+    peer.name, peer.base, peer.variant = name, base, variant
+    return peer
+
+
+def make_peer(name: str, cfg, qkv, dout, tutorial: str | None = None) -> Peer:
+    pinned = pinned_peer(name, lambda base: make_peer(base, cfg, qkv, dout, tutorial))
+    if pinned is not None:
+        return pinned
     if name == "sdpa":
         return sdpa_peer(cfg, qkv, dout)
     if name == "fa2-alibi":
@@ -633,7 +647,7 @@ def agreement(peers: list[Peer]) -> dict:
             if ref in by_name:
                 errors[f"{name} vs {ref} fwd"] = _rel_err(got[0], by_name[ref].last[0])
     for peer in peers:   # a pinned variant computes its base's function, gradients included
-        base = by_name.get(split_variant(peer.name)[0]) if "@" in peer.name else None
+        base = by_name.get(peer.base) if peer.variant is not None else None
         if base is not None and base.last:
             what = "fwd+grads" if len(peer.last) > 1 and len(base.last) == len(peer.last) else "fwd"
             pairs = zip(peer.last, base.last) if what == "fwd+grads" else [(peer.last[0], base.last[0])]
@@ -690,11 +704,9 @@ def decode_peer(name: str, cfg: DecodeConfig, qkv) -> Peer:
     ``bamgen-<prior>-forward``: the same call through the forward kernel (what a step ran
     before the decode kernel existed), by asking for a gradient it does not use."""
     q_offset = cfg.n - 1
-    base, pins = split_variant(name)
-    if pins is not None:   # a pinned variant of a bamgen decode peer (decode_peer_name checked it)
-        peer = decode_peer(base, cfg, qkv)
-        peer.name, peer.pins = name, pins.context
-        return peer
+    pinned = pinned_peer(name, lambda base: decode_peer(base, cfg, qkv))
+    if pinned is not None:
+        return pinned
     if name == "sdpa":
         return Peer(name, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                     list(qkv), None, backward=False)
@@ -736,7 +748,7 @@ def decode_agreement(peers: list[Peer]) -> dict:
     by_name = {p.name: p for p in peers}
     pairs = [("bamgen-ggd", "flex-ggd"), ("bamgen-uniform", "sdpa"),
              ("bamgen-ggd", "bamgen-ggd-forward"), ("bamgen-ggd", "bamgen-ggd-torch")]
-    pairs += [(p.name, split_variant(p.name)[0]) for p in peers if "@" in p.name]
+    pairs += [(p.name, p.base) for p in peers if p.variant is not None]
     return {f"decode {a} vs {b}": _rel_err(by_name[a].last[0], by_name[b].last[0])
             for a, b in pairs if a in by_name and b in by_name}
 
@@ -782,9 +794,9 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     errors = agreement(peers)
     result = {"N": cfg.n, "B": cfg.batch, "H": cfg.heads, "D": cfg.dim, "peers": {},
               "unavailable": unavailable, "agreement": errors}
-    variants = {p.name: split_variant(p.name)[1] for p in peers if "@" in p.name}
+    variants = {p.name: p.variant.as_json() for p in peers if p.variant is not None}
     if variants:   # the pins, as fields for benchmarks/model_check.py
-        result["variants"] = {name: v.as_json() for name, v in variants.items()}
+        result["variants"] = variants
     if args.kernels and cfg.device == "cuda":
         result["kernels"] = {p.name: kernel_times(p) for p in peers
                              if p.name.startswith("bamgen-") or p.name == "tutorial"}

@@ -1,7 +1,7 @@
 """The GPU throughput model against the kernels a GPU timed: one row per (prior, head dim,
 kernel) of a `benchmarks/gpu.py --kernels` run (pinned variants, bamgen-<prior>@<pins>, compiled
-with their pins), the model's cycles per 1000 scores beside the measured ones, and the leave-one-out error of a one-factor fit (docs/performance.md, "Second GPU
-session").
+with their pins), the model's cycles per 1000 scores beside the measured ones, and the
+leave-one-out error of a one-factor fit (docs/performance.md, "Second GPU session").
 
     python benchmarks/model_check.py docs/results/gpu/h200_2026-11-26_priors.json [more.json ...]
     python benchmarks/model_check.py run.json --ghz 1.98 --sms 132 --pairs pairs.json
@@ -9,8 +9,8 @@ session").
 Measured: each kernel's device time from torch.profiler (`--kernels`), as cycles per 1000
 scores: time x clock x SMs / (B*H*N^2/2 / 1000) for a causal call. Modelled: the kernel compiled
 ahead of time for the GPU's family with the tile the run used (the first candidate, or a
-variant's pins: `bamgen.aot.compile_spec`), its main loop through `bamgen.aot.loop_model`: the largest of its tensor, MUFU,
-FP32, issue and load/store cycles per 1000 scores; dQ counts every launch of a prior with
+variant's pins: `bamgen.aot.compile_spec`), its main loop through `bamgen.aot.loop_model`: the
+largest of its tensor, MUFU, FP32, issue and load/store cycles per 1000 scores; dQ counts every launch of a prior with
 several groups of learnable scalars. LOO: each point predicted from the median
 measured/modelled ratio of the other priors' same kernel and head dim, so a term the model
 lacks shows as that point's error. `--pairs` writes the points as JSON for the next fit.

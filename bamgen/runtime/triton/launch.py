@@ -164,7 +164,8 @@ def table_gather():
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
     """run(config) launches `kernel` with a tile config and returns what the caller needs.
 
-    The config is the family's default, the interpreter's small one, or with BAMGEN_AUTOTUNE=1
+    The config is a pinned one (pinned(): over everything below), the family's default, the
+    interpreter's small one, or with BAMGEN_AUTOTUNE=1
     on a GPU the fastest candidate for this key (dtype, causal, head dim, length bucket): each
     candidate runs twice (compile, then timed); one that does not fit the device's shared memory
     (Triton raises) or that spills registers is dropped. Every kernel only overwrites its
