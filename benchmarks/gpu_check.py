@@ -22,15 +22,15 @@ TOTAL_S, 9.5 minutes in all; a step killed at its limit counts as failed):
    ``BAMGEN_TEST_DEVICE=cuda`` and ``TRITON_DEFAULT_FP_FUSION=0``, which the triton ops need): inductor compiles the triton ops' kernel launches, fullgraph and
    dynamic, a training step over three lengths and decode steps over a growing cache, equal to
    eager with no recompile;
-4. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
-   report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
-   the raw results beside it as .json, each kernel's device time included: --kernels);
-5. ``variants``: benchmarks/gpu.py on forward kernel variants that the model cannot rank, each
+4. ``variants``: benchmarks/gpu.py on forward kernel variants that the model cannot rank, each
    timed against the shipped kernel in the same run (VARIANT_ARGS: pinned tiles and the
    forward's table gather, ``bamgen-<prior>@<pins>``, forwards alone; N = 8192 at head dims 64
    and 128, the shape of the points already fitted; and the decode kernel's table read, 64
    sequences against 4096 cached keys), its table to <device>-<date>-variants.md and its JSON
    beside it;
+5. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
+   report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
+   the raw results beside it as .json, each kernel's device time included: --kernels);
 6. ``model``: benchmarks/model_check.py on both JSONs: the throughput model's prediction beside
    each kernel's measured time, with leave-one-out errors, appended to the report; the pairs go
    to <device>-<date>-pairs.json for the next fit (docs/performance.md, "Second GPU session").
@@ -68,7 +68,7 @@ RESULTS = ROOT / "docs" / "results" / "gpu"
 # kernel (GPU, modelled)"); one flex compile each. --kernels keeps each kernel's device time in the
 # JSON: the points the GPU cost model is fit to.
 BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64 --kernels"
-# The variants (docs/performance.md, "Where a table forward's time goes"), forwards alone: the
+# The variants (docs/performance.md, "Why the copy is slow at head dim 64"), forwards alone: the
 # table read through shared memory by the shipped copy, by a coalesced one, or directly, and
 # three pipeline stages instead of two (the tutorial's Hopper forwards take 3 or 4), for NoPE and
 # GGD, each against the shipped kernel in the same run (tiles.FWD_TABLE_GATHER).
@@ -170,11 +170,15 @@ def variants_json(report: Path) -> Path:
     return report.with_name(report.stem + "-variants.json")
 
 
+def pairs_json(report: Path) -> Path:
+    return report.with_name(report.stem + "-pairs.json")
+
+
 def model_step(python: str, arch: str, report: Path, runs) -> Step:
     """benchmarks/model_check.py on the runs' JSONs (main keeps those that were written)."""
     return Step("model", (python, "benchmarks/model_check.py", *map(str, runs), "--arch", arch,
                           "--append", str(report),
-                          "--pairs", str(report.with_name(report.stem + "-pairs.json"))),
+                          "--pairs", str(pairs_json(report))),
                 (), LIMITS_S["model"])
 
 
@@ -292,7 +296,7 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
     report.parent.mkdir(parents=True, exist_ok=True)
     # a second run on the same day replaces the first, whose JSONs the model step must not read
     for path in (report, report.with_suffix(".json"), variants_json(report),
-                 variants_json(report).with_suffix(".md"), report.with_name(report.stem + "-pairs.json")):
+                 variants_json(report).with_suffix(".md"), pairs_json(report)):
         path.unlink(missing_ok=True)
     print(f"gpu-check on {gpu.name} ({arch}); report: {_shown(report)}", flush=True)
     outcomes, t0 = [], clock()
