@@ -52,6 +52,7 @@ class CompiledKernel:
     sass: dict | None = None        # instruction mix of the whole kernel
     main_loop: dict | None = None   # instruction mix of the innermost loop holding the MMAs
     block: tuple[int, ...] = ()     # the tile: (BLOCK_M, BLOCK_N), or (BLOCK_M,) for the preprocess
+    loops: tuple[dict, ...] = ()    # instruction mix of every MMA loop (mma_loops), in program order
 
     @property
     def spills(self) -> bool:
@@ -113,9 +114,13 @@ def _wavefronts(op: str) -> int:
     return 1
 
 
-def main_loop(instructions) -> list:
-    """The innermost loop (a backward branch's span) that contains tensor-core instructions."""
-    best = None
+def mma_loops(instructions) -> list[list]:
+    """Every loop (a backward branch's span) that contains tensor-core instructions and no
+    such loop inside it, in program order. A fused kernel has several: Triton's tutorial
+    backward walks a masked and an unmasked loop for dK/dV, then the same two for dQ. A branch
+    from past a loop's end back into its middle (a stub the compiler placed after the loop)
+    spans no loop of its own and is left out."""
+    loops = []
     for addr, op, rest in instructions:
         if not op.startswith("BRA"):
             continue
@@ -125,9 +130,17 @@ def main_loop(instructions) -> list:
         lo = int(match.group(1), 16)
         body = [ins for ins in instructions if lo <= ins[0] <= addr]
         if any(ins[1].split(".")[0] in CATEGORIES["mma"] for ins in body):
-            if best is None or len(body) < len(best):
-                best = body
-    return best or []
+            loops.append(body)
+    spans = [(body[0][0], body[-1][0]) for body in loops]
+    return [body for body, (lo, hi) in zip(loops, spans)
+            if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
+            and not any(a < lo <= b < hi for a, b in spans)]
+
+
+def main_loop(instructions) -> list:
+    """The innermost loop that contains tensor-core instructions (the shortest, where a kernel
+    has several: a bamgen kernel's unmasked loop)."""
+    return min(mma_loops(instructions), key=len, default=[])
 
 
 def _mma_flops(op: str) -> int:
@@ -225,16 +238,24 @@ def compile_spec(spec: tuple, arch: str) -> CompiledKernel:
     num_stages: the tuples of triton_kernel_specs) for ``arch``; a benchmark may edit the
     constexprs first (benchmarks/table_grads.py compiles the dQ kernel's launch groups)."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    name, fn, signature, constexprs, warps, stages = spec
+    return compile_kernel(name, fn, signature, constexprs, _alignment_hints(fn, signature),
+                          warps, stages, arch, fp_fusion=_fp_fusion(name))
+
+
+def compile_kernel(name: str, fn, signature: dict, constexprs: dict, attrs: dict, warps: int,
+                   stages: int, arch: str, *, fp_fusion: bool = True) -> CompiledKernel:
+    """Compile one Triton jit function for ``arch`` as a launch would: ``signature`` maps each
+    argument to its Triton type ("*fp16", "i32", "constexpr", ...), ``attrs`` holds the
+    specialisation hints of the launch's values ({(index,): [["tt.divisibility", 16]]})."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    name, fn, signature, constexprs, warps, stages = spec
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
-                       attrs=_alignment_hints(fn, signature))
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", ARCHS[arch], 32),
                             options={"num_warps": warps, "num_stages": stages,
-                                     "enable_fp_fusion": _fp_fusion(name)})
+                                     "enable_fp_fusion": fp_fusion})
     cubin = kernel.asm["cubin"]
     usage = resource_usage(cubin)
     instructions = disassemble(cubin)
@@ -244,7 +265,8 @@ def compile_spec(spec: tuple, arch: str) -> CompiledKernel:
                           sass=instruction_mix(instructions),
                           block=tuple(constexprs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK")
                                       if b in constexprs),
-                          main_loop=instruction_mix(main_loop(instructions)))
+                          main_loop=instruction_mix(main_loop(instructions)),
+                          loops=tuple(instruction_mix(loop) for loop in mma_loops(instructions)))
 
 
 # ----------------------------------------------------------------------------------------
