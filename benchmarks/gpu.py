@@ -160,6 +160,7 @@ class Peer:
     last: list = field(default_factory=list)  # see keep()
     base: str | None = None          # a pinned variant's base peer (bamgen-<prior>@<pins>)
     variant: "Variant | None" = None  # ... and its pins
+    configs: Callable[[], dict] | None = None   # after a run: the configs its autotuners kept
 
     def __post_init__(self):
         self.frozen = [t.detach() for t in self.inputs]  # same storage, no autograd
@@ -474,7 +475,18 @@ def tutorial_peer(cfg, qkv, dout, path: str | None) -> Peer:
     spec.loader.exec_module(tutorial)
     scale = cfg.dim ** -0.5
     return Peer("tutorial", lambda q, k, v: tutorial.attention(q, k, v, True, scale),
-                list(qkv), dout)
+                list(qkv), dout, configs=lambda: autotuned_configs(tutorial))
+
+
+def autotuned_configs(module) -> dict[str, str]:
+    """{kernel: the config its autotuner kept} of a module's autotuned kernels, named as
+    benchmarks/tutorial_model.py names them, so that its model's pick meets the GPU's."""
+    from triton.runtime.autotuner import Autotuner
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from autotune_names import config_name
+    return {name: config_name(kernel.best_config) for name, kernel in vars(module).items()
+            if isinstance(kernel, Autotuner) and getattr(kernel, "best_config", None) is not None}
 
 
 def pinned_peer(name: str, make: Callable[[str], Peer]) -> Peer | None:
@@ -797,6 +809,9 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     variants = {p.name: p.variant.as_json() for p in peers if p.variant is not None}
     if variants:   # the pins, as fields for benchmarks/model_check.py
         result["variants"] = variants
+    configs = {p.name: p.configs() for p in peers if p.configs is not None}
+    if any(configs.values()):   # what the autotuners kept, for benchmarks/tutorial_model.py
+        result["configs"] = {name: kept for name, kept in configs.items() if kept}
     if args.kernels and cfg.device == "cuda":
         result["kernels"] = {p.name: kernel_times(p) for p in peers
                              if p.name.startswith("bamgen-") or p.name == "tutorial"}
@@ -991,8 +1006,11 @@ def environment(device: str) -> dict:
         except Exception:
             return "not installed"
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (no GPU)"
-    return {"device": name, "torch": torch.__version__, "triton": version("triton"),
-            "flash_attn": version("flash_attn") if device == "cuda" else "not used"}
+    env = {"device": name, "torch": torch.__version__, "triton": version("triton"),
+           "flash_attn": version("flash_attn") if device == "cuda" else "not used"}
+    if device == "cuda":   # the family a model compiles for (benchmarks/tutorial_model.py)
+        env["capability"] = list(torch.cuda.get_device_capability())
+    return env
 
 
 def failed_checks(results: list[dict]) -> list[str]:
