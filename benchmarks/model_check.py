@@ -61,6 +61,20 @@ class Point:
 
 
 UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")
+GHZ, SMS = 1.98, 132   # the measured cycles' clock and SMs by default: an H100's or H200's
+
+
+def measured_cycles(us: float, result: dict, ghz: float = GHZ, sms: int = SMS) -> float:
+    """A causal call's kernel time (a gpu.py result's) as cycles per 1000 scores on ``sms``
+    SMs at ``ghz``, the unit the model counts in: time x clock x SMs / (B*H*N^2/2 / 1000)."""
+    scores = result["B"] * result["H"] * result["N"] ** 2 / 2
+    return us * 1e-6 * ghz * 1e9 * sms / (scores / 1000)
+
+
+def load_pairs(path) -> list[Point]:
+    """The points a --pairs file holds (the next fit's input)."""
+    return [Point(**{**p, "units": tuple(tuple(u) for u in p["units"])})
+            for p in json.loads(Path(path).read_text())]
 
 
 def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float, dict]]:
@@ -69,7 +83,6 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
     run's ``variants`` entry ({} for the shipped tiles)."""
     out = []
     for result in run["results"]:
-        scores = result["B"] * result["H"] * result["N"] ** 2 / 2
         for peer, kernels in result.get("kernels", {}).items():
             prior = peer.removeprefix("bamgen-")
             if prior.partition("@")[0] not in PRIORS:
@@ -78,8 +91,8 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
             for kernel, (phase, profiled, _) in KERNELS.items():
                 entry = kernels.get(f"{phase}:{profiled}")
                 if entry:
-                    cycles = entry["us"] * 1e-6 * ghz * 1e9 * sms / (scores / 1000)
-                    out.append((prior, result["D"], kernel, cycles, pins))
+                    out.append((prior, result["D"], kernel,
+                                measured_cycles(entry["us"], result, ghz, sms), pins))
     return out
 
 
@@ -250,8 +263,8 @@ def _pct(err: float | None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="JSON files of benchmarks/gpu.py --kernels")
-    ap.add_argument("--ghz", type=float, default=1.98, help="SM clock (default: an H100/H200's max)")
-    ap.add_argument("--sms", type=int, default=132, help="multiprocessors (default: H100/H200)")
+    ap.add_argument("--ghz", type=float, default=GHZ, help="SM clock (default: an H100/H200's max)")
+    ap.add_argument("--sms", type=int, default=SMS, help="multiprocessors (default: H100/H200)")
     ap.add_argument("--arch", default="sm_90", choices=["sm_90", "sm_80"])
     ap.add_argument("--pairs", metavar="PATH", help="also write the points as JSON")
     ap.add_argument("--append", metavar="PATH", help="also append the table to this markdown "

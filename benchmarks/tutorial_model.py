@@ -4,7 +4,8 @@ Triton's tutorial, modelled").
 
     python benchmarks/tutorial_model.py PATH                         # sm_90 and sm_80, D = 64, 128
     python benchmarks/tutorial_model.py PATH --arch sm_90 --head-dim 128
-    python benchmarks/tutorial_model.py PATH --run docs/results/gpu/h200_2026-11-26_tutorial.json
+    python benchmarks/tutorial_model.py PATH --run docs/results/gpu/h200_2026-11-26_tutorial.json \
+        --pairs docs/results/gpu/h200_2026-11-26_pairs.json
 
 PATH is a copy of python/tutorials/06-fused-attention.py of the Triton in use (the one
 `benchmarks/gpu.py --tutorial` times; it is not shipped). Nothing of it is edited:
@@ -27,7 +28,9 @@ PATH is a copy of python/tutorials/06-fused-attention.py of the Triton in use (t
   Preprocessing kernels are left out on both sides.
 * **Beside bamgen's NoPE** at the same dtype (fp16, the tutorial's), head dim and architecture:
   the forward's cycles, and dK/dV's plus dQ's. `--run` adds the ratios a GPU measured
-  (benchmarks/gpu.py --kernels with the tutorial peer).
+  (benchmarks/gpu.py --kernels with the tutorial peer); `--pairs` the fitted model (weights
+  fitted to the points of a model_check.py --pairs file: bamgen's kernels), on the tutorial's
+  kernels, which the fit never saw.
 
 The autotuner tries every config that compiles and fits (after the kernel's own
 ``early_config_prune``, applied here too), and keeps the fastest it times; the model's pick is
@@ -97,6 +100,7 @@ class Row:
     cycles: float | None = None       # modelled cycles per 1000 scores (None: did not compile)
     note: str = ""
     loops: tuple[int, ...] = ()       # the modelled loops: indices into the kernel's MMA loops
+    units: tuple[tuple[str, float], ...] = ()   # each unit's cycles per 1000 scores, loops summed
 
     @property
     def usable(self) -> bool:
@@ -280,9 +284,9 @@ BACKWARD_LOOPS = (("BLOCK_M1", "BLOCK_N1", 4),   # dK/dV: S^T, dV, dP^T, dK
                   ("BLOCK_M2", "BLOCK_N2", 3))   # dQ: S, dP, dQ
 
 
-def _loop_cycles(k, loop: tuple, arch: str, head_dim: int, constexprs: dict) -> tuple[float, int]:
-    """Modelled cycles per 1000 scores of the unmasked loop of one tile, and its index in the
-    kernel's MMA loops: the shortest of them whose tensor-core flops are that tile's (2 x head
+def _loop_units(k, loop: tuple, arch: str, head_dim: int, constexprs: dict) -> tuple[dict, int]:
+    """Each unit's modelled cycles per 1000 scores (bamgen.aot.loop_model's) in the unmasked
+    loop of one tile, and the loop's index in the kernel's MMA loops: the shortest of them whose tensor-core flops are that tile's (2 x head
     dim x its scores x the matmuls a score takes), since a masked loop walks smaller tiles or
     more instructions. Its flops may be a power of two times the tile's: warps too many for a
     small tile repeat its MMAs (64x64 over 8 warps on sm_80), work the model counts as issued."""
@@ -299,7 +303,8 @@ def _loop_cycles(k, loop: tuple, arch: str, head_dim: int, constexprs: dict) -> 
         raise TutorialError(f"{k.name} on {arch}: no loop of {constexprs[rows]}x{constexprs[cols]} "
                             f"scores ({flops} tensor-core flops a pass)")
     index = min(matching, key=lambda i: k.loops[i]["total"])
-    return loop_model(k.loops[index], arch, k.num_warps)["cycles_per_tile"] * 1000 / scores, index
+    cycles = loop_model(k.loops[index], arch, k.num_warps)["cycles"]
+    return {unit: c * 1000 / scores for unit, c in cycles.items()}, index
 
 
 def _power_of_two(ratio: float) -> bool:
@@ -329,9 +334,13 @@ def model_launch(launch: Launch, arch: str, head_dim: int) -> Row:
     if not k.loops:
         return Row(**{**row.__dict__, **resources, "note": "no MMA loop (not modelled)"})
     loops = (FORWARD_LOOP,) if launch.phase == "fwd" else BACKWARD_LOOPS
-    modelled = [_loop_cycles(k, loop, arch, head_dim, launch.constexprs) for loop in loops]
-    return Row(**{**row.__dict__, **resources, "cycles": round(sum(c for c, _ in modelled), 1),
-                  "loops": tuple(i for _, i in modelled)})
+    modelled = [_loop_units(k, loop, arch, head_dim, launch.constexprs) for loop in loops]
+    # each loop's bound unit, summed (the loops run one after the other); and per unit, for
+    # the fitted model (a weighted sum of units: benchmarks/model_check.py)
+    cycles = sum(max(units.values()) for units, _ in modelled)
+    units = {u: round(sum(units[u] for units, _ in modelled), 1) for u in modelled[0][0]}
+    return Row(**{**row.__dict__, **resources, "cycles": round(cycles, 1),
+                  "loops": tuple(i for _, i in modelled), "units": tuple(units.items())})
 
 
 def tutorial_rows(path: str, arch: str, head_dim: int) -> list[Row]:
@@ -343,12 +352,27 @@ def tutorial_rows(path: str, arch: str, head_dim: int) -> list[Row]:
                       if "preprocess" not in launch.kernel]
 
 
-def nope_cycles(arch: str, head_dim: int) -> dict[str, float]:
-    """bamgen NoPE's modelled cycles per 1000 scores (fp16): forward, and dK/dV plus dQ."""
+@dataclass(frozen=True)
+class Nope:
+    """bamgen NoPE's modelled cycles per 1000 scores (fp16) in one phase: its kernels' bound
+    units summed, and each unit summed over its kernels (the forward; dK/dV plus dQ)."""
+    cycles: float
+    units: dict
+
+
+def nope_cycles(arch: str, head_dim: int) -> dict[str, Nope]:
     from model_check import modelled
-    units = modelled("uniform", head_dim, arch, "fp16")
-    bound = {kernel: max(u.values()) for kernel, u in units.items()}
-    return {"fwd": bound["fwd"], "bwd": bound["dkdv"] + bound["dq"]}
+    kernels = modelled("uniform", head_dim, arch, "fp16")
+    out = {}
+    for phase, names in (("fwd", ("fwd",)), ("bwd", ("dkdv", "dq"))):
+        out[phase] = Nope(sum(max(kernels[n].values()) for n in names),
+                          {u: sum(kernels[n][u] for n in names) for u in kernels[names[0]]})
+    return out
+
+
+def fitted(units, weights: dict[str, float]) -> float:
+    """The fitted model's cycles: the units weighted by a fit to a GPU's kernels."""
+    return sum(w * dict(units)[u] for u, w in weights.items())
 
 
 def model_pick(rows: list[Row], phase: str) -> tuple[Row | None, int]:
@@ -373,10 +397,12 @@ def run_arch(run: dict) -> str:
 
 
 def measured_ratios(run: dict, tutorial_kernels: dict[str, set[str]]) -> dict[int, list[dict]]:
-    """{head dim: [{"N": ..., "fwd": NoPE / tutorial, "bwd": ..., "configs": {kernel: config}},
-    one per sequence length]} of a run's kernel times: the tutorial's captured attention kernels
-    against bamgen NoPE's forward and dK/dV plus dQ, and the configs its autotuners kept (runs
-    since they are recorded)."""
+    """{head dim: [{"N": ..., "fwd": NoPE / tutorial, "bwd": ..., "configs": {kernel: config},
+    "tutorial_cycles": {phase: cycles per 1000 scores}}, one per sequence length]} of a run's
+    kernel times: the tutorial's captured attention kernels against bamgen NoPE's forward and
+    dK/dV plus dQ, the configs its autotuners kept (runs since they are recorded), and the
+    tutorial's time in the model's unit (model_check.measured_cycles)."""
+    from model_check import measured_cycles
     out = {}
     for result in run["results"]:
         kernels = result.get("kernels", {})
@@ -385,11 +411,13 @@ def measured_ratios(run: dict, tutorial_kernels: dict[str, set[str]]) -> dict[in
             continue
         nope = {"fwd": ours.get("fwd:_attn_fwd", {}).get("us"),
                 "bwd": sum(ours.get(f"bwd:{k}", {}).get("us", 0) for k in ("_attn_bwd_dkdv", "_attn_bwd_dq"))}
-        ratios = {"N": result["N"], "configs": result.get("configs", {}).get("tutorial", {})}
+        ratios = {"N": result["N"], "configs": result.get("configs", {}).get("tutorial", {}),
+                  "tutorial_cycles": {}}
         for phase in ("fwd", "bwd"):
             time = sum(theirs.get(f"{phase}:{k}", {}).get("us", 0) for k in tutorial_kernels[phase])
             if time and nope[phase]:
                 ratios[phase] = nope[phase] / time
+                ratios["tutorial_cycles"][phase] = measured_cycles(time, result)
         out.setdefault(result["D"], []).append(ratios)
     return out
 
@@ -403,7 +431,7 @@ def _measured(runs: list[dict], phase: str) -> str:
     return ", ".join(shown) or "-"
 
 
-def report(rows: list[Row], nope: dict, measured: dict) -> list[str]:
+def report(rows: list[Row], nope: dict, measured: dict, weights: dict | None = None) -> list[str]:
     lines = ["| arch | D | kernel | config | registers | stack | shared KB | cycles / 1000 scores | note |",
              "|---|---:|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -415,8 +443,9 @@ def report(rows: list[Row], nope: dict, measured: dict) -> list[str]:
     lines += ["", "| arch | D | phase | tutorial (model's pick) | cycles | bamgen NoPE cycles | "
               "NoPE / tutorial, modelled | measured | autotuner's pick |",
               "|---|---:|---|---|---:|---:|---:|---:|---|"]
-    for (arch, head_dim), cycles in sorted(nope.items()):
+    for (arch, head_dim), ours in sorted(nope.items()):
         for phase in ("fwd", "bwd"):
+            cycles = ours[phase].cycles
             here = [r for r in rows if (r.arch, r.head_dim) == (arch, head_dim)]
             pick, ties = model_pick(here, phase)
             runs = measured.get(arch, {}).get(head_dim, [])
@@ -427,9 +456,31 @@ def report(rows: list[Row], nope: dict, measured: dict) -> list[str]:
                     if pick is None else pick.config + ("" if pick.usable else " (spills)")
                     + (f" (tied with {ties})" if ties else ""))
             lines.append(f"| {arch} | {head_dim} | {phase} | {name} | "
-                         f"{f'{pick.cycles:.0f}' if pick else '-'} | {cycles[phase]:.0f} | "
-                         f"{f'{cycles[phase] / pick.cycles:.2f}x' if pick else '-'} | "
+                         f"{f'{pick.cycles:.0f}' if pick else '-'} | {cycles:.0f} | "
+                         f"{f'{cycles / pick.cycles:.2f}x' if pick else '-'} | "
                          f"{_measured(runs, phase)} | {', '.join(kept) or '-'} |")
+    return lines + (_fitted_table(rows, nope, measured, weights) if weights else [])
+
+
+def _fitted_table(rows: list[Row], nope: dict, measured: dict, weights: dict) -> list[str]:
+    """The fitted model (weights fitted to another run's bamgen kernels) on the model's picks:
+    an out-of-sample test of the fit, where a run measured the tutorial."""
+    lines = ["", "The fitted model: " + ", ".join(f"{u} {w:.2f}" for u, w in weights.items()),
+             "", "| arch | D | phase | tutorial, fitted | tutorial, measured | error | "
+             "NoPE / tutorial, fitted | measured |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for (arch, head_dim), ours in sorted(nope.items()):
+        for phase in ("fwd", "bwd"):
+            pick, _ = model_pick([r for r in rows if (r.arch, r.head_dim) == (arch, head_dim)], phase)
+            if pick is None:
+                continue
+            theirs = fitted(pick.units, weights)
+            runs = measured.get(arch, {}).get(head_dim, [])
+            got = [r["tutorial_cycles"][phase] for r in runs if phase in r["tutorial_cycles"]]
+            error = ", ".join(f"{theirs / g - 1:+.0%}" for g in got) or "-"
+            lines.append(f"| {arch} | {head_dim} | {phase} | {theirs:.0f} | "
+                         f"{', '.join(f'{g:.0f}' for g in got) or '-'} | {error} | "
+                         f"{fitted(ours[phase].units.items(), weights) / theirs:.2f}x | "
+                         f"{_measured(runs, phase)} |")
     return lines
 
 
@@ -438,8 +489,8 @@ def _read_run(path: str) -> dict:
     run = json.loads(Path(path).read_text())
     results = run.get("results") if isinstance(run, dict) else None
     if not isinstance(results, list) or not results or not all(
-            isinstance(r, dict) and {"N", "D"} <= r.keys() for r in results):
-        raise ValueError("no results with N and D")
+            isinstance(r, dict) and {"N", "B", "H", "D"} <= r.keys() for r in results):
+        raise ValueError("no results with N, B, H and D")
     return run
 
 
@@ -450,6 +501,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128], choices=[64, 128])
     ap.add_argument("--run", metavar="JSON", help="a benchmarks/gpu.py --kernels run with the "
                                                   "tutorial peer: its measured ratios, beside its GPU's family")
+    ap.add_argument("--pairs", metavar="JSON", help="a benchmarks/model_check.py --pairs file: "
+                                                    "the fitted model, its weights fitted to those points")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     if not Path(args.tutorial).is_file():
@@ -462,6 +515,16 @@ def main(argv=None) -> int:
             run = _read_run(args.run)
         except (OSError, ValueError) as err:
             ap.error(f"--run: {args.run} is not a benchmarks/gpu.py JSON ({err})")
+    weights = None
+    if args.pairs:
+        from model_check import UNITS, fit_units, load_pairs
+        try:
+            points = load_pairs(args.pairs)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            ap.error(f"--pairs: {args.pairs} is not a benchmarks/model_check.py --pairs file ({err})")
+        if len(points) <= len(UNITS):
+            ap.error(f"--pairs: {len(points)} points fit no {len(UNITS)} weights")
+        weights = fit_units(points)
     rows, nope = [], {}
     try:
         for arch in args.arch:
@@ -473,7 +536,7 @@ def main(argv=None) -> int:
         return 2
     kernels = {phase: {r.kernel for r in rows if r.phase == phase} for phase in ("fwd", "bwd")}
     measured = {run_arch(run): measured_ratios(run, kernels)} if run else {}
-    print("\n".join(report(rows, nope, measured)))
+    print("\n".join(report(rows, nope, measured, weights)))
     if args.json:
         Path(args.json).write_text(json.dumps([{**r.__dict__, "usable": r.usable} for r in rows], indent=1))
     return 0

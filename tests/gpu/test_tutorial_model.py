@@ -12,6 +12,7 @@ import textwrap
 from tests.helpers import ROOT, load_script
 
 SCRIPT = ROOT / "benchmarks" / "tutorial_model.py"
+UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")   # (benchmarks/model_check.py's)
 STAND_IN = ROOT / "tests" / "gpu" / "tutorial_stand_in.py"
 # the tensor cores' floor, cycles per 1000 scores at head dim 64 on sm_90 (4096 flops a clock
 # an SM): 2 x 64 flops a score per matmul, 2 matmuls in a forward, 4 + 3 in the backward
@@ -87,8 +88,15 @@ def test_the_report_models_each_config_beside_nope_and_the_measured_run(tmp_path
                         "kernels": {peer: {k: {"us": t, "calls": 1.0} for k, t in times.items()}
                                     for peer, times in us.items()}}]}
     (tmp_path / "run.json").write_text(json.dumps(run))
+    # a fit's points (model_check.py --pairs) that weigh tensor 2, issue 1 and LSU 3 exactly
+    units = [dict(zip(UNITS, row)) for row in ((10, 1, 1, 5, 1), (20, 2, 0, 1, 3), (5, 0, 2, 8, 2),
+                                               (7, 3, 1, 2, 0), (1, 1, 1, 1, 9), (12, 0, 0, 4, 4))]
+    pairs = [{"prior": f"p{i}", "head_dim": 64, "kernel": "fwd", "modelled": max(u.values()),
+              "measured": 2 * u["tensor"] + u["issue"] + 3 * u["lsu"], "device": "NVIDIA H200",
+              "units": sorted(u.items())} for i, u in enumerate(units)]
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
     res = _tool(STAND_IN, "--arch", "sm_90", "--head-dim", "64", "--run", tmp_path / "run.json",
-                "--json", tmp_path / "rows.json", timeout=600)
+                "--pairs", tmp_path / "pairs.json", "--json", tmp_path / "rows.json", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["phase"], r["config"]) for r in rows] == [
@@ -106,7 +114,7 @@ def test_the_report_models_each_config_beside_nope_and_the_measured_run(tmp_path
         # dK/dV's, or one loop of the two) would fall under it
         assert r["cycles"] >= TENSOR_FLOOR[r["phase"]] - 0.05, r
     summary = {line.split(" | ")[2]: line.strip("| ").split(" | ") for line in res.stdout.splitlines()
-               if line.startswith("| sm_90 | 64 | fwd |") or line.startswith("| sm_90 | 64 | bwd |")}
+               if line.startswith(("| sm_90 | 64 | fwd |", "| sm_90 | 64 | bwd |")) and line.count("|") == 10}
     pick = min((r for r in rows[:3] if r["usable"]), key=lambda r: r["cycles"])
     fwd = summary["fwd"]
     assert fwd[3] == pick["config"] and float(fwd[4]) == round(pick["cycles"])
@@ -115,6 +123,13 @@ def test_the_report_models_each_config_beside_nope_and_the_measured_run(tmp_path
     assert fwd[7] == f"{800 / 640:.2f}x" and fwd[8] == "64x64 w4 s3"
     bwd = summary["bwd"]
     assert bwd[7] == f"{(2600 + 1100) / 1850:.2f}x" and bwd[8] == "-"
+    # the fitted model on the tutorial's kernels, beside their measured cycles (1.98 GHz, 132 SMs)
+    assert "The fitted model: tensor 2.00, mufu 0.00, fp32 0.00, issue 1.00, lsu 3.00" in res.stdout
+    fit = next(line.strip("| ").split(" | ") for line in res.stdout.splitlines()
+               if line.startswith("| sm_90 | 64 | fwd |") and line.count("|") == 9)
+    want = 2 * dict(pick["units"])["tensor"] + dict(pick["units"])["issue"] + 3 * dict(pick["units"])["lsu"]
+    measured = 640e-6 * 1.98e9 * 132 / (2 * 16 * 8192 ** 2 / 2 / 1000)
+    assert (fit[3], fit[4], fit[5]) == (f"{want:.0f}", f"{measured:.0f}", f"{want / measured - 1:+.0%}")
 
 
 def test_a_file_that_is_not_the_tutorial_is_refused_by_name(tmp_path):
@@ -136,6 +151,11 @@ def test_a_file_that_is_not_the_tutorial_is_refused_by_name(tmp_path):
         assert res.returncode == 2 and "--run:" in res.stderr and "Traceback" not in res.stderr, bad
     res = _tool(STAND_IN, "--json", tmp_path / "no" / "rows.json")
     assert res.returncode == 2 and "--json: no folder" in res.stderr
+    for bad, says in (("{", "is not a benchmarks/model_check.py --pairs file"), ("[]", "0 points fit no 5 weights"),
+                      ('[{"prior": "x"}]', "is not a benchmarks/model_check.py --pairs file")):
+        (tmp_path / "pairs.json").write_text(bad)
+        res = _tool(STAND_IN, "--pairs", tmp_path / "pairs.json")
+        assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, (bad, res.stderr)
 
 
 def test_gpu_bench_records_the_configs_the_tutorials_autotuners_kept(tmp_path):
@@ -169,10 +189,13 @@ def test_measured_ratios_go_beside_the_family_of_the_gpu_that_ran_them(monkeypat
     kernels = {"bamgen-uniform": {"fwd:_attn_fwd": {"us": 900.0}},
                "tutorial": {"fwd:_fwd": {"us": 600.0}}}
     run = {"env": {"device": "NVIDIA A100", "capability": [8, 0]},
-           "results": [{"N": n, "D": 64, "kernels": kernels} for n in (4096, 8192)]}
+           "results": [{"N": n, "B": 1, "H": 8, "D": 64, "kernels": kernels} for n in (4096, 8192)]}
     assert model.run_arch(run) == "sm_80"
     assert model.run_arch({"env": {"device": "NVIDIA H200"}}) == "sm_90"   # before capabilities
     ratios = model.measured_ratios(run, {"fwd": {"_fwd"}, "bwd": {"_bwd"}})
     assert [(r["N"], r["fwd"]) for r in ratios[64]] == [(4096, 1.5), (8192, 1.5)]
+    # the tutorial's time in the model's unit: cycles per 1000 causal scores, 1.98 GHz x 132 SMs
+    assert [round(r["tutorial_cycles"]["fwd"], 6) for r in ratios[64]] == [
+        round(600e-6 * 1.98e9 * 132 / (8 * n * n / 2 / 1000), 6) for n in (4096, 8192)]
     assert model._measured(ratios[64], "fwd") == "1.50x at N=4096, 1.50x at N=8192"
     assert model._measured(ratios[64], "bwd") == "-"
