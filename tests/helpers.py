@@ -46,3 +46,48 @@ def load_script(path: Path, name: str):
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+# The AOT compiles run in a process that imports Triton without the interpreter (this one
+# runs under it: conftest.py). A process per `bamgen inspect` call paid 3.5 s of imports for
+# each of the suite's ~35 calls; one process per test worker, fed one call at a time, pays it
+# once. Each reply is one line after the marker, so that whatever else writes to the process's
+# stdout (a compiler's own output) cannot be mistaken for it.
+_AOT_MARK = "@@bamgen-aot-reply@@ "
+_AOT_SERVER = r"""
+import contextlib, io, json, sys, traceback
+from click.testing import CliRunner
+from bamgen.cli import main
+for line in sys.stdin:
+    result = CliRunner().invoke(main, json.loads(line))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        err = "".join(traceback.format_exception(result.exception))
+    else:
+        err = result.stderr
+    reply = {"rc": result.exit_code, "stdout": result.stdout, "stderr": err}
+    sys.stdout.write(MARK + json.dumps(reply) + "\n")
+    sys.stdout.flush()
+"""
+_aot_process = None
+
+
+def run_cli_aot(*args: str) -> subprocess.CompletedProcess:
+    """``bamgen ARGS`` (an `inspect`) in this worker's compiling process: as run_cli, without
+    the interpreter, and without a fresh interpreter per call."""
+    import atexit
+    import json
+    import os
+    global _aot_process
+    if _aot_process is None or _aot_process.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        _aot_process = subprocess.Popen(
+            [sys.executable, "-c", f"MARK = {_AOT_MARK!r}\n" + _AOT_SERVER], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        atexit.register(_aot_process.kill)
+    _aot_process.stdin.write(json.dumps(list(args)) + "\n")
+    _aot_process.stdin.flush()
+    for line in _aot_process.stdout:
+        if line.startswith(_AOT_MARK):
+            reply = json.loads(line[len(_AOT_MARK):])
+            return subprocess.CompletedProcess(args, reply["rc"], reply["stdout"], reply["stderr"])
+    raise RuntimeError("the AOT process exited without replying (its stderr is this test's)")

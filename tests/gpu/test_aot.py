@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from bamgen.resources import shipped_priors
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, run_cli, run_cli_aot
 
 PRIORS = shipped_priors()
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
@@ -25,9 +25,8 @@ PRIOR_DIR = PRIORS[0].parent
 
 
 def _inspect(prior, arch, head_dim, *extra):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = run_cli("inspect", str(prior), "--arch", arch, "--dtype", "bf16",
-                  "--head-dim", str(head_dim), "--json", *extra, env=env)
+    res = run_cli_aot("inspect", str(prior), "--arch", arch, "--dtype", "bf16",
+                      "--head-dim", str(head_dim), "--json", *extra)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
 
