@@ -58,14 +58,34 @@ _AOT_SERVER = r"""
 import contextlib, io, json, sys, traceback
 from click.testing import CliRunner
 from bamgen.cli import main
-for line in sys.stdin:
-    result = CliRunner().invoke(main, json.loads(line))
+
+
+def cli(args):
+    result = CliRunner().invoke(main, args)
+    err = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         err = "".join(traceback.format_exception(result.exception))
-    else:
-        err = result.stderr
-    reply = {"rc": result.exit_code, "stdout": result.stdout, "stderr": err}
-    sys.stdout.write(MARK + json.dumps(reply) + "\n")
+    return result.exit_code, result.stdout, err
+
+
+def script(code, argv):
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    sys.argv = ["-c", *argv]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            exec(compile(code, "<script>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exit:
+            rc = exit.code if isinstance(exit.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+    return rc, out.getvalue(), err.getvalue()
+
+
+for line in sys.stdin:
+    request = json.loads(line)
+    rc, out, err = cli(request["cli"]) if "cli" in request else script(request["script"], request["argv"])
+    sys.stdout.write(MARK + json.dumps({"rc": rc, "stdout": out, "stderr": err}) + "\n")
     sys.stdout.flush()
 """
 _aot_process = None
@@ -74,6 +94,16 @@ _aot_process = None
 def run_cli_aot(*args: str) -> subprocess.CompletedProcess:
     """``bamgen ARGS`` (an `inspect`) in this worker's compiling process: as run_cli, without
     the interpreter, and without a fresh interpreter per call."""
+    return _ask_aot({"cli": list(args)}, args)
+
+
+def run_script_aot(code: str, *argv: str) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGV`` in this worker's compiling process (a script that compiles
+    kernels ahead of time and prints its findings), from the repository's root."""
+    return _ask_aot({"script": code, "argv": list(argv)}, argv)
+
+
+def _ask_aot(request: dict, args) -> subprocess.CompletedProcess:
     import atexit
     import json
     import os
@@ -84,7 +114,7 @@ def run_cli_aot(*args: str) -> subprocess.CompletedProcess:
             [sys.executable, "-c", f"MARK = {_AOT_MARK!r}\n" + _AOT_SERVER], cwd=ROOT, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         atexit.register(_aot_process.kill)
-    _aot_process.stdin.write(json.dumps(list(args)) + "\n")
+    _aot_process.stdin.write(json.dumps(request) + "\n")
     _aot_process.stdin.flush()
     for line in _aot_process.stdout:
         if line.startswith(_AOT_MARK):

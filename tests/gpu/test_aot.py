@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from bamgen.resources import shipped_priors
-from tests.helpers import ROOT, run_cli, run_cli_aot
+from tests.helpers import ROOT, run_cli, run_cli_aot, run_script_aot
 
 PRIORS = shipped_priors()
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
@@ -136,9 +136,7 @@ MODELLED_PRIORS = ("uniform", "laplace", "bam", "generalized_gaussian", "bam_ssm
 
 @pytest.fixture(scope="module")
 def modelled_per_1k():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", MODELLED_SCRIPT, *MODELLED_PRIORS], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=900)
+    res = run_script_aot(MODELLED_SCRIPT, *MODELLED_PRIORS)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -233,11 +231,7 @@ ALTERNATES = [pytest.param(prior, id=prior.stem,
 def test_autotune_candidates_fit(prior):
     """The non-default tile candidates (BAMGEN_AUTOTUNE=1) pass the same bar as the defaults:
     no spills, within the family's shared memory, for every shipped prior of their kind."""
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", ALTERNATES_SCRIPT, prior.stem], capture_output=True,
-                         text=True, env=env, timeout=1200)
+    res = run_script_aot(ALTERNATES_SCRIPT, prior.stem)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout)
     assert rows, "no alternate candidates were compiled"
@@ -281,9 +275,7 @@ def test_the_variants_gpu_check_times_compile_without_spills(head_dim):
     kernel's other table reads) pass the tile
     table's bar on the H100: no spills, within its shared memory (head dim 64, where the table
     forwards measured 3.4-3.9x NoPE, in every run; 128 in make test-full)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", VARIANTS_SCRIPT, str(head_dim)], capture_output=True,
-                         text=True, env=env, cwd=ROOT, timeout=1200)
+    res = run_script_aot(VARIANTS_SCRIPT, str(head_dim))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout)
     assert {(r[0], r[1], r[2]) for r in rows} == {(n, head_dim, "attn_fwd") for n in (
