@@ -58,6 +58,7 @@ class Point:
     measured: float
     device: str
     units: tuple[tuple[str, float], ...] = ()   # each unit's modelled cycles per 1000 scores
+    arch: str = "sm_90"   # the family the kernel was compiled for (the fit holds for it alone)
 
 
 UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")
@@ -169,7 +170,7 @@ def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
     for run, key, kernel, cycles in measured:
         units = compiled[keys[key]][kernel]
         out.append(Point(key[0], key[1], kernel, max(units.values()), cycles, run["env"]["device"],
-                         tuple(sorted(units.items()))))
+                         tuple(sorted(units.items())), arch))
     return out
 
 

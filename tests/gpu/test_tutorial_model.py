@@ -124,7 +124,7 @@ def test_the_report_models_each_config_beside_nope_and_the_measured_run(tmp_path
     bwd = summary["bwd"]
     assert bwd[7] == f"{(2600 + 1100) / 1850:.2f}x" and bwd[8] == "-"
     # the fitted model on the tutorial's kernels, beside their measured cycles (1.98 GHz, 132 SMs)
-    assert "The fitted model: tensor 2.00, mufu 0.00, fp32 0.00, issue 1.00, lsu 3.00" in res.stdout
+    assert "The fitted model (sm_90): tensor 2.00, mufu 0.00, fp32 0.00, issue 1.00, lsu 3.00" in res.stdout
     fit = next(line.strip("| ").split(" | ") for line in res.stdout.splitlines()
                if line.startswith("| sm_90 | 64 | fwd |") and line.count("|") == 9)
     want = 2 * dict(pick["units"])["tensor"] + dict(pick["units"])["issue"] + 3 * dict(pick["units"])["lsu"]
@@ -151,8 +151,12 @@ def test_a_file_that_is_not_the_tutorial_is_refused_by_name(tmp_path):
         assert res.returncode == 2 and "--run:" in res.stderr and "Traceback" not in res.stderr, bad
     res = _tool(STAND_IN, "--json", tmp_path / "no" / "rows.json")
     assert res.returncode == 2 and "--json: no folder" in res.stderr
+    point = {"prior": "p", "head_dim": 64, "kernel": "fwd", "modelled": 1.0, "measured": 2.0,
+             "device": "GPU", "units": [[u, 1.0] for u in UNITS]}
+    mixed = json.dumps([{**point, "arch": arch} for arch in ("sm_80", "sm_90") * 3])
     for bad, says in (("{", "is not a benchmarks/model_check.py --pairs file"), ("[]", "0 points fit no 5 weights"),
-                      ('[{"prior": "x"}]', "is not a benchmarks/model_check.py --pairs file")):
+                      ('[{"prior": "x"}]', "is not a benchmarks/model_check.py --pairs file"),
+                      (mixed, "points of sm_80 and sm_90; a fit holds for one family")):
         (tmp_path / "pairs.json").write_text(bad)
         res = _tool(STAND_IN, "--pairs", tmp_path / "pairs.json")
         assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, (bad, res.stderr)
