@@ -64,21 +64,24 @@ def candidates(prior, kernel, head_dim, arch, masked=False):
     bucket = min(b for b in table if b >= head_dim_padded(head_dim))
     configs = table[bucket][kernel]
     if masked and prior.traits.tensor_positions:
-        return [positions_masked_tile(kernel, c, arch) for c in configs]
+        return [positions_masked_tile(kernel, c, arch, bucket) for c in configs]
     return [masked_tile(kernel, c) for c in configs] if masked else configs
 
 
-def positions_masked_tile(kernel, config, arch):
+def positions_masked_tile(kernel, config, arch, head_dim):
     """masked_tile for the positional tables, whose tiles may already be at masked_tile's
-    floor: on sm_90 a dK/dV tile of 16 rows takes half the keys instead, on sm_80 a forward of 32 keys
-    takes 16x32 (the packed forward of GGD, ALiBi and BAM-SSMax put 8-24
-    bytes on the stack at 64x32 and 32x32, ptxas capping a thread at 128 or 168 registers;
-    16x32 takes 96-128 and none)."""
+    floor: on sm_90 a dK/dV tile of 16 rows takes half the keys instead (BAM-SSMax at head dim
+    128: 16x64 put 16 bytes on the stack), and at head dims past 64 one pipeline stage (BAM's
+    16x32 over two put 8 bytes there, 255 registers; one takes 247 and none, modelled 11%
+    slower; at 64 one stage is what spills, KERPLE's and others'),
+    on sm_80 a forward of 32 keys takes 16x32 (the packed forward of GGD, ALiBi and BAM-SSMax
+    put 8-24 bytes on the stack at 64x32 and 32x32, ptxas capping a thread at 128 or 168
+    registers; 16x32 takes 96-128 and none)."""
     block_m, block_n, warps, stages = config
     if kernel == "fwd" and block_n <= 32 and arch == "sm_80":
         return (16, 32, 4, stages)
-    if kernel == "bwd_dkdv" and block_m <= 16 and arch == "sm_90":   # (BAM-SSMax at head dim
-        return (16, max(16, block_n // 2), warps, stages)   # 128: 16x64 put 16 bytes on the stack)
+    if kernel == "bwd_dkdv" and block_m <= 16 and arch == "sm_90":
+        return (16, max(16, block_n // 2), warps, 1 if head_dim > 64 else stages)
     return masked_tile(kernel, config)
 
 
