@@ -198,8 +198,13 @@ def fit_units(pts: list[Point], units=UNITS) -> dict[str, float]:
     return {u: float(w) for u, w in zip(units, x)}
 
 
+def weighted(units, weights: dict[str, float]) -> float:
+    """The fitted model's cycles: ``units`` ((unit, modelled cycles) pairs or a dict) weighted."""
+    return sum(w * dict(units)[u] for u, w in weights.items())
+
+
 def fitted(p: Point, weights: dict[str, float]) -> float:
-    return sum(w * dict(p.units)[u] for u, w in weights.items())
+    return weighted(p.units, weights)
 
 
 def _kin(p: Point, q: Point) -> bool:

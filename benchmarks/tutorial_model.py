@@ -47,7 +47,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from autotune_names import config_name
@@ -58,7 +58,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # Triton's default, as 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CAPABILITY = {"sm_80": (8, 0), "sm_90": (9, 0)}
+from bamgen.aot import ARCHS  # noqa: E402 (the repository's root on the path first)
+from model_check import weighted  # noqa: E402
+
 # the largest shared memory one CTA may take (227 KB on an H100, 163 KB on an A100)
 SHARED_LIMIT = {"sm_80": 166912, "sm_90": 232448}
 # the capture's (batch, heads, N): the H200 run's batch and heads (Triton's launcher hints the
@@ -118,7 +120,7 @@ class _FakeDriver:
 
     def __init__(self, arch: str):
         from triton.backends.compiler import GPUTarget
-        self.target = GPUTarget("cuda", CAPABILITY[arch][0] * 10 + CAPABILITY[arch][1], 32)
+        self.target = GPUTarget("cuda", ARCHS[arch], 32)
 
     def get_current_target(self):
         return self.target
@@ -137,7 +139,7 @@ def _as_target(arch: str):
     import torch
     from triton.runtime import driver
     capability, active = torch.cuda.get_device_capability, driver._active
-    torch.cuda.get_device_capability = lambda *a, **k: CAPABILITY[arch]
+    torch.cuda.get_device_capability = lambda *a, **k: divmod(ARCHS[arch], 10)
     driver.set_active(_FakeDriver(arch))
     try:
         yield
@@ -330,18 +332,18 @@ def model_launch(launch: Launch, arch: str, head_dim: int) -> Row:
         k = compile_kernel(launch.kernel, launch.fn, launch.signature, launch.constexprs,
                            launch.attrs, launch.warps, launch.stages, arch)
     except CompilationError as err:
-        return Row(**{**row.__dict__, "note": f"does not compile: {_refusal(err)}"})
+        return replace(row, note=f"does not compile: {_refusal(err)}")
     resources = dict(registers=k.registers, stack_bytes=k.stack_bytes, shared_bytes=k.shared_bytes)
     if not k.loops:
-        return Row(**{**row.__dict__, **resources, "note": "no MMA loop (not modelled)"})
+        return replace(row, **resources, note="no MMA loop (not modelled)")
     loops = (FORWARD_LOOP,) if launch.phase == "fwd" else BACKWARD_LOOPS
     modelled = [_loop_units(k, loop, arch, head_dim, launch.constexprs) for loop in loops]
     # each loop's bound unit, summed (the loops run one after the other); and per unit, for
     # the fitted model (a weighted sum of units: benchmarks/model_check.py)
     cycles = sum(max(units.values()) for units, _ in modelled)
     units = {u: round(sum(units[u] for units, _ in modelled), 1) for u in modelled[0][0]}
-    return Row(**{**row.__dict__, **resources, "cycles": round(cycles, 1),
-                  "loops": tuple(i for _, i in modelled), "units": tuple(units.items())})
+    return replace(row, **resources, cycles=round(cycles, 1),
+                   loops=tuple(i for _, i in modelled), units=tuple(units.items()))
 
 
 def tutorial_rows(path: str, arch: str, head_dim: int) -> list[Row]:
@@ -369,11 +371,6 @@ def nope_cycles(arch: str, head_dim: int) -> dict[str, Nope]:
         out[phase] = Nope(sum(max(kernels[n].values()) for n in names),
                           {u: sum(kernels[n][u] for n in names) for u in kernels[names[0]]})
     return out
-
-
-def fitted(units, weights: dict[str, float]) -> float:
-    """The fitted model's cycles: the units weighted by a fit to a GPU's kernels."""
-    return sum(w * dict(units)[u] for u, w in weights.items())
 
 
 def model_pick(rows: list[Row], phase: str) -> tuple[Row | None, int]:
@@ -478,13 +475,13 @@ def _fitted_table(rows: list[Row], nope: dict, measured: dict, fit: tuple[str, d
             pick, _ = model_pick([r for r in rows if (r.arch, r.head_dim) == (arch, head_dim)], phase)
             if pick is None:
                 continue
-            theirs = fitted(pick.units, weights)
+            theirs = weighted(pick.units, weights)
             runs = measured.get(arch, {}).get(head_dim, [])
             got = [r["tutorial_cycles"][phase] for r in runs if phase in r["tutorial_cycles"]]
             error = ", ".join(f"{theirs / g - 1:+.0%}" for g in got) or "-"
             lines.append(f"| {arch} | {head_dim} | {phase} | {theirs:.0f} | "
                          f"{', '.join(f'{g:.0f}' for g in got) or '-'} | {error} | "
-                         f"{fitted(ours[phase].units.items(), weights) / theirs:.2f}x | "
+                         f"{weighted(ours[phase].units, weights) / theirs:.2f}x | "
                          f"{_measured(runs, phase)} |")
     return lines
 
@@ -502,7 +499,7 @@ def _read_run(path: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tutorial", metavar="PATH", help="a copy of Triton's python/tutorials/06-fused-attention.py")
-    ap.add_argument("--arch", nargs="+", default=["sm_90", "sm_80"], choices=sorted(CAPABILITY))
+    ap.add_argument("--arch", nargs="+", default=["sm_90", "sm_80"], choices=sorted(ARCHS))
     ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128], choices=[64, 128])
     ap.add_argument("--run", metavar="JSON", help="a benchmarks/gpu.py --kernels run with the "
                                                   "tutorial peer: its measured ratios, beside its GPU's family")
@@ -546,7 +543,7 @@ def main(argv=None) -> int:
     measured = {run_arch(run): measured_ratios(run, kernels)} if run else {}
     print("\n".join(report(rows, nope, measured, fit)))
     if args.json:
-        Path(args.json).write_text(json.dumps([{**r.__dict__, "usable": r.usable} for r in rows], indent=1))
+        Path(args.json).write_text(json.dumps([{**asdict(r), "usable": r.usable} for r in rows], indent=1))
     return 0
 
 
