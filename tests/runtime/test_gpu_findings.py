@@ -15,7 +15,12 @@
 * the host work before a launch is a GPU call's fixed cost: an H200 measured 1.6-3.0 ms of it per
   forward for GGD, BAM-SSMax and T5, tens to hundreds of small launches building the distance
   table. The table of T5's 32 buckets is built in a few operations (one gather, one block of
-  derivatives), counted here.
+  derivatives), counted here;
+* torch.compile's inductor types a Python float argument of a user kernel ``fp64`` on a device
+  that has fp64 (its default); kernels that multiplied their logits by an fp64 ``sm_scale``
+  carried fp64 into the accumulator, and ``tl.dot`` refused it: every triton-path call under
+  torch.compile failed on an H200 (`make gpu-check`'s compile step). Every attention kernel is
+  compiled here with its float scalars typed fp64: it compiles, and runs no fp64 arithmetic.
 
 The interpreter runs numpy, which neither specialises nor contracts, so these are checked on the
 kernels' settings; `make gpu-check` runs the behaviour on a GPU.
@@ -162,3 +167,43 @@ def test_a_distance_table_is_built_in_few_operations(name, forward, backward):
         ops = _computing_ops(lambda: launch.prior_inputs(prior, q, q, theta, 0, 0, True,
                                                          with_grads, False))
         assert ops <= most, (name, with_grads, ops)
+
+
+FP64_SCALARS_SCRIPT = r"""
+import json, sys
+from bamgen.aot import compile_spec, disassemble
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior
+out = []
+for spec in load_prior(shipped_prior(sys.argv[1])).triton_kernel_specs("bf16", 64, True, arch="sm_80"):
+    name, fn, signature, constexprs, warps, stages = spec
+    if not name.startswith("attn_"):
+        continue
+    floats = [arg for arg in ("sm_scale", "row_abs") if signature.get(arg) == "fp32"]
+    signature = {**signature, **{arg: "fp64" for arg in floats}}   # as inductor types them
+    try:
+        kernel = compile_spec((name, fn, signature, constexprs, warps, stages), "sm_80")
+    except Exception as err:
+        out.append([name, floats, f"{type(err).__name__}: {str(err)[:300]}", []])
+        continue
+    fp64 = sorted({op for _, op, _ in disassemble(kernel.cubin)
+                   if op.split(".")[0] in ("DFMA", "DMUL", "DADD", "DSETP", "DMNMX")})
+    out.append([name, floats, None, fp64])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_attention_kernels_compile_with_float_scalars_typed_fp64():
+    """ALiBi (the ramp: both sm_scale and row_abs reach its logits) on sm_80: the forward, both
+    backward kernels and the decode kernel compile with sm_scale and row_abs typed fp64, as
+    inductor passes a Python float, and none of them computes in fp64."""
+    from tests.helpers import run_script_aot
+    res = run_script_aot(FP64_SCALARS_SCRIPT, "laplace")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    assert {row[0] for row in rows} == {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_decode"}
+    for name, floats, error, fp64 in rows:
+        assert floats == ["sm_scale", "row_abs"], (name, floats)
+        assert error is None, (name, error)
+        assert fp64 == [], (name, fp64)

@@ -106,6 +106,10 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
     """One program: one key tile of one (batch, kv head); loops over the GQA group's query
     heads and every query tile that can see it, so dK and dV need no atomics (POSITIONS: and
     each query head's column sums for the keys' positions, DPosK)."""
+    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
+    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    row_abs = tl.cast(row_abs, tl.float32)
     POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hk
@@ -322,6 +326,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     cannot be applied here; the partial sums leave it out and RowSums[b, h, row] receives
     the row's sum of dS and of P * d logit / d param over this block, for the caller to
     apply it once over all blocks."""
+    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
+    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    row_abs = tl.cast(row_abs, tl.float32)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq

@@ -45,6 +45,10 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
                  HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, TABLE_GATHER: tl.constexpr):
     """One program: the keys of one split for every query row of one (batch, head). Writes
     the split's unnormalised output and its row statistics (base 2) to the partials."""
+    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
+    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    row_abs = tl.cast(row_abs, tl.float32)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     num_bh = tl.num_programs(1)

@@ -154,6 +154,10 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     """One program: one query tile of one (batch, head). Writes O and, per row, the running
     max m (base 2) and sum l of the online softmax: the backward rebuilds P as
     exp2(z - m) / l, exact where a rounded log-sum-exp m + log2(l) would cost eps * |z|."""
+    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
+    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    row_abs = tl.cast(row_abs, tl.float32)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
