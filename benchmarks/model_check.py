@@ -5,6 +5,7 @@ leave-one-out error of a one-factor fit (docs/performance.md, "Second GPU sessio
 
     python benchmarks/model_check.py docs/results/gpu/h200_2026-11-26_priors.json [more.json ...]
     python benchmarks/model_check.py run.json --ghz 1.98 --sms 132 --pairs pairs.json
+    python benchmarks/model_check.py run.json --with-pairs docs/results/gpu/h200_2026-11-26_pairs.json
 
 Measured: each kernel's device time from torch.profiler (`--kernels`), as cycles per 1000
 scores: time x clock x SMs / (B*H*N^2/2 / 1000) for a causal call. Modelled: the kernel compiled
@@ -13,7 +14,8 @@ variant's pins: `bamgen.aot.compile_spec`), its main loop through `bamgen.aot.lo
 largest of its tensor, MUFU, FP32, issue and load/store cycles per 1000 scores; dQ counts every launch of a prior with
 several groups of learnable scalars. LOO: each point predicted from the median
 measured/modelled ratio of the other priors' same kernel and head dim, so a term the model
-lacks shows as that point's error. `--pairs` writes the points as JSON for the next fit.
+lacks shows as that point's error. `--pairs` writes the points as JSON for the next fit;
+`--with-pairs` adds an earlier run's points (as compiled then) to this one's fit and table.
 
 The fit (`fit_units`): the model's bound is the largest of its units, as if they overlapped
 perfectly; the fitted model is a sum, cycles = sum of w_u x (unit u's cycles), with one
@@ -268,7 +270,10 @@ def _pct(err: float | None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="JSON files of benchmarks/gpu.py --kernels")
+    ap.add_argument("runs", nargs="*", help="JSON files of benchmarks/gpu.py --kernels")
+    ap.add_argument("--with-pairs", action="append", default=[], metavar="PATH",
+                    help="the points of earlier runs (a --pairs file), fitted and reported with "
+                         "these: each GPU run adds to the fit (their kernels as compiled then)")
     ap.add_argument("--ghz", type=float, default=GHZ, help="SM clock (default: an H100/H200's max)")
     ap.add_argument("--sms", type=int, default=SMS, help="multiprocessors (default: H100/H200)")
     ap.add_argument("--arch", default="sm_90", choices=["sm_90", "sm_80"])
@@ -276,17 +281,28 @@ def main(argv=None) -> int:
     ap.add_argument("--append", metavar="PATH", help="also append the table to this markdown "
                                                       "report (what make gpu-check does)")
     args = ap.parse_args(argv)
+    if not args.runs and not args.with_pairs:
+        ap.error("give runs (JSON files of benchmarks/gpu.py --kernels) or --with-pairs files")
+    earlier = []
+    for path in args.with_pairs:
+        try:
+            earlier += load_pairs(path)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            ap.error(f"--with-pairs {path}: not a model_check.py --pairs file ({err})")
+    other = sorted({p.arch for p in earlier} - {args.arch})
+    if other:   # one family's units, one fit
+        ap.error(f"--with-pairs: points compiled for {', '.join(other)}, not --arch {args.arch}")
     runs = []
     for path in args.runs:
         try:
             runs.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as err:
             ap.error(f"{path}: not a benchmarks/gpu.py JSON ({err})")
-    pts = points(runs, args.ghz, args.sms, args.arch)
-    if not pts:
+    pts = points(runs, args.ghz, args.sms, args.arch) if runs else []
+    if not pts and runs and not earlier:
         print("no kernel times in these runs: run benchmarks/gpu.py with --kernels")
         return 1
-    lines = table(pts)
+    lines = table(earlier + pts)
     print("\n".join(lines))
     if args.append:
         with open(args.append, "a") as f:

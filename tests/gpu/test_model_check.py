@@ -84,20 +84,27 @@ def test_a_run_without_kernel_times_says_what_to_do(tmp_path, capsys):
     assert "run benchmarks/gpu.py with --kernels" in capsys.readouterr().out
 
 
+def _law_points(check, arch="sm_90"):
+    """Points timed at 1.5 x tensor + 0.8 x issue cycles, as a --pairs file holds them."""
+    rows = [(120, 30, 40, 300, 90), (250, 60, 50, 410, 160), (90, 90, 120, 250, 60),
+            (300, 20, 80, 700, 300), (180, 50, 60, 520, 100), (60, 10, 30, 200, 40),
+            (400, 100, 90, 350, 250), (140, 40, 70, 610, 130)]
+    pts = []
+    for n, (tensor, mufu, fp32, issue, lsu) in enumerate(rows):
+        units = dict(tensor=tensor, mufu=mufu, fp32=fp32, issue=issue, lsu=lsu)
+        pts.append(check.Point(f"p{n}", 64, "fwd", max(units.values()), 1.5 * tensor + 0.8 * issue,
+                               "H200", tuple(sorted(units.items())), arch))
+    return pts
+
+
 def test_the_fitted_sum_of_units_recovers_known_weights_and_reports_its_loo():
     """Kernels timed at 1.5 x tensor + 0.8 x issue cycles (and one 20% off): the fit finds those
     weights (no negative one for the units that do not matter), its LOO is exact but for the
     point off the law, and the table carries both columns."""
+    from dataclasses import replace
     check = load_script(SCRIPT, "model_check")
-    rng = [(120, 30, 40, 300, 90), (250, 60, 50, 410, 160), (90, 90, 120, 250, 60),
-           (300, 20, 80, 700, 300), (180, 50, 60, 520, 100), (60, 10, 30, 200, 40),
-           (400, 100, 90, 350, 250), (140, 40, 70, 610, 130)]
-    pts = []
-    for n, (tensor, mufu, fp32, issue, lsu) in enumerate(rng):
-        units = dict(tensor=tensor, mufu=mufu, fp32=fp32, issue=issue, lsu=lsu)
-        measured = (1.5 * tensor + 0.8 * issue) * (1.2 if n == 3 else 1.0)
-        pts.append(check.Point(f"p{n}", 64, "fwd", max(units.values()), measured, "H200",
-                               tuple(sorted(units.items()))))
+    pts = _law_points(check)
+    pts[3] = replace(pts[3], measured=pts[3].measured * 1.2)
     clean = [p for n, p in enumerate(pts) if n != 3]
     weights = check.fit_units(clean)
     assert abs(weights["tensor"] - 1.5) < 1e-9 and abs(weights["issue"] - 0.8) < 1e-9, weights
@@ -141,3 +148,33 @@ def test_leave_one_out_leaves_a_prior_s_variants_out_with_it():
     # ggd from uniform's and laplace's factors (2.0, 3.0): median 2.5 x 100 = 250 against 600
     assert abs(loo[2] - (250.0 / 600.0 - 1)) < 1e-12 and abs(loo[3] - (250.0 / 300.0 - 1)) < 1e-12
     assert all(check._kin(pts[2], q) == (q in pts[2:]) for q in pts)
+
+
+def test_earlier_runs_pairs_join_the_fit_and_the_table(tmp_path, capsys):
+    """--with-pairs: two earlier runs' points (each file half of them), no new run: the table
+    holds all eight, the fit recovers the law they follow; points of another family, a file
+    that is not a pairs file, and no input at all are refused with exit 2, naming the flag."""
+    from dataclasses import asdict
+    check = load_script(SCRIPT, "model_check")
+    pts = _law_points(check)
+    first, second = tmp_path / "a-pairs.json", tmp_path / "b-pairs.json"
+    first.write_text(json.dumps([asdict(p) for p in pts[:4]]))
+    second.write_text(json.dumps([asdict(p) for p in pts[4:]]))
+    assert check.main(["--with-pairs", str(first), "--with-pairs", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith(("| p0 ", "| p1 ", "| p2 ", "| p3 ", "| p4 ", "| p5 ", "| p6 ", "| p7 ")) for line in out.splitlines()) == 8
+    assert "fitted weights (cycles per modelled cycle): tensor 1.50, mufu 0.00, fp32 0.00, issue 0.80" in out
+    ampere = tmp_path / "sm80-pairs.json"
+    ampere.write_text(json.dumps([asdict(p) for p in _law_points(check, "sm_80")]))
+    broken = tmp_path / "broken-pairs.json"
+    broken.write_text('{"not": "a list of points"}')
+    for argv, message in ((["--with-pairs", str(ampere)], "compiled for sm_80, not --arch sm_90"),
+                          (["--with-pairs", str(broken)], "not a model_check.py --pairs file"),
+                          ([], "give runs")):
+        try:
+            check.main(argv)
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{argv} was not refused")
+        assert message in capsys.readouterr().err
