@@ -159,7 +159,7 @@ def test_with_a_gpu_it_runs_six_steps_and_writes_one_report(monkeypatch, tmp_pat
     peers = variants.argv[variants.argv.index("--peers") + 1:variants.argv.index("--decode-peers")]
     assert variants.argv[variants.argv.index("--markdown") + 1] == variants_json.replace(".json", ".md")
     assert {p.partition("@")[0] for p in peers if "@" in p} <= set(peers)
-    assert {"gather=direct", "gather=coalesced", "fwd=128x64x8x3"} <= {
+    assert {"gather=direct", "gather=async", "fwd=128x64x8x3", "fwd=128x64x8x2"} <= {
         pin for p in peers for pin in p.partition("@")[2].split(",")}
     assert "--forward-only" in variants.argv
     assert model.argv[1:4] == ("benchmarks/model_check.py", bench_json, variants_json)
@@ -233,3 +233,18 @@ def test_the_variant_peers_are_peers_the_benchmark_takes():
     assert pinned["bamgen-ggd@gather=direct"] == gpu.Variant((), "direct")
     assert pinned["bamgen-ggd@fwd=128x64x8x3"] == gpu.Variant((("fwd", (128, 64, 8, 3)),), None)
     assert gpu.split_variant(args.decode_peers[1])[1] == gpu.Variant((), "coalesced")
+
+
+def test_the_model_step_fits_with_every_earlier_run_s_pairs(monkeypatch, tmp_path):
+    """Each GPU run adds to the fit: the model step passes the pairs earlier runs left beside
+    the report (--with-pairs, sorted), and not the pairs this run is about to write."""
+    gc = _load_script()
+    for name in ("h200_2026-11-26_pairs.json", "nvidia-h200-2026-11-26-pairs.json",
+                 "nvidia-h100-80gb-hbm3-2026-11-22-pairs.json", "notes.json"):
+        (tmp_path / name).write_text("[]")
+    rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path)
+    model = next(step for step in ran if step.name == "model")
+    earlier = [model.argv[i + 1] for i, arg in enumerate(model.argv) if arg == "--with-pairs"]
+    assert earlier == [str(tmp_path / "h200_2026-11-26_pairs.json"),
+                       str(tmp_path / "nvidia-h200-2026-11-26-pairs.json")]
+    assert model.argv[model.argv.index("--pairs") + 1] == str(report.with_name(report.stem + "-pairs.json"))

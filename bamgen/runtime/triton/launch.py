@@ -28,7 +28,8 @@ from ..constants import LOG2E, POSITION_TABLE_SPAN, TABLE_PAD
 from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
-from .tiles import FWD_TABLE_GATHER, GRAD_GROUPS, INTERPRET_TILES, TABLE_GATHERS, TILES
+from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, INTERPRET_TILES, TABLE_GATHERS, TILES,
+                    fwd_table_gather)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -159,9 +160,16 @@ def _tile_config(config) -> bool:
             and power(warps) and warps <= 16 and stages >= 1)
 
 
-def table_gather():
-    """The forward's TABLE_GATHER: the pinned one, else tiles.FWD_TABLE_GATHER."""
-    return _PINS.get().gather or FWD_TABLE_GATHER
+def table_gather(device=None, head_dim=None):
+    """A kernel's TABLE_GATHER: the pinned one, else the forward's read for the device's family
+    and head dim (tiles.fwd_table_gather), else tiles.FWD_TABLE_GATHER (the decode kernel, and
+    the interpreter, where every read computes the same)."""
+    pinned = _PINS.get().gather
+    if pinned:
+        return pinned
+    if device is None or head_dim is None or interpreting():
+        return FWD_TABLE_GATHER
+    return fwd_table_gather(gpu_family(device), head_dim)
 
 
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
@@ -490,7 +498,7 @@ def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, 
                tab_stride_h, window, counts, lay, shifted, wrap)
         return out, stats, out32
 
-    gather = table_gather()
+    gather = table_gather(q.device, head_dim_padded(D))
 
     def run(config):
         block_m, block_n, warps, stages = config
@@ -755,7 +763,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
         ("attn_fwd", kernels["fwd"], "fwd",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", O=ptr, O32="*fp32", Mrow="*fp32", Lrow="*fp32",
               Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs, **pos_ptrs),
-         dict(STORE_O32=dtype != "fp32", TABLE_GATHER=FWD_TABLE_GATHER)),
+         dict(STORE_O32=dtype != "fp32", TABLE_GATHER=fwd_table_gather(arch, padded))),
         ("bwd_preprocess", kernels["preprocess"], None,
          dict(O=ptr if dtype == "fp32" else "*fp32", DO=ptr, Delta="*fp32", Theta="*fp32",
               NRow="*fp32", RowF="*fp32"), None),

@@ -27,11 +27,14 @@ _HEAD_256 = {"fwd": [(32, 32, 4, 2)], "bwd_dkdv": [(16, 32, 4, 1)], "bwd_dq": [(
 
 TILES = {
     "light": {
+        # forward on sm_90: three stages, which the model cannot rank (equal cycles) and an H200
+        # timed at 0.89x (head dim 64) and 0.88x (128) of two for NoPE (docs/performance.md,
+        # "Third GPU session"); two stages stay the alternate
         "sm_90": {
-            64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            64: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
             # dK/dV: 32 keys are too few for the warpgroup MMA, so 64x32 re-reads its operands
             # through shared memory (modelled LSU-bound at 691 cycles / 1k scores, 32x64: 318)
-            128: {"fwd": [(128, 64, 8, 2), (128, 128, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2), (64, 32, 4, 2)],
+            128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2), (64, 32, 4, 2)],
                   "bwd_dq": [(64, 32, 4, 2)]},
             256: _HEAD_256,
         },
@@ -45,9 +48,11 @@ TILES = {
         },
     },
     "table": {
+        # forward on sm_90 at head dim 128: three stages (GGD, the H200: 0.97x of two); at 64
+        # the table is read directly (FWD_TABLE_GATHER_AT: 0.73x), timed with two stages
         "sm_90": {
             64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
-            128: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
             256: _HEAD_256,
         },
         "sm_80": {
@@ -223,11 +228,20 @@ TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32,
 #   "direct"    ld.global.nc in the MMA layout (helpers._table_load, as the backward kernels
 #               gather): no shared memory and no copy back, but the load is not pipelined.
 # The H200 measured the "async" table forwards at 1.40x NoPE's at head dim 128 and 3.4-3.9x at
-# 64 (docs/performance.md, "Where a table forward's time goes"): the uncoalesced copy is the
-# candidate. Which read is faster is for a GPU to decide: `make gpu-check` times the three in
-# one run (gpu_check.VARIANT_PEERS), and the default changes here when it has.
+# 64 (docs/performance.md, "Where a table forward's time goes"). Which read is faster is for a
+# GPU to decide: `make gpu-check` times the three in one run (gpu_check.VARIANT_PEERS). Its run
+# of 2026-11-26 (an H200, Triton 3.6, GGD, N = 8192, forward kernels; docs/performance.md,
+# "Third GPU session"): at head dim 64 "direct" took 0.73x the "async" read's time and
+# "coalesced" 2.2x; at 128 "direct" 1.04x and "coalesced" 2.6x. So sm_90 reads directly at 64,
+# and everything else keeps "async" (the decode kernel too: "coalesced" was 1.06-1.10x there).
 FWD_TABLE_GATHER = "async"
+FWD_TABLE_GATHER_AT = {("sm_90", 64): "direct"}
 TABLE_GATHERS = ("async", "coalesced", "direct")
+
+
+def fwd_table_gather(arch: str, head_dim: int) -> str:
+    """The forward's table read on a GPU family at a (padded) head dim."""
+    return FWD_TABLE_GATHER_AT.get((arch, head_dim), FWD_TABLE_GATHER)
 
 GRAD_GROUPS = {"heavy": 4, "positions_vectors": 4, "positions_heavy": 4}
 
