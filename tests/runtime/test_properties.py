@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.reference import reference_attention
-from tests.tolerance import assert_all_close
+from tests.tolerance import assert_all_close, verdict
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -134,7 +134,9 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def run_case(case: Case):
+def run_case(case: Case, check=assert_all_close):
+    """Run one case and hold every result to the reference (``check``: assert_all_close, or
+    a function of the same arguments that returns what it found)."""
     prior = PRIORS[case.prior]
     mod = load(case.prior)
     dtype = DTYPES[case.dtype]
@@ -200,7 +202,7 @@ def run_case(case: Case):
         if "d" + name in got:
             results.append(("d" + name, saturated(got["d" + name]), saturated(ref.dparams[name]),
                             saturated(pt.dparams[name]), ref.gross["d" + name]))
-    return assert_all_close(results, dtype, context=ctx)
+    return check(results, dtype, context=ctx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,19 +482,27 @@ def test_fp16_dmu_next_to_a_subnormal_mu_the_property_test_found():
                   param_form={"alpha": "tensor", "beta": "tensor", "mu": "tensor"}, seed=120024))
 
 
-@pytest.mark.xfail(strict=True, reason="open: the torch path's dmu next to a kink is 15% past its "
-                   "bound (docs/reliability.md, 'An open torch-path kink case')")
 def test_fp32_torch_dmu_next_to_a_tiny_mu_the_property_test_found():
     """Found by the property test in CI (2026-11-26; nothing of the torch path changed that day):
     GGD in fp32 on the torch path, head 0 with beta = 0.05 and mu = 2.05e-19, a query at
-    distance 0 from a key, where d log_prior / d mu is ~1.5e16. dmu is 2.36e10 from the float64
-    reference where the bound allows 2.06e10; the Triton path passes the same case. Strict: it
-    fails once the torch path is right."""
-    run_case(Case(prior="generalized_gaussian", backend="torch", dtype="fp32", B=1, Hq=4, Hk=1,
-                  Nq=2, Nk=123, D=64, causal=False, q_offset=121, k_offset=0,
-                  params={"alpha": [1.0, 0.5, 0.5, 0.5], "beta": [_f32(0.05)] * 4,
-                          "mu": [2.0507318282277172e-19, 0.0, 0.0, 0.0]},
-                  param_form={"alpha": "tensor", "beta": "tensor", "mu": "tensor"}, seed=161))
+    distance 0 from a key, where d log_prior / d mu is ~1.5e16. An open case that sits at its
+    bound, on one side or the other by machine: dmu was 2.36e10 from the float64 reference where
+    the bound allows 2.06e10 (1.15x) on that day's CI machine, and 2.05e10 (0.995x) on an
+    AVX-512 machine the same evening (the torch path's float32 kernels round differently by CPU).
+    So it is pinned by its ratio, not by a pass or a fail: every other result within its bound,
+    dmu within 1.25x of its own (docs/reliability.md, "An open torch-path kink case"); the Triton
+    path passes the same case."""
+    found = run_case(Case(prior="generalized_gaussian", backend="torch", dtype="fp32", B=1, Hq=4, Hk=1,
+                          Nq=2, Nk=123, D=64, causal=False, q_offset=121, k_offset=0,
+                          params={"alpha": [1.0, 0.5, 0.5, 0.5], "beta": [_f32(0.05)] * 4,
+                                  "mu": [2.0507318282277172e-19, 0.0, 0.0, 0.0]},
+                          param_form={"alpha": "tensor", "beta": "tensor", "mu": "tensor"}, seed=161),
+                     check=lambda results, dtype, context: [verdict(*r[:4], dtype, *r[4:]) for r in results])
+    verdicts = {v.name: v for v in found}
+    assert all(v.ok for name, v in verdicts.items() if name != "dmu"), [str(v) for v in found]
+    dmu = verdicts["dmu"]
+    # at the tightest element: |out - ref| against 2 max|pt - ref| + its floor
+    assert dmu.tight_err <= 1.25 * dmu.bound, str(dmu)
 
 
 @pytest.mark.xfail(strict=True, reason="open: the Triton dK/dV kernel's dS of one row is 1.1% off "

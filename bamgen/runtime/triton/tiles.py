@@ -28,8 +28,8 @@ _HEAD_256 = {"fwd": [(32, 32, 4, 2)], "bwd_dkdv": [(16, 32, 4, 1)], "bwd_dq": [(
 TILES = {
     "light": {
         # forward on sm_90: three stages, which the model cannot rank (equal cycles) and an H200
-        # timed at 0.89x (head dim 64) and 0.88x (128) of two for NoPE (docs/performance.md,
-        # "Third GPU session"); two stages stay the alternate
+        # timed at 0.89x (head dim 64) and 0.88x (128) of two for NoPE (kernel times;
+        # docs/performance.md, "Third GPU session"); two stages stay the alternate
         "sm_90": {
             64: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
             # dK/dV: 32 keys are too few for the warpgroup MMA, so 64x32 re-reads its operands
@@ -48,8 +48,8 @@ TILES = {
         },
     },
     "table": {
-        # forward on sm_90 at head dim 128: three stages (GGD, the H200: 0.97x of two); at 64
-        # the table is read directly (FWD_TABLE_GATHER_AT: 0.73x), timed with two stages
+        # forward on sm_90 at head dim 128: three stages (GGD, the H200: 0.90x of two); at 64
+        # the table is read directly (FWD_TABLE_GATHER_AT: 0.57x), timed with two stages
         "sm_90": {
             64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
             128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
@@ -231,8 +231,8 @@ TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32,
 # 64 (docs/performance.md, "Where a table forward's time goes"). Which read is faster is for a
 # GPU to decide: `make gpu-check` times the three in one run (gpu_check.VARIANT_PEERS). Its run
 # of 2026-11-26 (an H200, Triton 3.6, GGD, N = 8192, forward kernels; docs/performance.md,
-# "Third GPU session"): at head dim 64 "direct" took 0.73x the "async" read's time and
-# "coalesced" 2.2x; at 128 "direct" 1.04x and "coalesced" 2.6x. So sm_90 reads directly at 64,
+# "Third GPU session"; kernel times): at head dim 64 "direct" took 0.57x the "async" read's
+# time and "coalesced" 2.6x; at 128 "direct" 1.01x and "coalesced" 3.6x. So sm_90 reads directly at 64,
 # and everything else keeps "async" (the decode kernel too: "coalesced" was 1.06-1.10x there).
 FWD_TABLE_GATHER = "async"
 FWD_TABLE_GATHER_AT = {("sm_90", 64): "direct"}
