@@ -80,6 +80,17 @@ def load_pairs(path) -> list[Point]:
             for p in json.loads(Path(path).read_text())]
 
 
+def read_pairs(paths) -> list[Point]:
+    """The points of several --pairs files together; ValueError naming a file that is not one."""
+    points = []
+    for path in paths:
+        try:
+            points += load_pairs(path)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"{path} is not a benchmarks/model_check.py --pairs file ({err})") from None
+    return points
+
+
 def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float, dict]]:
     """(peer prior, head dim, kernel, measured cycles per 1000 scores, pins) of a gpu.py JSON:
     a pinned variant (bamgen-<prior>@<pins>) is the prior "<prior>@<pins>", its pins the
@@ -283,12 +294,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.runs and not args.with_pairs:
         ap.error("give runs (JSON files of benchmarks/gpu.py --kernels) or --with-pairs files")
-    earlier = []
-    for path in args.with_pairs:
-        try:
-            earlier += load_pairs(path)
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            ap.error(f"--with-pairs {path}: not a model_check.py --pairs file ({err})")
+    try:
+        earlier = read_pairs(args.with_pairs)
+    except ValueError as err:
+        ap.error(f"--with-pairs: {err}")
     other = sorted({p.arch for p in earlier} - {args.arch})
     if other:   # one family's units, one fit
         ap.error(f"--with-pairs: points compiled for {', '.join(other)}, not --arch {args.arch}")

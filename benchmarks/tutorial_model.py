@@ -503,8 +503,9 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128], choices=[64, 128])
     ap.add_argument("--run", metavar="JSON", help="a benchmarks/gpu.py --kernels run with the "
                                                   "tutorial peer: its measured ratios, beside its GPU's family")
-    ap.add_argument("--pairs", metavar="JSON", help="a benchmarks/model_check.py --pairs file: "
-                                                    "the fitted model, its weights fitted to those points")
+    ap.add_argument("--pairs", metavar="JSON", nargs="+",
+                    help="benchmarks/model_check.py --pairs files: the fitted model, its weights "
+                         "fitted to their points together")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     if not Path(args.tutorial).is_file():
@@ -519,11 +520,11 @@ def main(argv=None) -> int:
             ap.error(f"--run: {args.run} is not a benchmarks/gpu.py JSON ({err})")
     fit = None
     if args.pairs:
-        from model_check import UNITS, fit_units, load_pairs
+        from model_check import UNITS, fit_units, read_pairs
         try:
-            points = load_pairs(args.pairs)
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            ap.error(f"--pairs: {args.pairs} is not a benchmarks/model_check.py --pairs file ({err})")
+            points = read_pairs(args.pairs)
+        except ValueError as err:
+            ap.error(f"--pairs: {err}")
         if len(points) <= len(UNITS):
             ap.error(f"--pairs: {len(points)} points fit no {len(UNITS)} weights")
         families = {p.arch for p in points}

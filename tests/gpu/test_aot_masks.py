@@ -2,7 +2,8 @@
 only where used). `bamgen inspect --layout padded|packed` compiles the kernels with key_mask and
 per-row offsets, or with packed documents and key_mask; the plain kernels (no flag) are those of
 tests/gpu/test_aot.py, unchanged by the layout code (the flags are constexpr: off, nothing of it is
-compiled). One prior per tile kind ('light' ALiBi, 'table' GGD, 'general' SSMax), head dim 128
+compiled). One prior per tile kind ('light' ALiBi, 'table' GGD, 'general' SSMax, 'heavy' FIRE,
+whose masked forward kept its tile and spilled until launch.heavy_masked_forward), head dim 128
 (the register-bound case), both GPU families.
 """
 import pytest
@@ -12,7 +13,7 @@ from tests.gpu.test_aot import KERNELS, PRIOR_DIR, SHARED_LIMIT, _inspect
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("prior", ["laplace", "generalized_gaussian", "bam_ssmax"])
+@pytest.mark.parametrize("prior", ["laplace", "generalized_gaussian", "bam_ssmax", "fire"])
 def test_packed_kernels_compile_without_spills(prior, arch):
     report = _inspect(PRIOR_DIR / f"{prior}.yaml", arch, 128, "--layout", "packed")
     assert report["layout"] == "packed"

@@ -169,7 +169,7 @@ def test_earlier_runs_pairs_join_the_fit_and_the_table(tmp_path, capsys):
     broken = tmp_path / "broken-pairs.json"
     broken.write_text('{"not": "a list of points"}')
     for argv, message in ((["--with-pairs", str(ampere)], "compiled for sm_80, not --arch sm_90"),
-                          (["--with-pairs", str(broken)], "not a model_check.py --pairs file"),
+                          (["--with-pairs", str(broken)], "is not a benchmarks/model_check.py --pairs file"),
                           ([], "give runs")):
         try:
             check.main(argv)

@@ -28,8 +28,8 @@ from ..constants import LOG2E, POSITION_TABLE_SPAN, TABLE_PAD
 from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
-from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, INTERPRET_TILES, TABLE_GATHERS, TILES,
-                    fwd_table_gather)
+from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, GRAD_GROUPS_MASKED, INTERPRET_TILES,
+                    TABLE_GATHERS, TILES, fwd_table_gather)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -66,7 +66,19 @@ def candidates(prior, kernel, head_dim, arch, masked=False):
     configs = table[bucket][kernel]
     if masked and prior.traits.tensor_positions:
         return [positions_masked_tile(kernel, c, arch, bucket) for c in configs]
+    if masked and kernel == "fwd" and prior.traits.tile_kind == "heavy":
+        return [heavy_masked_forward(c) for c in configs]
     return [masked_tile(kernel, c) for c in configs] if masked else configs
+
+
+def heavy_masked_forward(config):
+    """masked_tile's forward for the heavy kind (FIRE), whose key tile is often at masked_tile's
+    floor of 32 already: there half the query tile instead. FIRE's masked forward at head dim
+    128 on sm_90 kept 64x32 and put 8 (key_mask) and 80 (packed) bytes on the stack."""
+    block_m, block_n, warps, stages = config
+    if block_n > 32:
+        return masked_tile("fwd", config)
+    return (max(16, block_m // 2), block_n, warps, stages)
 
 
 def positions_masked_tile(kernel, config, arch, head_dim):
@@ -653,7 +665,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
     else:
         table_dq, dq_stride_h = table, tab_stride_h
     groups = [(0, 0)] if dist_sums else grad_groups(
-        prior.traits.num_grads, prior.traits.tile_kind, INTERPRET_GRAD_GROUP if interpreting() else None)
+        prior.traits.num_grads, prior.traits.tile_kind, INTERPRET_GRAD_GROUP if interpreting() else None,
+        lay.masked)
     dq = torch.empty_like(q)
     partials = {}   # one partial sum per dQ program: its shape follows the tile
 
@@ -690,9 +703,10 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
 
 
 # Learnable scalars one dQ launch sums (GRAD_BASE, GRAD_COUNT in backward.py), unless the
-# prior's tile kind says otherwise (tiles.GRAD_GROUPS): a prior with more takes a launch per
-# group, each with the registers of a few accumulators (FIRE's 99 in one launch would need 198
-# of them per row, and spill); every group recomputes P and dS, and the first also writes dQ.
+# prior's tile kind says otherwise (tiles.GRAD_GROUPS, GRAD_GROUPS_MASKED): a prior with more
+# takes a launch per group, each with the registers of a few accumulators (FIRE's 99 in one
+# launch would need 198 of them per row, and spill); every group recomputes P and dS, and the
+# first also writes dQ.
 GRAD_GROUP = 8
 # Under TRITON_INTERPRET=1 a dQ launch sums up to this many: the interpreter's time goes by
 # launches, not registers (FIRE's 134 scalars of a two-head test, 4 a launch, took 33 s a
@@ -706,10 +720,11 @@ def dist_width(num_grads: int) -> int:
     return triton.next_power_of_2(max(num_grads, 1))
 
 
-def grad_groups(num_grads: int, kind: str = "", size: int | None = None) -> list[tuple[int, int]]:
+def grad_groups(num_grads: int, kind: str = "", size: int | None = None,
+                masked: bool = False) -> list[tuple[int, int]]:
     """(first learnable scalar, how many) of each dQ launch: one launch for up to the group
-    size of the prior's tile kind (or `size`, for a benchmark that tries others)."""
-    size = size or GRAD_GROUPS.get(kind, GRAD_GROUP)
+    size of the prior's tile kind, masked or not (or `size`, for a benchmark that tries others)."""
+    size = size or (masked and GRAD_GROUPS_MASKED.get(kind)) or GRAD_GROUPS.get(kind, GRAD_GROUP)
     if num_grads <= size:
         return [(0, num_grads)]
     return [(base, min(size, num_grads - base)) for base in range(0, num_grads, size)]
@@ -779,7 +794,8 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
          # (the first group's launch: the one that also writes dQ)
          dict(NUM_GRADS=prior.traits.num_grads, GRAD_BASE=0,
               GRAD_COUNT=0 if prior.traits.dist_sums
-              else grad_groups(prior.traits.num_grads, prior.traits.tile_kind)[0][1],
+              else grad_groups(prior.traits.num_grads, prior.traits.tile_kind,
+                               masked=any(flags))[0][1],
               DIST_SUMS=prior.traits.dist_sums, DIST_K=dist_width(prior.traits.num_grads),
               ROW_SUMS=False)),
     ]

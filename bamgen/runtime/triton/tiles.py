@@ -78,7 +78,7 @@ TILES = {
     },
     # a prior of many scalars read from memory per score (FIRE's MLP: 99 weights, about 100
     # FP32 operations per score): small tiles, since the per-score work, not the MMA, bounds
-    # them; dQ sums 4 learnable scalars a launch (GRAD_GROUPS) at 16 x 16
+    # them; dQ sums 8 learnable scalars a launch (4 with masks: GRAD_GROUPS) at 16 x 16
     "heavy": {
         "sm_90": {
             64: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
@@ -190,9 +190,6 @@ for _families in TILES.values():
         for _dim, _kernels in _by_dim.items():
             _by_dim[_dim] = {**_kernels, "decode": _DECODE[_dim]}
 
-# Learnable scalars one dQ launch sums, per kind (8 where not named): a launch per group
-# (launch.grad_groups), each with the registers of that many accumulators.
-
 def _derived(kind: str, changes: dict) -> dict:
     """A copy of TILES[kind] with {(arch, head dim, kernel): candidates} replaced."""
     table = {arch: {dim: dict(kernels) for dim, kernels in dims.items()}
@@ -243,7 +240,17 @@ def fwd_table_gather(arch: str, head_dim: int) -> str:
     """The forward's table read on a GPU family at a (padded) head dim."""
     return FWD_TABLE_GATHER_AT.get((arch, head_dim), FWD_TABLE_GATHER)
 
-GRAD_GROUPS = {"heavy": 4, "positions_vectors": 4, "positions_heavy": 4}
+# Learnable scalars one dQ launch sums, per kind (8 where not named): a launch per group
+# (launch.grad_groups), each with the registers of that many accumulators, and each
+# recomputing the logits. FIRE (heavy: 99 scalars) takes 8 a launch, 13 launches, where 4 took
+# 25: the H200 measured its dQ at 25 launches of 80 ms (docs/performance.md, "Third GPU
+# session"), and the model prices a launch of 8 at 1.1x one of 4 (sm_90, head dim 128: 8570
+# against 7777 cycles per 1000 scores; 0.57x the whole dQ), spill-free on sm_80 and sm_90 at
+# head dims 64 and 128 with Triton 3.6 and 3.9. With a key mask, per-row offsets or packed
+# documents (GRAD_GROUPS_MASKED, 8 warps a launch) 8 put 24-32 bytes on the stack on sm_90 at
+# head dim 128, so those keep 4.
+GRAD_GROUPS = {"heavy": 8, "positions_vectors": 4, "positions_heavy": 4}
+GRAD_GROUPS_MASKED = {"heavy": 4}
 
 # Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly.
 INTERPRET_TILES = {
