@@ -32,7 +32,7 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       pins, comma-separated, are ``<kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>``
                       (kernel: fwd, bwd_dkdv, bwd_dq, decode) and ``gather=async|coalesced|direct``
                       (how the forward and decode kernels read a table prior's entries:
-                      tiles.FWD_TABLE_GATHER), e.g.
+                      tiles.fwd_table_gather and FWD_TABLE_GATHER), e.g.
                       ``bamgen-ggd@fwd=128x64x8x3`` or ``bamgen-ggd@gather=direct``; the calls
                       run inside ``bamgen.runtime.triton.launch.pinned``, the output is held to
                       ``bamgen-<prior>``'s, and the JSON keeps the pins (``variants``) for

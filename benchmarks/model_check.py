@@ -298,9 +298,11 @@ def main(argv=None) -> int:
         earlier = read_pairs(args.with_pairs)
     except ValueError as err:
         ap.error(f"--with-pairs: {err}")
-    other = sorted({p.arch for p in earlier} - {args.arch})
-    if other:   # one family's units, one fit
-        ap.error(f"--with-pairs: points compiled for {', '.join(other)}, not --arch {args.arch}")
+    other = [p for p in earlier if p.arch != args.arch]
+    if other:   # one family's units, one fit: another family's points are left out
+        print(f"--with-pairs: left out {len(other)} points compiled for "
+              f"{', '.join(sorted({p.arch for p in other}))} (this fit is for {args.arch})", file=sys.stderr)
+        earlier = [p for p in earlier if p.arch == args.arch]
     runs = []
     for path in args.runs:
         try:
@@ -308,8 +310,9 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as err:
             ap.error(f"{path}: not a benchmarks/gpu.py JSON ({err})")
     pts = points(runs, args.ghz, args.sms, args.arch) if runs else []
-    if not pts and runs and not earlier:
-        print("no kernel times in these runs: run benchmarks/gpu.py with --kernels")
+    if not pts and not earlier:
+        print("no kernel times in these runs: run benchmarks/gpu.py with --kernels" if runs
+              else f"no points compiled for {args.arch} in the --with-pairs files")
         return 1
     lines = table(earlier + pts)
     print("\n".join(lines))

@@ -26,8 +26,9 @@ def test_packed_kernels_compile_without_spills(prior, arch):
 
 
 @pytest.mark.slow
-def test_padded_kernels_compile_without_spills():
-    report = _inspect(PRIOR_DIR / "generalized_gaussian.yaml", "sm_90", 128, "--layout", "padded")
+@pytest.mark.parametrize("prior", ["generalized_gaussian", "fire"])
+def test_padded_kernels_compile_without_spills(prior):
+    report = _inspect(PRIOR_DIR / f"{prior}.yaml", "sm_90", 128, "--layout", "padded")
     assert {k["name"] for k in report["kernels"]} == KERNELS   # batched generation decodes too
     for kernel in report["kernels"]:
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel

@@ -152,8 +152,9 @@ def test_leave_one_out_leaves_a_prior_s_variants_out_with_it():
 
 def test_earlier_runs_pairs_join_the_fit_and_the_table(tmp_path, capsys):
     """--with-pairs: two earlier runs' points (each file half of them), no new run: the table
-    holds all eight, the fit recovers the law they follow; points of another family, a file
-    that is not a pairs file, and no input at all are refused with exit 2, naming the flag."""
+    holds all eight, the fit recovers the law they follow; another family's points are left out
+    with a note (an A100's gpu-check finds an H200's pairs beside its report); a file that is
+    not a pairs file, and no input at all, are refused with exit 2, naming the flag."""
     from dataclasses import asdict
     check = load_script(SCRIPT, "model_check")
     pts = _law_points(check)
@@ -166,10 +167,15 @@ def test_earlier_runs_pairs_join_the_fit_and_the_table(tmp_path, capsys):
     assert "fitted weights (cycles per modelled cycle): tensor 1.50, mufu 0.00, fp32 0.00, issue 0.80" in out
     ampere = tmp_path / "sm80-pairs.json"
     ampere.write_text(json.dumps([asdict(p) for p in _law_points(check, "sm_80")]))
+    assert check.main(["--with-pairs", str(first), "--with-pairs", str(ampere)]) == 0
+    out, err = capsys.readouterr()
+    assert sum(line.startswith(("| p0 ", "| p1 ", "| p2 ", "| p3 ")) for line in out.splitlines()) == 4
+    assert "left out 8 points compiled for sm_80 (this fit is for sm_90)" in err
+    assert check.main(["--with-pairs", str(ampere)]) == 1
+    assert "no points compiled for sm_90" in capsys.readouterr().out
     broken = tmp_path / "broken-pairs.json"
     broken.write_text('{"not": "a list of points"}')
-    for argv, message in ((["--with-pairs", str(ampere)], "compiled for sm_80, not --arch sm_90"),
-                          (["--with-pairs", str(broken)], "is not a benchmarks/model_check.py --pairs file"),
+    for argv, message in ((["--with-pairs", str(broken)], "is not a benchmarks/model_check.py --pairs file"),
                           ([], "give runs")):
         try:
             check.main(argv)

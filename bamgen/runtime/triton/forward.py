@@ -22,7 +22,7 @@ Constexpr flags of the launch:
                document's (CuSeqQ / CuSeqK: int32 cumulative lengths), positions local and
                offsets 0; key tiles of other documents are never visited
   TABLE_GATHER "async", "coalesced" or "direct": how a table prior's tile of entries is read
-               (tiles.FWD_TABLE_GATHER; helpers._gather_table); ignored without a table
+               (tiles.fwd_table_gather; helpers._gather_table); ignored without a table
 With the three flags off the kernel compiles to what it was without them (the same loops).
 The prior's flags (TABLE, RAMP, ROW_FACTORS, SKIP, ...) are hooks.py's.
 Runtime (never recompiles): Nq, Nk, q_offset, k_offset, sm_scale, strides, Hq, GROUP, the

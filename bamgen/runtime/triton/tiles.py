@@ -48,8 +48,9 @@ TILES = {
         },
     },
     "table": {
-        # forward on sm_90 at head dim 128: three stages (GGD, the H200: 0.90x of two); at 64
-        # the table is read directly (FWD_TABLE_GATHER_AT: 0.57x), timed with two stages
+        # forward on sm_90 at head dim 128: three stages (GGD, the H200: 0.90x of two, kernel
+        # times); at 64 the table is read directly (FWD_TABLE_GATHER_AT: 0.57x), timed with two
+        # stages
         "sm_90": {
             64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
             128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
@@ -237,8 +238,10 @@ TABLE_GATHERS = ("async", "coalesced", "direct")
 
 
 def fwd_table_gather(arch: str, head_dim: int) -> str:
-    """The forward's table read on a GPU family at a (padded) head dim."""
-    return FWD_TABLE_GATHER_AT.get((arch, head_dim), FWD_TABLE_GATHER)
+    """The forward's table read on a GPU family at a (padded) head dim, by the tile table's
+    bucket of head dims (a head dim of 32 runs the 64 bucket's tile, timed with its read)."""
+    buckets = [b for b in (64, 128, 256) if b >= head_dim]
+    return FWD_TABLE_GATHER_AT.get((arch, buckets[0]), FWD_TABLE_GATHER) if buckets else FWD_TABLE_GATHER
 
 # Learnable scalars one dQ launch sums, per kind (8 where not named): a launch per group
 # (launch.grad_groups), each with the registers of that many accumulators, and each
