@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/bamgen build --all -o generated
 	$(PY) examples/demo.py
 
-# The whole suite but the aot_full and full parts (15-16 minutes of tests on 2 cores);
+# The whole suite but the aot_full and full parts (8-16 minutes of tests on 2 cores, by machine);
 # test-full adds them (the rest of the AOT compile matrix, the positional one included, the
 # long forms of the training studies, inductor on an HF model: much longer).
 test: $(STAMP)
