@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _distance, _dot, _factored_logit2, _kept_keys,
+    TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _distance, _dot, _factored_logit2, _fp32_scalars,
+    _kept_keys,
     _logit2, _logit_grads, _logit_row2, _position, _position_diff, _position_reduce,
     _position_terms, _store_positions, _tensor_positions, _zero_tiles, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
@@ -106,10 +107,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
     """One program: one key tile of one (batch, kv head); loops over the GQA group's query
     heads and every query tile that can see it, so dK and dV need no atomics (POSITIONS: and
     each query head's column sums for the keys' positions, DPosK)."""
-    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
-    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    row_abs = tl.cast(row_abs, tl.float32)
+    sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hk
@@ -326,10 +324,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     cannot be applied here; the partial sums leave it out and RowSums[b, h, row] receives
     the row's sum of dS and of P * d logit / d param over this block, for the caller to
     apply it once over all blocks."""
-    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
-    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    row_abs = tl.cast(row_abs, tl.float32)
+    sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq

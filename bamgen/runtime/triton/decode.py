@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .forward import _attn_fwd_inner
 from .helpers import (
-    TABLE_ROW_ARGS, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term,
+    TABLE_ROW_ARGS, _fp32_scalars, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term,
     _row_offsets, _window_keys)
 from .hooks import RAMP, RAMP_SYMMETRIC, SKIP, prior_ramp, prior_scalars  # noqa: F401 (variant.py)
 
@@ -45,10 +45,7 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
                  HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, TABLE_GATHER: tl.constexpr):
     """One program: the keys of one split for every query row of one (batch, head). Writes
     the split's unnormalised output and its row statistics (base 2) to the partials."""
-    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
-    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    row_abs = tl.cast(row_abs, tl.float32)
+    sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     num_bh = tl.num_programs(1)

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    TABLE_ROW_ARGS, _as_cols, _as_rows, _distance, _dot, _factored_logit2, _kept_keys, _load_kept,
+    TABLE_ROW_ARGS, _as_cols, _as_rows, _distance, _dot, _factored_logit2, _fp32_scalars, _kept_keys,
+    _load_kept,
     _gather_table, _load_kv, _logit2, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
     _table_logit2, _tensor_positions, _value_entries, _window_keys)
@@ -154,10 +155,7 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     """One program: one query tile of one (batch, head). Writes O and, per row, the running
     max m (base 2) and sum l of the online softmax: the backward rebuilds P as
     exp2(z - m) / l, exact where a rounded log-sum-exp m + log2(l) would cost eps * |z|."""
-    # a float argument is fp64 when inductor launches the kernel (it types Python floats so):
-    # the logits stay fp32, as in an eager launch (docs/architecture.md, "Custom ops")
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    row_abs = tl.cast(row_abs, tl.float32)
+    sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq

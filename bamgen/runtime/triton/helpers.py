@@ -47,6 +47,15 @@ TABLE_ROW_ARGS = ["d_top_b"]
 
 
 @triton.jit
+def _fp32_scalars(sm_scale, row_abs):
+    """The kernels' float arguments as float32. Inductor types a Python float fp64 when it
+    launches a kernel (torch.compile, the triton ops), where an eager launch passes fp32: an
+    fp64 sm_scale would carry fp64 into the logits and the accumulator, which tl.dot refuses
+    (docs/architecture.md, "Custom ops")."""
+    return tl.cast(sm_scale, tl.float32), tl.cast(row_abs, tl.float32)
+
+
+@triton.jit
 def _atan(x):
     """atan in fp32 (Cephes atanf, about 2 ulp): Triton has no intrinsic, and libdevice's
     is not available under the interpreter the tests run. Range reduction to |t| < tan(pi/8)

@@ -29,7 +29,7 @@ from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
 from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, GRAD_GROUPS_MASKED, INTERPRET_TILES,
-                    TABLE_GATHERS, TILES, fwd_table_gather)
+                    TABLE_GATHERS, TILES, fwd_table_gather, head_dim_bucket)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -62,7 +62,7 @@ def candidates(prior, kernel, head_dim, arch, masked=False):
     with half the tile's scores (_masked_tile). (The kernels of position tensors have tile
     kinds of their own: tiles.py, positions_light and positions.)"""
     table = TILES[prior.traits.tile_kind][arch]
-    bucket = min(b for b in table if b >= head_dim_padded(head_dim))
+    bucket = head_dim_bucket(head_dim_padded(head_dim))
     configs = table[bucket][kernel]
     if masked and prior.traits.tensor_positions:
         return [positions_masked_tile(kernel, c, arch, bucket) for c in configs]

@@ -237,11 +237,18 @@ FWD_TABLE_GATHER_AT = {("sm_90", 64): "direct"}
 TABLE_GATHERS = ("async", "coalesced", "direct")
 
 
+HEAD_DIM_BUCKETS = (64, 128, 256)   # the head dims of the tables above: a smaller one takes the next
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The tile tables' head dim for a (padded) head dim: a head dim of 32 runs the 64 tiles."""
+    return min(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
+
+
 def fwd_table_gather(arch: str, head_dim: int) -> str:
-    """The forward's table read on a GPU family at a (padded) head dim, by the tile table's
-    bucket of head dims (a head dim of 32 runs the 64 bucket's tile, timed with its read)."""
-    buckets = [b for b in (64, 128, 256) if b >= head_dim]
-    return FWD_TABLE_GATHER_AT.get((arch, buckets[0]), FWD_TABLE_GATHER) if buckets else FWD_TABLE_GATHER
+    """The forward's table read on a GPU family at a (padded) head dim, by its bucket (the
+    read was timed with the bucket's tile)."""
+    return FWD_TABLE_GATHER_AT.get((arch, head_dim_bucket(head_dim)), FWD_TABLE_GATHER)
 
 # Learnable scalars one dQ launch sums, per kind (8 where not named): a launch per group
 # (launch.grad_groups), each with the registers of that many accumulators, and each
