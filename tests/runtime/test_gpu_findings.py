@@ -20,7 +20,11 @@
   that has fp64 (its default); kernels that multiplied their logits by an fp64 ``sm_scale``
   carried fp64 into the accumulator, and ``tl.dot`` refused it: every triton-path call under
   torch.compile failed on an H200 (`make gpu-check`'s compile step). Every attention kernel is
-  compiled here with its float scalars typed fp64: it compiles, and runs no fp64 arithmetic.
+  compiled here with its float scalars typed fp64: it compiles, and runs no fp64 arithmetic;
+* torch 2.11's inductor cannot lower a dtype view of a bool tensor on CUDA ("torch.bool is not
+  supported by torch.iinfo"): a key_mask that reached the kernels as ``.view(torch.uint8)`` failed
+  every traced triton-path call that had one (an H100's `make gpu-check`). The mask is copied
+  to uint8 instead, and the traced graph holds no dtype view.
 
 The interpreter runs numpy, which neither specialises nor contracts, so these are checked on the
 kernels' settings; `make gpu-check` runs the behaviour on a GPU.
@@ -207,3 +211,22 @@ def test_attention_kernels_compile_with_float_scalars_typed_fp64():
         assert floats == ["sm_scale", "row_abs"], (name, floats)
         assert error is None, (name, error)
         assert fp64 == [], (name, fp64)
+
+
+def test_key_mask_reaches_the_kernels_without_a_dtype_view():
+    """The launch arguments of a call with a key_mask, traced as torch.compile traces them:
+    uint8 with the mask's values, and no aten.view.dtype node (which torch 2.11's inductor
+    cannot lower for a bool tensor on CUDA)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def mask_argument(q, key_mask):
+        return launch.KernelLayout(q, 0, 0, key_mask, None, None).key_mask
+
+    q = torch.randn(2, 3, 5, 8)
+    key_mask = torch.tensor([[True, False, True, True, False], [False, True, True, True, True]])
+    graph = make_fx(mask_argument)(q, key_mask).graph
+    views = [n for n in graph.nodes if n.target is torch.ops.aten.view.dtype]
+    assert views == []
+    got = mask_argument(q, key_mask)
+    assert got.dtype == torch.uint8 and got.is_contiguous()
+    assert torch.equal(got, key_mask.to(torch.uint8))

@@ -387,7 +387,9 @@ class KernelLayout:
             self.q_off = self.k_off = placeholder
             self.q_offset, self.k_offset = q_offset, k_offset
         self.has_key_mask = key_mask is not None
-        self.key_mask = key_mask.contiguous().view(torch.uint8) if self.has_key_mask else placeholder
+        # a copy, not .view(torch.uint8): torch 2.11's inductor cannot lower a bool tensor's
+        # dtype view on CUDA (docs/architecture.md, "Custom ops")
+        self.key_mask = key_mask.to(torch.uint8).contiguous() if self.has_key_mask else placeholder
         self.stride_mb = key_mask.shape[1] if self.has_key_mask else 0
         self.varlen = cu_seqlens_q is not None
         if self.varlen:
