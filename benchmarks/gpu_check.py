@@ -5,7 +5,8 @@
 
 With a CUDA GPU that torch can use, it runs six steps, one after the other, each under a time
 limit (LIMITS_S: each has its own but the benchmark, which gets what the others leave of
-TOTAL_S, 9.5 minutes in all; a step killed at its limit counts as failed):
+TOTAL_S, 9.5 minutes in all; a step killed at its limit counts as failed, and the tests a
+step has seen fail by then are named, BAMGEN_FAILURES_AT_ONCE in tests/conftest.py):
 
 1. ``properties``: the Triton backend's property tests and hard cases, and the module tests, with
    CUDA tensors against the float64 reference on the CPU (``BAMGEN_TEST_DEVICE=cuda`` switches
@@ -123,6 +124,7 @@ class Outcome:
     returncode: int | None  # None: killed at its time limit
     seconds: float
     summary: str             # the step's last non-empty output line
+    failures: tuple[str, ...] = ()   # the tests it named as failed (FAILED <id>), in order
 
     @property
     def passed(self) -> bool:
@@ -131,7 +133,8 @@ class Outcome:
     def line(self) -> str:
         status = ("passed" if self.passed else f"timed out after {self.step.limit_s} s"
                   if self.returncode is None else f"failed (exit {self.returncode})")
-        return f"{self.step.name}: {status} in {self.seconds:.0f} s — {self.summary}"
+        named = f"; failed: {', '.join(self.failures)}" if self.failures and not self.passed else ""
+        return f"{self.step.name}: {status} in {self.seconds:.0f} s — {self.summary}{named}"
 
 
 def family(capability: tuple[int, int]) -> str:
@@ -150,6 +153,7 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
     """The six steps for a GPU of family ``arch``; ``workers`` > 0 runs pytest under xdist."""
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider") + (
         ("-n", str(workers)) if workers else ())
+    at_once = (("BAMGEN_FAILURES_AT_ONCE", "1"),)   # failures named before a kill (tests/conftest.py)
     bench = (python, "benchmarks/gpu.py", *shlex.split(bench_args),
              "--markdown", str(report), "--json", str(report.with_suffix(".json")))
     variants = (python, "benchmarks/gpu.py", *shlex.split(VARIANT_ARGS),
@@ -158,12 +162,13 @@ def plan(arch: str, python: str, report: Path, bench_args: str = BENCH_ARGS,
     return (
         Step("properties", pytest + ("tests/runtime/test_properties.py", "tests/runtime/test_library.py", "-k",
                                      PROPERTY_SELECTION),
-             (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")), LIMITS_S["properties"]),
-        Step("aot", pytest + ("tests/gpu/test_aot.py", "-k", arch, "-m", "not aot_full"), (),
+             (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0")) + at_once,
+             LIMITS_S["properties"]),
+        Step("aot", pytest + ("tests/gpu/test_aot.py", "-k", arch, "-m", "not aot_full"), at_once,
              LIMITS_S["aot"]),
         Step("compile", pytest + ("tests/runtime/test_compile.py", "-k", "triton"),
              (("BAMGEN_TEST_DEVICE", "cuda"), ("TRITON_INTERPRET", "0"),
-              ("TRITON_DEFAULT_FP_FUSION", "0")), LIMITS_S["compile"]),
+              ("TRITON_DEFAULT_FP_FUSION", "0")) + at_once, LIMITS_S["compile"]),
         Step("variants", variants, (), LIMITS_S["variants"]),
         Step("benchmark", bench, (), TOTAL_S - sum(LIMITS_S.values())),
         model_step(python, arch, report, (report.with_suffix(".json"), variants_json(report))),
@@ -231,13 +236,16 @@ def run_step(step: Step) -> Outcome:
     proc = subprocess.Popen(step.argv, cwd=ROOT, env={**os.environ, **dict(step.env)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    last = [""]
+    last, failures = [""], []
 
     def pump():
         for line in proc.stdout:
             sys.stdout.write(line)
             if line.strip():
                 last[0] = line.strip()
+            failed = failed_test(line)
+            if failed and failed not in failures:
+                failures.append(failed)
         sys.stdout.flush()
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -248,7 +256,16 @@ def run_step(step: Step) -> Outcome:
         proc.wait()
         returncode = None
     reader.join(timeout=10)
-    return Outcome(step, returncode, time.monotonic() - t0, last[0].strip("= ")[:200])
+    return Outcome(step, returncode, time.monotonic() - t0, last[0].strip("= ")[:200],
+                   tuple(failures))
+
+
+def failed_test(line: str) -> str | None:
+    """The test id of a line ``FAILED <id> ...`` (the conftest's failure at once, or pytest's
+    summary), else None."""
+    if not line.startswith("FAILED "):
+        return None
+    return line.split()[1]
 
 
 def finish_report(report: Path, outcomes: list[Outcome]) -> None:

@@ -248,3 +248,32 @@ def test_the_model_step_fits_with_every_earlier_run_s_pairs(monkeypatch, tmp_pat
     assert earlier == [str(tmp_path / "h200_2026-11-26_pairs.json"),
                        str(tmp_path / "nvidia-h200-2026-11-26-pairs.json")]
     assert model.argv[model.argv.index("--pairs") + 1] == str(report.with_name(report.stem + "-pairs.json"))
+
+
+def test_a_killed_test_step_still_names_the_tests_that_failed(tmp_path):
+    """The property step of an H100 was killed at its limit after three failures, and pytest's
+    summary, the only place that named them, never printed: the test steps now name each
+    failure as it happens, and the outcome keeps the names."""
+    gc = _load_script()
+    (tmp_path / "test_two.py").write_text(
+        "import time\n"
+        "def test_fails():\n    assert 1 + 1 == 3, 'arithmetic'\n"
+        "def test_hangs():\n    time.sleep(120)\n")
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    props = {s.name: s for s in gc.plan("sm_90", sys.executable, ROOT / "r.md")}["properties"]
+    assert ("BAMGEN_FAILURES_AT_ONCE", "1") in props.env
+    step = gc.Step("properties", (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  str(tmp_path / "test_two.py"), "--rootdir", str(tmp_path)),
+                   props.env, 8)
+    outcome = gc.run_step(step)
+    assert outcome.returncode is None   # killed at its limit, before pytest's summary
+    assert len(outcome.failures) == 1, outcome.failures
+    assert outcome.failures[0].endswith("test_two.py::test_fails"), outcome.failures
+    assert "failed: " in outcome.line() and "test_fails" in outcome.line()
+
+
+def test_failed_test_reads_pytest_s_failure_lines():
+    gc = _load_script()
+    assert gc.failed_test("FAILED tests/a.py::test_x[1-2] - AssertionError: no\n") == "tests/a.py::test_x[1-2]"
+    assert gc.failed_test("FAILED tests/a.py::test_y (call)\n") == "tests/a.py::test_y"
+    assert gc.failed_test("tests/a.py::test_x PASSED\n") is None
