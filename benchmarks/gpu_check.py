@@ -71,15 +71,16 @@ RESULTS = ROOT / "docs" / "results" / "gpu"
 # kernel (GPU, modelled)"); one flex compile each. --kernels keeps each kernel's device time in the
 # JSON: the points the GPU cost model is fit to.
 BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64 --kernels"
-# The variants (docs/performance.md, "Third GPU session"), forwards alone, each against the
-# shipped kernel in the same run. The H200's run of 2026-11-26 chose three stages for the
-# light and table forwards on sm_90 and the direct table read at head dim 64 (tiles.py); these
-# time what that choice left open: the previous defaults (two stages, the async read at 64),
-# the direct read at 128, and three stages with the direct read at 64. A pin that equals the
-# shipped config at one head dim times the shipped kernel twice there.
-VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@fwd=128x64x8x2", "bamgen-ggd",
-                 "bamgen-ggd@gather=async", "bamgen-ggd@gather=direct",
-                 "bamgen-ggd@fwd=128x64x8x3", "bamgen-ggd@fwd=128x64x8x2")
+# The variants (docs/performance.md, "Third GPU session" and "Fourth GPU session"), forwards
+# alone, each against the shipped kernel in the same run. An H200 and an H100 chose three
+# stages for the light and table forwards on sm_90 and the direct table read at head dim 64
+# (tiles.py); open: the direct read at 128 (H200 1.01x, H100 0.95x), and BAM-SSMax's forward,
+# 4x GGD's at head dim 128 on both GPUs with the same main loop (compiled here): its tile's
+# stages, its table read, and its inline build. A pin that equals the shipped config at one
+# head dim times the shipped kernel twice there.
+VARIANT_PEERS = ("bamgen-uniform", "bamgen-ggd", "bamgen-ggd@fwd=128x64x8x2",
+                 "bamgen-ggd@gather=direct", "bamgen-ssmax", "bamgen-ssmax@fwd=128x64x8x3",
+                 "bamgen-ssmax@gather=direct", "bamgen-ssmax-inline")
 # and the decode kernel's read (at head dim 128 its 16x128 tile has Q's shape): 64 sequences
 # against 4096 cached keys
 VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced")
