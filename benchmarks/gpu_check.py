@@ -25,7 +25,8 @@ step has seen fail by then are named, BAMGEN_FAILURES_AT_ONCE in tests/conftest.
    eager with no recompile;
 4. ``variants``: benchmarks/gpu.py on forward kernel variants that the model cannot rank, each
    timed against the shipped kernel in the same run (VARIANT_ARGS: pinned tiles and the
-   forward's table gather, ``bamgen-<prior>@<pins>``, forwards alone; N = 8192 at head dims 64
+   forward's table gather, ``bamgen-<prior>@<pins>``, and a build with the other lowering
+   strategy, ``bamgen-ssmax-inline``, which the model step leaves out; forwards alone; N = 8192 at head dims 64
    and 128, the shape of the points already fitted; and the decode kernel's table read, 64
    sequences against 4096 cached keys), its table to <device>-<date>-variants.md and its JSON
    beside it;
@@ -75,7 +76,7 @@ BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode
 # alone, each against the shipped kernel in the same run. An H200 and an H100 chose three
 # stages for the light and table forwards on sm_90 and the direct table read at head dim 64
 # (tiles.py); open: the direct read at 128 (H200 1.01x, H100 0.95x), and BAM-SSMax's forward,
-# 4x GGD's at head dim 128 on both GPUs with the same main loop (compiled here): its tile's
+# 3.6-4x GGD's at head dim 128 on both GPUs with a main loop like GGD's (compiled here): its tile's
 # stages, its table read, and its inline build. A pin that equals the shipped config at one
 # head dim times the shipped kernel twice there.
 VARIANT_PEERS = ("bamgen-uniform", "bamgen-ggd", "bamgen-ggd@fwd=128x64x8x2",
@@ -262,11 +263,13 @@ def run_step(step: Step) -> Outcome:
 
 
 def failed_test(line: str) -> str | None:
-    """The test id of a line ``FAILED <id> ...`` (the conftest's failure at once, or pytest's
-    summary), else None."""
-    if not line.startswith("FAILED "):
-        return None
-    return line.split()[1]
+    """The test id of a line ``FAILED <id> (<phase>)`` (the conftest's failure at once) or
+    ``FAILED|ERROR <id> - <message>`` (pytest's summary), else None."""
+    found = FAILED_LINE.match(line.rstrip("\n"))
+    return found.group(1) if found else None
+
+
+FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: \((?:setup|call|teardown)\)| - .*)?$")
 
 
 def finish_report(report: Path, outcomes: list[Outcome]) -> None:

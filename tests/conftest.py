@@ -22,8 +22,9 @@ if str(ROOT) not in sys.path:
 def pytest_runtest_logreport(report):
     """With BAMGEN_FAILURES_AT_ONCE=1 a failed test prints its id and the end of its error as it
     fails, not only in pytest's closing summary: `make gpu-check` kills a step at its time limit,
-    and a killed run prints no summary (an H100's property step showed three failures and no
-    name). Under pytest-xdist the controller runs this hook for every worker's report."""
+    and a killed run prints no summary (an H100's property step showed two failures and no
+    name). Under pytest-xdist the controller runs this hook for every worker's report (the
+    workers run it too, but their output goes nowhere)."""
     if report.failed and os.environ.get("BAMGEN_FAILURES_AT_ONCE") == "1":
         tail = report.longreprtext.strip().splitlines()[-FAILURE_LINES:]
         sys.stdout.write(f"\nFAILED {report.nodeid} ({report.when})\n" + "\n".join(tail) + "\n")

@@ -252,7 +252,7 @@ def test_the_model_step_fits_with_every_earlier_run_s_pairs(monkeypatch, tmp_pat
 
 
 def test_a_killed_test_step_still_names_the_tests_that_failed(tmp_path):
-    """The property step of an H100 was killed at its limit after three failures, and pytest's
+    """The property step of an H100 was killed at its limit after two failures, and pytest's
     summary, the only place that named them, never printed: the test steps now name each
     failure as it happens, and the outcome keeps the names."""
     gc = _load_script()
@@ -265,7 +265,7 @@ def test_a_killed_test_step_still_names_the_tests_that_failed(tmp_path):
     assert ("BAMGEN_FAILURES_AT_ONCE", "1") in props.env
     step = gc.Step("properties", (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   str(tmp_path / "test_two.py"), "--rootdir", str(tmp_path)),
-                   props.env, 8)
+                   props.env, 12)
     outcome = gc.run_step(step)
     assert outcome.returncode is None   # killed at its limit, before pytest's summary
     assert len(outcome.failures) == 1, outcome.failures
@@ -278,3 +278,5 @@ def test_failed_test_reads_pytest_s_failure_lines():
     assert gc.failed_test("FAILED tests/a.py::test_x[1-2] - AssertionError: no\n") == "tests/a.py::test_x[1-2]"
     assert gc.failed_test("FAILED tests/a.py::test_y (call)\n") == "tests/a.py::test_y"
     assert gc.failed_test("tests/a.py::test_x PASSED\n") is None
+    assert gc.failed_test("FAILED tests/a.py::test_z[a b] (setup)\n") == "tests/a.py::test_z[a b]"
+    assert gc.failed_test("ERROR tests/a.py::test_w - fixture 'x' not found\n") == "tests/a.py::test_w"
