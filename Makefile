@@ -40,7 +40,9 @@ clean:
 # local GPU family and benchmarks/gpu.py, whose table goes to docs/results/gpu/<device>-<date>.md;
 # under 10 minutes. Without a GPU it
 # says so in one line and exits 0. GPU_BENCH_ARGS replaces the benchmark's sizes
-# (benchmarks/gpu_check.py says which).
+# (benchmarks/gpu_check.py says which); GPU_CHECK_ARGS passes other options to it (--skip,
+# --limit, --archive FILE.tar.gz).
 GPU_BENCH_ARGS ?=
+GPU_CHECK_ARGS ?=
 gpu-check:
-	@$(PYTHON) benchmarks/gpu_check.py $(if $(GPU_BENCH_ARGS),--bench-args "$(GPU_BENCH_ARGS)")
+	@$(PYTHON) benchmarks/gpu_check.py $(if $(GPU_BENCH_ARGS),--bench-args "$(GPU_BENCH_ARGS)") $(GPU_CHECK_ARGS)

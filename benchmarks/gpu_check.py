@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                        # what `make gpu-check` runs
     python benchmarks/gpu_check.py --bench-args "--n 1024 4096 --head-dim 64 128"
+    python benchmarks/gpu_check.py --archive /tmp/gpu-check.tgz   # the run's files in one
 
 With a CUDA GPU that torch can use, it runs six steps, one after the other, each under a time
 limit (LIMITS_S: each has its own but the benchmark, which gets what the others leave of
@@ -303,7 +304,14 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
     parser.add_argument("--limit", action="append", default=[], type=_limit, metavar="STEP=S",
                         help="another time limit for a step, in seconds (total=S: the whole "
                              f"check, default {TOTAL_S}; the benchmark gets what is left)")
+    parser.add_argument("--archive", type=Path, metavar="FILE.tar.gz",
+                        help="also put this run's files (the report, the JSONs, the pairs) into "
+                             "one gzipped tar, for a rented machine that sends back few files")
     args = parser.parse_args(argv)
+    if args.archive is not None:
+        why_not = archive_problem(args.archive)
+        if why_not:
+            parser.error(f"--archive {args.archive}: {why_not}")
     limits = {**LIMITS_S, "total": TOTAL_S, **dict(args.limit)}
     gpu, why = find_gpu()
     if gpu is None:
@@ -352,7 +360,40 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
         print(f"gpu-check: benchmark table written to {_shown(report)}")
     else:
         print("gpu-check: the benchmark wrote no report (see its output above)")
+    if args.archive is not None:
+        kept = write_archive(args.archive, run_files(report))
+        print(f"gpu-check: {len(kept)} file(s) of this run archived in {args.archive}")
     return 0 if all(o.passed for o in outcomes) else 1
+
+
+def run_files(report: Path) -> list[Path]:
+    """The files a run wrote beside its report, those that exist, report first."""
+    paths = (report, report.with_suffix(".json"), variants_json(report).with_suffix(".md"),
+             variants_json(report), pairs_json(report))
+    return [p for p in paths if p.exists()]
+
+
+def archive_problem(path: Path) -> str | None:
+    """Why --archive cannot be written there (checked before any step runs), else None."""
+    if not path.name.endswith((".tar.gz", ".tgz")):
+        return "name it .tar.gz or .tgz (it is a gzipped tar)"
+    if not path.parent.is_dir():
+        return f"its folder {path.parent} does not exist"
+    if path.is_dir():
+        return "that is a folder; give a file name"
+    return None
+
+
+def write_archive(path: Path, files: list[Path]) -> list[Path]:
+    """files, named as from the repository root (docs/results/gpu/...), into a gzipped tar at
+    path, written whole (a temporary file renamed over it)."""
+    import tarfile
+    partial = path.with_name(path.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=_shown(f))
+    partial.replace(path)
+    return files
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -280,3 +281,32 @@ def test_failed_test_reads_pytest_s_failure_lines():
     assert gc.failed_test("tests/a.py::test_x PASSED\n") is None
     assert gc.failed_test("FAILED tests/a.py::test_z[a b] (setup)\n") == "tests/a.py::test_z[a b]"
     assert gc.failed_test("ERROR tests/a.py::test_w - fixture 'x' not found\n") == "tests/a.py::test_w"
+
+
+def test_archive_holds_the_run_s_files(monkeypatch, tmp_path, capsys):
+    """--archive puts the report and the JSONs the run wrote into one .tar.gz (a rented H100
+    sent back eight files at most, and the JSONs of its run were lost)."""
+    import tarfile
+    gc = _load_script()
+    archive = tmp_path / "gpu-check.tgz"
+    rc, ran, report = _fake_gpu_run(gc, monkeypatch, tmp_path, argv=("--archive", str(archive)))
+    assert rc == 0 and len(ran) == 6
+    with tarfile.open(archive) as tar:
+        names = [Path(n).name for n in tar.getnames()]
+        assert tar.extractfile(tar.getmembers()[0]).read() == report.read_bytes()
+    assert names == [report.name, report.stem + ".json", report.stem + "-variants.json"]
+    assert f"3 file(s) of this run archived in {archive}" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("bad, says", [("out.zip", "name it .tar.gz"),
+                                       ("missing/out.tgz", "does not exist")])
+def test_a_bad_archive_path_stops_before_any_step(monkeypatch, tmp_path, capsys, bad, says):
+    gc = _load_script()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        _fake_gpu_run(gc, monkeypatch, tmp_path, argv=("--archive", bad))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--archive" in err and says in err
+    assert not list(tmp_path.glob("*.md")) and not (tmp_path / bad).exists()
