@@ -61,6 +61,8 @@ class Point:
     device: str
     units: tuple[tuple[str, float], ...] = ()   # each unit's modelled cycles per 1000 scores
     arch: str = "sm_90"   # the family the kernel was compiled for (the fit holds for it alone)
+    run: str = ""         # the file it was measured in (a gpu.py JSON; a --pairs file's name
+                          # for pairs written before runs were kept): "vs NoPE" stays in a run
 
 
 UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")
@@ -75,8 +77,9 @@ def measured_cycles(us: float, result: dict, ghz: float = GHZ, sms: int = SMS) -
 
 
 def load_pairs(path) -> list[Point]:
-    """The points a --pairs file holds (the next fit's input)."""
-    return [Point(**{**p, "units": tuple(tuple(u) for u in p["units"])})
+    """The points a --pairs file holds (the next fit's input); a point written before runs were
+    kept takes the file's name as its run."""
+    return [Point(**{"run": Path(path).name, **p, "units": tuple(tuple(u) for u in p["units"])})
             for p in json.loads(Path(path).read_text())]
 
 
@@ -183,7 +186,7 @@ def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
     for run, key, kernel, cycles in measured:
         units = compiled[keys[key]][kernel]
         out.append(Point(key[0], key[1], kernel, max(units.values()), cycles, run["env"]["device"],
-                         tuple(sorted(units.items())), arch))
+                         tuple(sorted(units.items())), arch, run_name(run)))
     return out
 
 
@@ -251,14 +254,28 @@ def leave_one_out(pts: list[Point]) -> list[float | None]:
     return errors
 
 
+def run_name(run: dict) -> str:
+    """A gpu.py JSON's file name (its --json argument), the key of its points' run."""
+    return Path(run.get("args", {}).get("json") or "").name
+
+
+def nope_of(pts: list[Point]):
+    """p -> the NoPE point its "vs NoPE" columns divide by: the same run's (kernel and head dim),
+    else the last one measured on the same device; None if neither."""
+    same_run = {(q.run, q.head_dim, q.kernel): q for q in pts if q.prior == "uniform"}
+    same_device = {(q.device, q.head_dim, q.kernel): q for q in pts if q.prior == "uniform"}
+    return lambda p: (same_run.get((p.run, p.head_dim, p.kernel))
+                      or same_device.get((p.device, p.head_dim, p.kernel)))
+
+
 def table(pts: list[Point]) -> list[str]:
-    nope = {(p.head_dim, p.kernel): p for p in pts if p.prior == "uniform"}
+    nope = nope_of(pts)
     weights = fit_units(pts) if len(pts) > len(UNITS) else None
     lines = ["| prior | D | kernel | modelled | measured | measured / modelled | vs NoPE, modelled | "
              "vs NoPE, measured | LOO error | fitted | LOO error, fitted |", "|" + "---|" * 11]
     loo, loo_fit = leave_one_out(pts), leave_one_out_fit(pts)
     for p, err, err_fit in zip(pts, loo, loo_fit):
-        base = nope.get((p.head_dim, p.kernel))
+        base = nope(p)
         rel = (f"{p.modelled / base.modelled:.2f}x | {p.measured / base.measured:.2f}x" if base
                else "- | -")
         lines.append(f"| {p.prior} | {p.head_dim} | {p.kernel} | {p.modelled:.0f} | "

@@ -187,3 +187,30 @@ def test_earlier_runs_pairs_join_the_fit_and_the_table(tmp_path, capsys):
         else:
             raise AssertionError(f"{argv} was not refused")
         assert message in capsys.readouterr().err
+
+
+def test_vs_nope_divides_by_the_same_run_s_nope(tmp_path, capsys):
+    """Two runs of one GPU, NoPE timed 200 and 300 in them: each run's GGD row divides by its
+    own run's NoPE (an earlier run's rows divided by the last run's NoPE before); a point of
+    pairs written before runs were kept takes its file's name as its run; a run without NoPE
+    falls back to the device's."""
+    from dataclasses import asdict, replace
+    check = load_script(SCRIPT, "model_check")
+    units = (("fp32", 10.0), ("issue", 80.0), ("lsu", 10.0), ("mufu", 10.0), ("tensor", 100.0))
+    def point(prior, measured):
+        return check.Point(prior, 128, "fwd", 100.0, measured, "H100", units, "sm_90")
+    old = [point("uniform", 200.0), point("ggd", 300.0)]
+    new = [point("uniform", 300.0), point("ggd", 330.0)]
+    no_nope = [point("laplace", 600.0)]
+    files = []
+    for name, pts in (("a-pairs.json", old), ("b-pairs.json", new), ("c-pairs.json", no_nope)):
+        rows = [asdict(p) for p in pts]
+        for row in rows:
+            del row["run"]   # written before points kept their run
+        (tmp_path / name).write_text(json.dumps(rows))
+        files += ["--with-pairs", str(tmp_path / name)]
+    assert check.main(files) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ggd ")
+            or line.startswith("| laplace ")]
+    assert [r[7] for r in rows] == ["1.50x", "1.10x", "2.00x"], rows
+    assert check.load_pairs(tmp_path / "a-pairs.json")[0].run == "a-pairs.json"
