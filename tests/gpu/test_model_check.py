@@ -194,7 +194,7 @@ def test_vs_nope_divides_by_the_same_run_s_nope(tmp_path, capsys):
     own run's NoPE (an earlier run's rows divided by the last run's NoPE before); a point of
     pairs written before runs were kept takes its file's name as its run; a run without NoPE
     falls back to the device's."""
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
     check = load_script(SCRIPT, "model_check")
     units = (("fp32", 10.0), ("issue", 80.0), ("lsu", 10.0), ("mufu", 10.0), ("tensor", 100.0))
     def point(prior, measured):
