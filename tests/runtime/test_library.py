@@ -89,6 +89,32 @@ def test_shipped_prior_matches_reference(name, backend):
     _check_against_reference(name, backend)
 
 
+@pytest.mark.parametrize("family", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("name", sorted(LIBRARY))
+def test_shipped_prior_with_a_gpu_family_s_tiles(name, family, monkeypatch):
+    """The kernels with the tiles, table read and dQ groups a GPU of that family launches
+    (BAMGEN_INTERPRET_TILES), run by the interpreter against the reference: the tile logic of
+    a GPU's launch (query tiles of 128 rows over 29 queries, the halved tiles, FIRE's groups of
+    8) on the CPU, which the interpreter's small tiles do not reach."""
+    from bamgen.runtime.triton import launch
+    if DEVICE.type != "cpu":
+        pytest.skip("a GPU runs its own tiles (test_shipped_prior_matches_reference)")
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
+    families, real = [], launch.candidates
+    monkeypatch.setattr(launch, "candidates",
+                        lambda prior, kernel, head_dim, arch, masked=False:
+                        families.append(arch) or real(prior, kernel, head_dim, arch, masked))
+    _check_against_reference(name, "triton")
+    assert families and set(families) == {family}
+
+
+def test_a_bad_interpreted_family_is_named(monkeypatch):
+    from bamgen.runtime.triton import launch
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_70")
+    with pytest.raises(ValueError, match="BAMGEN_INTERPRET_TILES='sm_70': give one of sm_80, sm_90"):
+        launch.interpreted_family()
+
+
 @pytest.mark.parametrize("dq_tile", [(64, 32, 4, 1), (64, 64, 4, 1)])
 def test_ssmax_dq_with_per_tile_parameter_sums(dq_tile, monkeypatch):
     """SSMax's dQ kernel reduces the parameters' sums per key tile where a tile has 2048 scores

@@ -57,6 +57,23 @@ def gpu_family(device=None):
     return "sm_90" if major >= 9 else "sm_80"
 
 
+def interpreted_family():
+    """Under the interpreter, the GPU family whose tiles, table read and dQ groups the kernels
+    take (BAMGEN_INTERPRET_TILES=sm_80|sm_90: the tile logic a GPU runs, checked on the CPU);
+    None, the default: the interpreter's small tiles (INTERPRET_TILES), which cross many tile
+    borders in a small test."""
+    family = os.environ.get("BAMGEN_INTERPRET_TILES", "")
+    if family in ("", "0"):
+        return None
+    if family not in TILE_FAMILIES:
+        raise ValueError(f"BAMGEN_INTERPRET_TILES={family!r}: give one of "
+                         f"{', '.join(TILE_FAMILIES)}, or leave it unset for the interpreter's tiles")
+    return family
+
+
+TILE_FAMILIES = ("sm_80", "sm_90")
+
+
 def candidates(prior, kernel, head_dim, arch, masked=False):
     """The tile configs of a kernel; masked (key_mask, per-row offsets or packed documents): each
     with half the tile's scores (_masked_tile). (The kernels of position tensors have tile
@@ -175,13 +192,15 @@ def _tile_config(config) -> bool:
 def table_gather(device=None, head_dim=None):
     """A kernel's TABLE_GATHER: the pinned one, else the forward's read for the device's family
     and head dim (tiles.fwd_table_gather), else tiles.FWD_TABLE_GATHER (the decode kernel, and
-    the interpreter, where every read computes the same)."""
+    the interpreter unless BAMGEN_INTERPRET_TILES names a family: every read computes the same
+    there)."""
     pinned = _PINS.get().gather
     if pinned:
         return pinned
-    if device is None or head_dim is None or interpreting():
+    if device is None or head_dim is None:
         return FWD_TABLE_GATHER
-    return fwd_table_gather(gpu_family(device), head_dim)
+    family = interpreted_family() if interpreting() else gpu_family(device)
+    return FWD_TABLE_GATHER if family is None else fwd_table_gather(family, head_dim)
 
 
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
@@ -199,7 +218,10 @@ def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False
     if pin is not None:
         return run(pin)
     if interpreting():
-        return run(INTERPRET_TILES[kernel])
+        family = interpreted_family()
+        if family is None:
+            return run(INTERPRET_TILES[kernel])
+        return run(candidates(prior, kernel, head_dim, family, masked)[0])
     arch = gpu_family(device)
     options = candidates(prior, kernel, head_dim, arch, masked)
     if os.environ.get("BAMGEN_AUTOTUNE", "0") != "1" or len(options) == 1:
@@ -667,8 +689,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
     else:
         table_dq, dq_stride_h = table, tab_stride_h
     groups = [(0, 0)] if dist_sums else grad_groups(
-        prior.traits.num_grads, prior.traits.tile_kind, INTERPRET_GRAD_GROUP if interpreting() else None,
-        lay.masked)
+        prior.traits.num_grads, prior.traits.tile_kind,
+        INTERPRET_GRAD_GROUP if interpreting() and interpreted_family() is None else None, lay.masked)
     dq = torch.empty_like(q)
     partials = {}   # one partial sum per dQ program: its shape follows the tile
 
