@@ -108,6 +108,36 @@ def test_shipped_prior_with_a_gpu_family_s_tiles(name, family, monkeypatch):
     assert families and set(families) == {family}
 
 
+def test_fma_row_sums_of_a_gpu_launch_match_the_reference(monkeypatch):
+    """A GPU sums SSMax's per-tile parameter terms through a one-FFMA tl.reduce combine
+    (helpers._row_dot, _ROW_DOT_FMA), which the interpreter replaces by tl.sum for speed: here
+    the interpreter runs that combine, with sm_90's 64x32 dQ tile (TILE_GRAD_SUMS), against
+    the reference; a combine that drops its second operand fails the same check, so the
+    combine is what ran."""
+    import triton
+    import triton.language as tl
+    from bamgen.runtime.triton import helpers
+    if DEVICE.type != "cpu":
+        pytest.skip("a GPU runs the combine itself (test_shipped_prior_matches_reference)")
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_90")
+    monkeypatch.setattr(helpers, "_ROW_DOT_FMA", tl.constexpr(True))
+
+    @triton.jit
+    def drops_second(x1, w1, x2, w2):
+        return x1 * w1, tl.full(x1.shape, 1.0, tl.float32)
+    # a prior's kernels bind the helpers when first made (variant.instantiate): made afresh
+    # for each check, and the earlier ones back in place after the test
+    prior = importlib.import_module("generated.bam_ssmax")._prior
+    real = helpers._fma_pair
+    monkeypatch.setattr(helpers, "_fma_pair", drops_second)
+    monkeypatch.setattr(prior, "_kernels", None)
+    with pytest.raises(AssertionError, match="dssmax"):
+        _check_against_reference("bam_ssmax", "triton")
+    monkeypatch.setattr(helpers, "_fma_pair", real)
+    monkeypatch.setattr(prior, "_kernels", None)
+    _check_against_reference("bam_ssmax", "triton")
+
+
 def test_a_bad_interpreted_family_is_named(monkeypatch):
     from bamgen.runtime.triton import launch
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_70")
