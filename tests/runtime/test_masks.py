@@ -367,3 +367,33 @@ def test_packed_benchmark_smoke():
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| generalized_gaussian |" in res.stdout and "packed / one-causal" in res.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# a GPU's tiles (BAMGEN_INTERPRET_TILES): the masked layouts halve them
+
+
+@pytest.mark.parametrize("family", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("prior", ["uniform", "generalized_gaussian", "bam_ssmax"])
+def test_masks_and_documents_with_a_gpu_family_s_tiles(prior, family, monkeypatch):
+    """A key mask with per-row offsets, and packed documents with a mask, through the tiles a GPU
+    of that family launches for a masked layout (launch.masked_tile: the forward's key tile
+    halved, dQ over 8 warps; the table read of its head dims), run by the interpreter: against
+    the reference, and each document alone."""
+    from bamgen.runtime.triton import launch
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
+    tiles, real = [], launch.candidates
+    monkeypatch.setattr(launch, "candidates", lambda prior, kernel, head_dim, arch, masked=False:
+                        tiles.append((kernel, arch, masked, real(prior, kernel, head_dim, arch, masked)[0],
+                                      real(prior, kernel, head_dim, arch, False)[0]))
+                        or real(prior, kernel, head_dim, arch, masked))
+    pad = [[0] * 6 + [1] * 34, [1] * 29 + [0] * 11]
+    run_mask_case(MaskCase(prior, "triton", "fp32", 2, 4, 2, 33, 40, 16, True, [3, 0], [0, 5], pad, 7))
+    run_packed_case(dict(prior=prior, backend="triton", q_lens=[7, 0, 30], k_lens=[7, 0, 30], Hq=2,
+                         Hk=1, D=16, causal=True, masked=True, seed=5))
+    assert tiles and all(arch == family and masked for _, arch, masked, _, _ in tiles)
+    launched = {kernel: (tile, plain) for kernel, _, _, tile, plain in tiles}
+    fwd, plain = launched["fwd"]   # half the key tile (launch.masked_tile), 128 queries or 64
+    assert fwd[0] == plain[0] >= 64 and fwd[1] < plain[1], launched
+    dq, plain = launched["bwd_dq"]   # the same tile over 8 warps
+    assert dq[:2] == plain[:2] and dq[2] == 8 > plain[2], launched
