@@ -227,15 +227,19 @@ TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32,
 # The H200 measured the "async" table forwards at 1.40x NoPE's at head dim 128 and 3.4-3.9x at
 # 64 (docs/performance.md, "Where a table forward's time goes"). Which read is faster is for a
 # GPU to decide: `make gpu-check` times the reads against the shipped one (gpu_check.VARIANT_PEERS:
-# now the direct read at 128, the one left open). Its run
+# now the async read, the one no longer shipped on sm_90). Its run
 # of 2026-11-26 (an H200, Triton 3.6, GGD, N = 8192, forward kernels; docs/performance.md,
 # "Third GPU session"; kernel times): at head dim 64 "direct" took 0.57x the "async" read's
 # time and "coalesced" 2.6x; at 128 "direct" 1.01x and "coalesced" 3.6x. So sm_90 reads directly at 64,
 # and everything else keeps "async" (the decode kernel too: "coalesced" was 1.06-1.10x there).
 # An H100 (2026-11-27, "Fourth GPU session") agreed: at 64 "direct" 0.57x "async" (368 against
-# 650 cycles per 1000 scores), at 128 0.95x; the decode kernel's "coalesced" 1.09-1.14x.
+# 650 cycles per 1000 scores), at 128 0.95x; the decode kernel's "coalesced" 1.09-1.14x. So
+# sm_90 reads directly at 128 too (1.01x and 0.95x: no worse on either GPU), which also takes
+# BAM-SSMax's forward off the path its 4x-slow kernel took: at 255 registers its async read
+# came back from shared memory one 8-byte load at a time, each waited for (direct: 207
+# registers, no shared-memory round trip); that kernel is timed against the async read next.
 FWD_TABLE_GATHER = "async"
-FWD_TABLE_GATHER_AT = {("sm_90", 64): "direct"}
+FWD_TABLE_GATHER_AT = {("sm_90", 64): "direct", ("sm_90", 128): "direct"}
 TABLE_GATHERS = ("async", "coalesced", "direct")
 
 
