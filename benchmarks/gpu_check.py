@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py                        # what `make gpu-check` runs
     python benchmarks/gpu_check.py --bench-args "--n 1024 4096 --head-dim 64 128"
-    python benchmarks/gpu_check.py --archive /tmp/gpu-check.tgz   # the run's files in one
+    python benchmarks/gpu_check.py --archive /tmp/gpu-check.tgz   # the run's files in one archive
 
 With a CUDA GPU that torch can use, it runs six steps, one after the other, each under a time
 limit (LIMITS_S: each has its own but the benchmark, which gets what the others leave of
@@ -320,13 +320,14 @@ def main(argv=None, run=run_step, today=datetime.date.today, clock=time.monotoni
             print(f"gpu-check: nvidia-smi lists {seen[0]}, but {why}: run it with a Python whose "
                   "torch is a CUDA build (make gpu-check PYTHON=...)")
             return 1
+        unarchived = f"; nothing archived in {args.archive}" if args.archive is not None else ""
         print(f"gpu-check: no GPU here ({why}; nvidia-smi lists none), nothing run; with CUDA it "
               f"runs tests/runtime/test_properties.py tests/runtime/test_library.py -k \"{PROPERTY_SELECTION}\" "
               f"on CUDA tensors, "
               f"tests/gpu/test_aot.py -k <the GPU's sm_80|sm_90> -m \"not aot_full\", tests/runtime/test_compile.py -k triton on "
               f"CUDA tensors, benchmarks/gpu.py on forward kernel variants and with "
               f"{args.bench_args}, benchmarks/model_check.py on both, and writes "
-              f"docs/results/gpu/<device>-<date>.md")
+              f"docs/results/gpu/<device>-<date>.md{unarchived}")
         return 0
     arch = family(gpu.capability)
     report = report_path(gpu.name, today(), RESULTS)
@@ -377,10 +378,14 @@ def archive_problem(path: Path) -> str | None:
     """Why --archive cannot be written there (checked before any step runs), else None."""
     if not path.name.endswith((".tar.gz", ".tgz")):
         return "name it .tar.gz or .tgz (it is a gzipped tar)"
+    if path.parent.exists() and not path.parent.is_dir():
+        return f"{path.parent} is not a folder"
     if not path.parent.is_dir():
         return f"its folder {path.parent} does not exist"
     if path.is_dir():
         return "that is a folder; give a file name"
+    if not os.access(path.parent, os.W_OK):
+        return f"its folder {path.parent} is not writable"
     return None
 
 
@@ -389,10 +394,13 @@ def write_archive(path: Path, files: list[Path]) -> list[Path]:
     path, written whole (a temporary file renamed over it)."""
     import tarfile
     partial = path.with_name(path.name + ".partial")
-    with tarfile.open(partial, "w:gz") as tar:
-        for f in files:
-            tar.add(f, arcname=_shown(f))
-    partial.replace(path)
+    try:
+        with tarfile.open(partial, "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=_shown(f))
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
     return files
 
 

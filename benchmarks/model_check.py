@@ -63,6 +63,7 @@ class Point:
     arch: str = "sm_90"   # the family the kernel was compiled for (the fit holds for it alone)
     run: str = ""         # the file it was measured in (a gpu.py JSON; a --pairs file's name
                           # for pairs written before runs were kept): "vs NoPE" stays in a run
+    n: int = 0            # the sequence length it was measured at (0: not kept, older pairs)
 
 
 UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")
@@ -94,8 +95,8 @@ def read_pairs(paths) -> list[Point]:
     return points
 
 
-def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float, dict]]:
-    """(peer prior, head dim, kernel, measured cycles per 1000 scores, pins) of a gpu.py JSON:
+def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str, float, dict, int]]:
+    """(peer prior, head dim, kernel, measured cycles per 1000 scores, pins, N) of a gpu.py JSON:
     a pinned variant (bamgen-<prior>@<pins>) is the prior "<prior>@<pins>", its pins the
     run's ``variants`` entry ({} for the shipped tiles)."""
     out = []
@@ -109,7 +110,7 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
                 entry = kernels.get(f"{phase}:{profiled}")
                 if entry:
                     out.append((prior, result["D"], kernel,
-                                measured_cycles(entry["us"], result, ghz, sms), pins))
+                                measured_cycles(entry["us"], result, ghz, sms), pins, result["N"]))
     return out
 
 
@@ -173,20 +174,21 @@ def compile_all(keys: list[tuple]) -> dict:
 
 def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
     measured = []
-    for run in runs:
+    for i, run in enumerate(runs):
         dtype = DTYPES.get(run["args"].get("dtype", "bf16"), "bf16")
-        measured += [(run, (prior, head_dim, arch, dtype, json.dumps(pins, sort_keys=True)), kernel, cycles)
-                     for prior, head_dim, kernel, cycles, pins in measured_points(run, ghz, sms)]
+        name = run_name(run) or f"run {i + 1}"
+        measured += [(run, name, n, (prior, head_dim, arch, dtype, json.dumps(pins, sort_keys=True)), kernel, cycles)
+                     for prior, head_dim, kernel, cycles, pins, n in measured_points(run, ghz, sms)]
     needed = {}   # the kernels each (prior, head dim, ..., pins) was measured for
-    for _, key, kernel, _ in measured:
+    for _, _, _, key, kernel, _ in measured:
         needed.setdefault(key, set()).add(kernel)
     keys = {key: key + (tuple(k for k in KERNELS if k in kernels),) for key, kernels in needed.items()}
     compiled = compile_all(list(keys.values()))
     out = []
-    for run, key, kernel, cycles in measured:
+    for run, name, n, key, kernel, cycles in measured:
         units = compiled[keys[key]][kernel]
         out.append(Point(key[0], key[1], kernel, max(units.values()), cycles, run["env"]["device"],
-                         tuple(sorted(units.items())), arch, run_name(run)))
+                         tuple(sorted(units.items())), arch, name, n))
     return out
 
 
@@ -260,11 +262,11 @@ def run_name(run: dict) -> str:
 
 
 def nope_of(pts: list[Point]):
-    """p -> the NoPE point its "vs NoPE" columns divide by: the same run's (kernel and head dim),
-    else the last one measured on the same device; None if neither."""
-    same_run = {(q.run, q.head_dim, q.kernel): q for q in pts if q.prior == "uniform"}
+    """p -> the NoPE point its "vs NoPE" columns divide by: the same run's (sequence length,
+    kernel and head dim), else the last one measured on the same device; None if neither."""
+    same_run = {(q.run, q.n, q.head_dim, q.kernel): q for q in pts if q.prior == "uniform"}
     same_device = {(q.device, q.head_dim, q.kernel): q for q in pts if q.prior == "uniform"}
-    return lambda p: (same_run.get((p.run, p.head_dim, p.kernel))
+    return lambda p: (same_run.get((p.run, p.n, p.head_dim, p.kernel))
                       or same_device.get((p.device, p.head_dim, p.kernel)))
 
 

@@ -300,10 +300,12 @@ def test_archive_holds_the_run_s_files(monkeypatch, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad, says", [("out.zip", "name it .tar.gz"),
-                                       ("missing/out.tgz", "does not exist")])
+                                       ("missing/out.tgz", "does not exist"),
+                                       ("afile/out.tgz", "is not a folder")])
 def test_a_bad_archive_path_stops_before_any_step(monkeypatch, tmp_path, capsys, bad, says):
     gc = _load_script()
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit) as stop:
         _fake_gpu_run(gc, monkeypatch, tmp_path, argv=("--archive", bad))
     assert stop.value.code == 2

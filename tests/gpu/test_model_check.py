@@ -214,3 +214,15 @@ def test_vs_nope_divides_by_the_same_run_s_nope(tmp_path, capsys):
             or line.startswith("| laplace ")]
     assert [r[7] for r in rows] == ["1.50x", "1.10x", "2.00x"], rows
     assert check.load_pairs(tmp_path / "a-pairs.json")[0].run == "a-pairs.json"
+
+
+def test_vs_nope_divides_by_nope_at_the_same_length():
+    """One run at N = 4096 and 16384 (make gpu-check's default sizes): each GGD row divides by
+    NoPE at its own length."""
+    check = load_script(SCRIPT, "model_check")
+    units = (("fp32", 10.0), ("issue", 80.0), ("lsu", 10.0), ("mufu", 10.0), ("tensor", 100.0))
+    pts = [check.Point(prior, 128, "fwd", 100.0, measured, "H100", units, "sm_90", "r.json", n)
+           for prior, measured, n in (("uniform", 200.0, 4096), ("ggd", 300.0, 4096),
+                                      ("uniform", 250.0, 16384), ("ggd", 300.0, 16384))]
+    rows = [line.split(" | ") for line in check.table(pts) if line.startswith("| ggd ")]
+    assert [r[7] for r in rows] == ["1.50x", "1.20x"], rows

@@ -131,11 +131,33 @@ def test_fma_row_sums_of_a_gpu_launch_match_the_reference(monkeypatch):
     real = helpers._fma_pair
     monkeypatch.setattr(helpers, "_fma_pair", drops_second)
     monkeypatch.setattr(prior, "_kernels", None)
-    with pytest.raises(AssertionError, match="dssmax"):
+    with pytest.raises(AssertionError, match=r"dssmax: [^\n]* FAIL"):
         _check_against_reference("bam_ssmax", "triton")
     monkeypatch.setattr(helpers, "_fma_pair", real)
     monkeypatch.setattr(prior, "_kernels", None)
     _check_against_reference("bam_ssmax", "triton")
+
+
+@pytest.mark.parametrize("family, head_dim, read", [("sm_90", 32, "direct"), ("sm_90", 128, "direct"),
+                                                    ("sm_80", 64, "async"), (None, 64, "async")])
+def test_an_interpreted_family_chooses_the_read_and_the_groups(family, head_dim, read, monkeypatch):
+    """Under the interpreter, BAMGEN_INTERPRET_TILES gives the family's forward read (by head-dim
+    bucket) and dQ groups (FIRE's 99 scalars: 8 a launch on a GPU, 4 masked), else the
+    interpreter's (async, 16 a launch)."""
+    from bamgen.runtime.triton import launch
+    if family is None:
+        monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
+    else:
+        monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
+    assert launch.table_gather(torch.device("cpu"), head_dim) == read
+    assert launch.table_gather() == "async"   # (the decode kernel's)
+    calls = []
+    monkeypatch.setattr(launch, "grad_groups", lambda n, kind, size, masked: calls.append(size) or [(0, n)])
+    fire = importlib.import_module("generated.fire")
+    q, k, v = (torch.randn(1, 2, 5, 16, requires_grad=True) for _ in range(3))
+    params = {n: t.requires_grad_() for n, t in fire.default_params(2).items()}
+    fire.attention(q, k, v, causal=True, backend="triton", **params).sum().backward()
+    assert calls == [launch.INTERPRET_GRAD_GROUP if family is None else None]
 
 
 def test_a_bad_interpreted_family_is_named(monkeypatch):
@@ -150,6 +172,7 @@ def test_ssmax_dq_with_per_tile_parameter_sums(dq_tile, monkeypatch):
     """SSMax's dQ kernel reduces the parameters' sums per key tile where a tile has 2048 scores
     or more (TILE_GRAD_SUMS: sm_90's 64x32), and per score below (the interpreter's default
     32x16 tile, which the other tests run): both paths against the reference."""
+    monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)   # (the interpreter's tiles)
     monkeypatch.setitem(INTERPRET_TILES, "bwd_dq", dq_tile)
     _check_against_reference("bam_ssmax", "triton")
 
@@ -171,6 +194,7 @@ def test_dq_launches_in_groups_give_the_one_launch_gradients(group, monkeypatch)
         out = ggd.attention(q, k, v, causal=True, backend="triton", **params)
         return torch.autograd.grad(out, [q, k, v, *params.values()], torch.randn(out.shape, generator=g))
 
+    monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)   # (the interpreter's groups)
     want = grads()
     monkeypatch.setattr(launch, "INTERPRET_GRAD_GROUP", group)
     launched, real = [], launch.grad_groups

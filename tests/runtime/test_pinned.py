@@ -63,7 +63,9 @@ class _Spy:
 @pytest.mark.parametrize("nq", [37, 1], ids=["forward", "decode"])
 def test_the_pinned_gather_is_what_the_kernels_launch_with(nq, monkeypatch):
     """The forward (a prefill) and the decode kernels (one query row, no gradient) are launched
-    with the pinned read, and with tiles.FWD_TABLE_GATHER outside the block."""
+    with the pinned read, and with tiles.FWD_TABLE_GATHER outside the block (the interpreter's
+    read: not a GPU family's, BAMGEN_INTERPRET_TILES)."""
+    monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
     kernels = GGD._prior.kernels().kernels
     name = "fwd" if nq > 1 else "decode"
     seen = []

@@ -358,6 +358,20 @@ def test_hard_case(name, backend):
     run_case(Case(backend=backend, **spec))
 
 
+@pytest.mark.parametrize("family", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("name", list(HARD_CASES))
+def test_difficult_cases_with_a_gpu_family_s_tiles(name, family, monkeypatch):
+    """The hard cases (NoPE, ALiBi and GGD among them, fp16 and bf16 too) on the Triton kernels
+    with the tiles, table read and dQ groups a GPU of that family launches
+    (BAMGEN_INTERPRET_TILES), run by the interpreter; a GPU runs its own (test_hard_case)."""
+    if DEVICE.type != "cpu":
+        pytest.skip("a GPU runs its own tiles (test_hard_case)")
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
+    spec = dict(HARD_CASES[name])
+    spec.setdefault("seed", 1234)
+    run_case(Case(backend="triton", **spec))
+
+
 def test_hard_case_float_params():
     """Parameters passed as python floats instead of [Hq] tensors."""
     spec = dict(HARD_CASES["kink_beta03"], params=_ggd(2.0, 0.3, 1.0))

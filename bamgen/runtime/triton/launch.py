@@ -207,7 +207,8 @@ def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False
     """run(config) launches `kernel` with a tile config and returns what the caller needs.
 
     The config is a pinned one (pinned(): over everything below), the family's default, the
-    interpreter's small one, or with BAMGEN_AUTOTUNE=1
+    interpreter's small one (or, with BAMGEN_INTERPRET_TILES, the named family's default), or
+    with BAMGEN_AUTOTUNE=1
     on a GPU the fastest candidate for this key (dtype, causal, head dim, length bucket): each
     candidate runs twice (compile, then timed); one that does not fit the device's shared memory
     (Triton raises) or that spills registers is dropped. Every kernel only overwrites its
@@ -732,9 +733,9 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
 # launch would need 198 of them per row, and spill); every group recomputes P and dS, and the
 # first also writes dQ.
 GRAD_GROUP = 8
-# Under TRITON_INTERPRET=1 a dQ launch sums up to this many: the interpreter's time goes by
-# launches, not registers (FIRE's 134 scalars of a two-head test, 4 a launch, took 33 s a
-# backward; 16 a launch, 11 s). FIRE still takes several launches, the last one ragged, so the
+# Under TRITON_INTERPRET=1 (and no BAMGEN_INTERPRET_TILES) a dQ launch sums up to this many:
+# the interpreter's time goes by launches, not registers (FIRE's 134 scalars of a two-head
+# test, 4 a launch, took 33 s a backward; 16 a launch, 11 s). FIRE still takes several launches, the last one ragged, so the
 # tests run the multi-launch path; tests/runtime/test_library.py also runs GGD a scalar a launch.
 INTERPRET_GRAD_GROUP = 16
 

@@ -230,8 +230,8 @@ TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32,
 # now the async read, the one no longer shipped on sm_90). Its run
 # of 2026-11-26 (an H200, Triton 3.6, GGD, N = 8192, forward kernels; docs/performance.md,
 # "Third GPU session"; kernel times): at head dim 64 "direct" took 0.57x the "async" read's
-# time and "coalesced" 2.6x; at 128 "direct" 1.01x and "coalesced" 3.6x. So sm_90 reads directly at 64,
-# and everything else keeps "async" (the decode kernel too: "coalesced" was 1.06-1.10x there).
+# time and "coalesced" 2.6x; at 128 "direct" 1.01x and "coalesced" 3.6x. So sm_90 read directly at 64
+# from then on, and the decode kernel keeps "async" ("coalesced" was 1.06-1.10x there).
 # An H100 (2026-11-27, "Fourth GPU session") agreed: at 64 "direct" 0.57x "async" (368 against
 # 650 cycles per 1000 scores), at 128 0.95x; the decode kernel's "coalesced" 1.09-1.14x. So
 # sm_90 reads directly at 128 too (1.01x and 0.95x: no worse on either GPU), which also takes
@@ -268,7 +268,8 @@ def fwd_table_gather(arch: str, head_dim: int) -> str:
 GRAD_GROUPS = {"heavy": 8, "positions_vectors": 4, "positions_heavy": 4}
 GRAD_GROUPS_MASKED = {"heavy": 4}
 
-# Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly.
+# Small tiles under TRITON_INTERPRET=1, so that tests cross many tile borders quickly (unless
+# BAMGEN_INTERPRET_TILES names a GPU family, whose tiles the interpreter then takes).
 INTERPRET_TILES = {
     "fwd": (32, 16, 4, 1),
     "bwd_dkdv": (16, 32, 4, 1),
