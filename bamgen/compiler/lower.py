@@ -228,6 +228,8 @@ def _plan(ir: PriorIR, strategy: str | None, positional: bool = False) -> Kernel
         for target in ("triton", "torch")
         for pass_, exprs in (("fwd", fwd_exprs), ("bwd", bwd_exprs))
     }
+    if not positional:
+        blocks["torch", "fwd"] = _row_first_logit(ir.logit, _per_score(ir, []), names)
     if ir.score_is_identity:
         # logit = s + b(positions): the kernels compute (q.k * scale + b) * log2(e); b is added
         # in natural units, as the reference does (adding log2(e) * b to a base-2 score instead
@@ -246,7 +248,7 @@ def _plan(ir: PriorIR, strategy: str | None, positional: bool = False) -> Kernel
         distance_table = DistanceTable(
             code=_code_block([split.value] + [g for _, g in split.value_grads], names, "torch"),
             grads=tuple(name for name, _ in split.value_grads),
-            logit=_code_block([split.logit], table_names, "torch"),
+            logit=_row_first_logit(split.logit, _per_score(ir, [TABLE_VALUE]), table_names),
             backward=_code_block([split.logit, split.dlogit_ds] + [g for _, g in split.grads],
                                  table_names, "torch"))
     row_factors = None
@@ -571,11 +573,38 @@ def vectors_in_memory(ir: PriorIR) -> bool:
             and any(p.size is not None for p in ir.spec.params if not p.is_constant))
 
 
-def _code_block(exprs: list[sp.Expr], names: dict, target: str, prefix: str = "c") -> CodeBlock:
+def _per_score(ir: PriorIR, table_symbols: list) -> list:
+    """What varies along a row of scores: s, d and j (and their channels), table entries."""
+    pos = position_symbols(ir.spec.channels)
+    return [S, *(sym for name, sym in pos.items() if name[0] in "dj"), *table_symbols]
+
+
+ROW_FACTOR = "r_row"   # the torch logit's row factor, computed before the product (below)
+
+
+def _row_first_logit(logit: sp.Expr, per_score: list, names: dict) -> CodeBlock:
+    """The torch logit of a score-scaled prior (logit = r(i, n) * u(s, d): SSMax's
+    (s + log_prior) * ssmax * log(n)) with its row factor multiplied out first, as the kernels
+    do (z = u * r). Printed as one product, float32 evaluates it left to right: ssmax * (s +
+    log_prior) overflowed to -inf for ssmax = 1e30 before log(n) = 0 made it 0, and -inf * 0 is
+    NaN where the reference has 0. Other logits: the plain block."""
+    row, score = logit.as_independent(*per_score, as_Add=False)
+    if row == 1 or not row.free_symbols or score == 1:
+        return _code_block([logit], names, "torch")
+    factor = sp.Symbol(ROW_FACTOR, real=True)
+    block = _code_block([row, score * factor], {**names, factor: ROW_FACTOR}, "torch",
+                        varying_too=(factor,))
+    first, product = block.outputs
+    return dataclasses.replace(block, body=block.body + ((ROW_FACTOR, first),), outputs=(product,))
+
+
+def _code_block(exprs: list[sp.Expr], names: dict, target: str, prefix: str = "c",
+                varying_too: tuple = ()) -> CodeBlock:
     """Hoisted constants are named <prefix>0, <prefix>1, ... (two blocks a kernel uses together
     need different prefixes), per-score temporaries x0, x1, ...; both skip the names of the
-    symbols already in use (parameters, positions, table entries)."""
-    varying = {S, TABLE_VALUE, *ALL_POSITIONS,
+    symbols already in use (parameters, positions, table entries). varying_too: symbols of
+    values the block's body defines (never hoisted)."""
+    varying = {S, TABLE_VALUE, *ALL_POSITIONS, *varying_too,
                *(sym for sym in names if isinstance(sym, InternalSymbol))}
     scalars = [sym for sym in names if sym not in varying]
     if target == "triton" and len(scalars) > MAX_REGISTER_SCALARS:

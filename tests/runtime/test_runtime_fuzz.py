@@ -365,6 +365,14 @@ FOUND = [
                  "tm": [2.6449806258672077, 2.78989989236185],
                  "ssmax": [8.494586372957613, 8.494586372957613]},
          poison=("k", 1075, math.nan), seed=293124, use_module=False),
+    # SSMax with ssmax = 1e30 and one key (log(n) = 0): the torch path printed the logit as
+    # ssmax * (s + log_prior) * log(n), and float32 took ssmax * (s + log_prior) = -8.9e38 to
+    # -inf before the 0 came, -inf * 0 = NaN, where the reference's logit is 0. The row factor
+    # ssmax * log(n) is now multiplied out first, as the kernels do (lower._row_first_logit).
+    Case(prior="bam_ssmax", backend="torch", dtype="fp32", B=1, Hq=2, Hk=1, Nq=2, Nk=1, D=1,
+         causal=False, q_offset=-3, k_offset=-7, layouts=("contiguous", "contiguous", "contiguous"),
+         params={"ta": [16.0, 16.0], "tb": [1.0, 3.0], "tm": [1.0, 1.0], "ssmax": [1e30, 1e30]},
+         poison=None, seed=0, use_module=False),
 ]
 
 
