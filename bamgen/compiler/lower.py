@@ -225,11 +225,11 @@ def _plan(ir: PriorIR, strategy: str | None, positional: bool = False) -> Kernel
     bwd_exprs = [ir.logit, ir.dlogit_ds] + [g for _, g in ir.grads]
     blocks = {
         (target, pass_): _code_block(exprs, names, target)
-        for target in ("triton", "torch")
-        for pass_, exprs in (("fwd", fwd_exprs), ("bwd", bwd_exprs))
+        for target, pass_, exprs in (("triton", "fwd", fwd_exprs), ("triton", "bwd", bwd_exprs),
+                                     ("torch", "bwd", bwd_exprs))
     }
-    if not positional:
-        blocks["torch", "fwd"] = _row_first_logit(ir.logit, _per_score(ir, []), names)
+    blocks["torch", "fwd"] = (_code_block(fwd_exprs, names, "torch") if positional
+                              else _row_first_logit(ir.logit, _per_score(ir, []), names))
     if ir.score_is_identity:
         # logit = s + b(positions): the kernels compute (q.k * scale + b) * log2(e); b is added
         # in natural units, as the reference does (adding log2(e) * b to a base-2 score instead
@@ -278,16 +278,14 @@ def _row_factors(ir: PriorIR, split: TableIR | None, names: dict) -> RowFactors 
     """Split d logit / d s and each parameter derivative into (row part) * (per-score part), the
     row part a function of i, n and the parameters alone; None unless d logit / d s is all row
     part (then dS times it reaches dQ and dK as a per-row scale)."""
-    pos = position_symbols(ir.spec.channels)
-    along_row = [sym for name, sym in pos.items() if name[0] in "dj"]   # d, j (d_c, j_c)
-    row_i = [sym for name, sym in pos.items() if name[0] == "i"]
+    row_i = [sym for name, sym in position_symbols(ir.spec.channels).items() if name[0] == "i"]
     if split is not None:
         names = {**names, **_table_names(split, ir)}
         dlogit_ds, grads = split.dlogit_ds, split.grads
         table_symbols = [TABLE_VALUE, *(table_grad_symbol(n) for n, _ in split.value_grads)]
     else:
         dlogit_ds, grads, table_symbols = ir.dlogit_ds, ir.grads, []
-    per_score = [S, *along_row, *table_symbols]
+    per_score = _per_score(ir, table_symbols)
     row_s, rest = dlogit_ds.as_independent(*per_score, as_Add=False)
     if rest != 1:
         return None
@@ -574,7 +572,8 @@ def vectors_in_memory(ir: PriorIR) -> bool:
 
 
 def _per_score(ir: PriorIR, table_symbols: list) -> list:
-    """What varies along a row of scores: s, d and j (and their channels), table entries."""
+    """What varies along a row of scores: s, d and j (d_c, j_c with channels), table entries;
+    the rest of a product over them is the row's (i, n and the parameters)."""
     pos = position_symbols(ir.spec.channels)
     return [S, *(sym for name, sym in pos.items() if name[0] in "dj"), *table_symbols]
 

@@ -57,6 +57,9 @@ def gpu_family(device=None):
     return "sm_90" if major >= 9 else "sm_80"
 
 
+TILE_FAMILIES = tuple(sorted(TILES["light"]))   # the tile tables' GPU families: sm_80, sm_90
+
+
 def interpreted_family():
     """Under the interpreter, the GPU family whose tiles, table read and dQ groups the kernels
     take (BAMGEN_INTERPRET_TILES=sm_80|sm_90: the tile logic a GPU runs, checked on the CPU);
@@ -69,9 +72,6 @@ def interpreted_family():
         raise ValueError(f"BAMGEN_INTERPRET_TILES={family!r}: give one of "
                          f"{', '.join(TILE_FAMILIES)}, or leave it unset for the interpreter's tiles")
     return family
-
-
-TILE_FAMILIES = ("sm_80", "sm_90")
 
 
 def candidates(prior, kernel, head_dim, arch, masked=False):
@@ -735,8 +735,9 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
 GRAD_GROUP = 8
 # Under TRITON_INTERPRET=1 (and no BAMGEN_INTERPRET_TILES) a dQ launch sums up to this many:
 # the interpreter's time goes by launches, not registers (FIRE's 134 scalars of a two-head
-# test, 4 a launch, took 33 s a backward; 16 a launch, 11 s). FIRE still takes several launches, the last one ragged, so the
-# tests run the multi-launch path; tests/runtime/test_library.py also runs GGD a scalar a launch.
+# test, 4 a launch, took 33 s a backward; 16 a launch, 11 s). FIRE still takes several
+# launches, the last one ragged, so the tests run the multi-launch path;
+# tests/runtime/test_library.py also runs GGD a scalar a launch.
 INTERPRET_GRAD_GROUP = 16
 
 
