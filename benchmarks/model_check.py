@@ -236,12 +236,14 @@ def base_prior(p: Point) -> str:
     return p.prior.partition("@")[0]
 
 
-def leave_one_out_fit(pts: list[Point]) -> list[float | None]:
+def leave_one_out_fit(pts: list[Point], units=UNITS) -> list[float | None]:
     """Each point's relative error under the fit of the points of other priors or kernels
-    (its own variants left out with it: they are the same kernel but for a tile or a read)."""
-    if len(pts) <= len(UNITS):
+    (its own variants left out with it: they are the same kernel but for a tile or a read),
+    fitted on ``units`` (benchmarks/model_terms.py tries more)."""
+    if len(pts) <= len(units):
         return [None] * len(pts)
-    return [fitted(p, fit_units([q for q in pts if not _kin(p, q)])) / p.measured - 1 for p in pts]
+    return [fitted(p, fit_units([q for q in pts if not _kin(p, q)], units)) / p.measured - 1
+            for p in pts]
 
 
 def leave_one_out(pts: list[Point]) -> list[float | None]:
