@@ -91,9 +91,19 @@ def main_loop(instructions: list[Scheduled]) -> list[Scheduled]:
     return [i for i in instructions if i.address in addresses]
 
 
-def _mma_flops(op: str) -> int:
-    shape = re.search(r"(\d+)x(\d+)x(\d+)", op)
-    return 2 * int(shape[1]) * int(shape[2]) * int(shape[3]) if shape else 0
+def _wait_for(pending: list[float], keep: int) -> float | None:
+    """The time by which all but the newest ``keep`` of a scoreboard's entries have arrived
+    (None: no more than ``keep`` in flight), those entries dropped."""
+    if len(pending) <= keep:
+        return None
+    done = max(pending[:len(pending) - keep])
+    del pending[:len(pending) - keep]
+    return done
+
+
+def _count(operands: str) -> int:
+    """The count of a DEPBAR.LE SBk, n or WARPGROUP.DEPBAR.LE gsb0, n (its last operand)."""
+    return int(operands.rsplit(",", 1)[-1].strip(), 0)
 
 
 def warp_cycles(loop: list[Scheduled], num_warps: int, arch: str = "sm_90",
@@ -104,43 +114,51 @@ def warp_cycles(loop: list[Scheduled], num_warps: int, arch: str = "sm_90",
 
     A warp issues in order: an instruction waits for the scoreboards in its mask (each released
     when every result set on it has arrived), then the next one follows after its stall count.
-    A cp.async group completes when its last copy does and DEPBAR.LE SBk, n waits until at most
-    n groups are in flight; warpgroup MMAs run one after another on the tensor cores, shared by
-    the CTA's warpgroups, and WARPGROUP.DEPBAR waits for the last. Branches inside the loop are
-    taken as falling through (the steady loop of a bamgen kernel has none that skip work)."""
+    A scoreboard is a counter of results in flight, oldest first: DEPBAR.LE SBk, n waits until
+    at most n are left on SBk. LDGDEPBAR commits the cp.async copies (LDGSTS) issued since the
+    last one as a group, which arrives with its last copy. Warpgroup MMAs run one after another
+    on the tensor cores, shared by the CTA's warpgroups; one marked gsb0 closes a group and
+    WARPGROUP.DEPBAR.LE gsb0, n waits until at most n groups are in flight. Branches inside the
+    loop are taken as falling through (the steady loop of a bamgen kernel has none that skip
+    work)."""
+    from .aot import _mma_flops
     latency = {**LATENCY, **(latency or {})}
     share = TENSOR_RATE[arch] / max(1, num_warps // 4)   # one warpgroup's MMA flops per clock
     pending: dict[int, list[float]] = {b: [] for b in range(6)}
-    groups: list[float] = []       # committed cp.async groups' completion times, oldest first
-    copies: list[float] = []       # the copies of the group not yet committed
+    copies: list[float] = []       # the cp.async copies not yet committed
+    mma_groups: list[float] = []   # the warpgroup MMA groups in flight
     mma_done = 0.0
     t = start = 0.0
-    for done in range(warm_up + passes):
-        if done == warm_up:
+    for count in range(warm_up + passes):
+        if count == warm_up:
             start = t
         for ins in loop:
             base = ins.op.split(".")[0]
-            t = max([t] + [max(pending[b]) for b in ins.waits if pending[b]])
+            ready = [t] + [max(pending[b]) for b in ins.waits if pending[b]]
             for b in ins.waits:
                 pending[b] = []
             if base == "DEPBAR":
-                depth = re.search(r"SB\d,\s*0x([0-9a-f]+)", ins.operands)
-                keep = int(depth[1], 16) if depth else 0
-                if len(groups) > keep:
-                    t = max(t, max(groups[:len(groups) - keep]))
-                    groups = groups[len(groups) - keep:]
+                board = re.search(r"SB(\d)", ins.operands)
+                ready.append(_wait_for(pending[int(board[1])], _count(ins.operands)) or t)
             elif ins.op.startswith("WARPGROUP.DEPBAR"):
-                t = max(t, mma_done)
-            elif base == "LDGSTS":
+                groups = mma_groups or [mma_done]   # (no gsb0 seen: every MMA so far)
+                ready.append(_wait_for(groups, _count(ins.operands)) or t)
+            t = max(ready)
+            arrives = t + latency.get(base, LATENCY_OTHER)
+            if base == "LDGSTS":
                 copies.append(t + latency["LDGSTS"])
             elif base == "LDGDEPBAR":
-                groups.append(max(copies, default=t))
+                arrives = max(copies, default=t)
                 copies = []
             elif base == "HGMMA":
                 mma_done = max(mma_done, t) + _mma_flops(ins.op) / share
+                arrives = mma_done
+                if "gsb0" in ins.operands:
+                    mma_groups.append(mma_done)
+            elif base == "HMMA":
+                arrives = t + max(latency["HMMA"], _mma_flops(ins.op) * num_warps / TENSOR_RATE[arch])
             if ins.write_barrier is not None:
-                done = mma_done if base == "HGMMA" else t + latency.get(base, LATENCY_OTHER)
-                pending[ins.write_barrier].append(done)
+                pending[ins.write_barrier].append(arrives)
             if ins.read_barrier is not None:
                 pending[ins.read_barrier].append(t + READ_LATENCY)
             t += max(ins.stall, 1)
@@ -149,8 +167,13 @@ def warp_cycles(loop: list[Scheduled], num_warps: int, arch: str = "sm_90",
 
 def resident_ctas(registers: int, shared_bytes: int, num_warps: int, arch: str = "sm_90") -> int:
     """CTAs of a kernel one SM holds at once: the fewest that registers (allocated 256 a warp
-    at a time), shared memory (1 KB reserved per CTA) and warp slots allow, at least 1."""
+    at a time), shared memory (1 KB reserved per CTA), warp slots and the SM's 32 allow;
+    ValueError for a kernel of which not one fits."""
     per_warp = -(-registers * 32 // 256) * 256
     by_registers = REGISTERS_PER_SM // max(per_warp, 1) // num_warps
     by_shared = SHARED_PER_SM[arch] // (shared_bytes + 1024)
-    return max(1, min(by_registers, by_shared, WARPS_PER_SM[arch] // num_warps, 32))
+    ctas = min(by_registers, by_shared, WARPS_PER_SM[arch] // num_warps, 32)
+    if ctas < 1:
+        raise ValueError(f"a CTA of {num_warps} warps x {registers} registers and {shared_bytes} "
+                         f"bytes of shared memory does not fit one {arch} SM")
+    return ctas

@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ if __name__ == "__main__":   # the AOT compile needs the compiler's kernels, not
 ROOT = Path(__file__).resolve().parents[1]
 
 TOLERANCE = 0.02   # recompiled units within 2% of the file's: the same kernel
+GATHERS = ("async", "coalesced", "direct")              # a variant's table reads (pins)
+TILE_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")  # a variant's pinned tiles
 
 
 def _this_checkout(name: str, path: str):
@@ -66,10 +69,13 @@ def pins_of(prior: str) -> dict:
     pins: dict = {}
     for part in filter(None, prior.partition("@")[2].split(",")):
         key, _, value = part.partition("=")
-        if key == "gather":
+        if key == "gather" and value in GATHERS:
             pins["gather"] = value
-        else:
+        elif key in TILE_KERNELS and re.fullmatch(r"\d+x\d+x\d+x\d+", value):
             pins.setdefault("tiles", {})[key] = [int(x) for x in value.split("x")]
+        else:
+            raise ValueError(f"{prior!r}: {part!r} is not gather=async|coalesced|direct or "
+                             f"<kernel>=BMxBNxWARPSxSTAGES ({', '.join(TILE_KERNELS)})")
     return pins
 
 
@@ -77,14 +83,14 @@ def kernel_terms(points: list[dict]) -> list[dict]:
     """Each point's kernel compiled by the bamgen this process imports (the worktree's): its
     units as model_check computes them, and the terms' inputs."""
     import bamgen.aot as aot
-    import model_check as then   # the worktree's (PYTHONPATH)
+    import model_check as then   # the worktree's (PYTHONPATH; main() took this folder off the path)
     board = _this_checkout("bamgen.scoreboard", "bamgen/scoreboard.py")   # (its .aot: the worktree's)
     compiled = {}
-    spy = aot.compile_spec
+    compile_as_then = aot.compile_spec
 
-    def compile_spec(spec, arch):
-        kernel = spy(spec, arch)
-        compiled[kernel.name] = (kernel, spec)
+    def compile_spec(spec, arch):   # keeps each kernel model_check compiles
+        kernel = compile_as_then(spec, arch)
+        compiled[kernel.name] = kernel
         return kernel
 
     aot.compile_spec = compile_spec
@@ -96,14 +102,13 @@ def kernel_terms(points: list[dict]) -> list[dict]:
             units = then.modelled(p["prior"], p["head_dim"], key[2], "bf16", pins_of(p["prior"]))
             cache[key] = {}
             for kernel, (_, _, name) in then.KERNELS.items():
-                k, spec = compiled[name]
+                k = compiled[name]
                 raw = aot.loop_model(k.main_loop, key[2], k.num_warps)["cycles"]
                 loop = board.main_loop(board.scheduled(k.cubin))
                 cache[key][kernel] = {
                     "units": units[kernel], "scale": units[kernel]["tensor"] / raw["tensor"],
                     "path": board.warp_cycles(loop, k.num_warps, key[2]),
-                    "ctas": board.resident_ctas(k.registers, k.shared_bytes, k.num_warps, key[2]),
-                    "registers": k.registers, "shared": k.shared_bytes, "stages": spec[5]}
+                    "ctas": board.resident_ctas(k.registers, k.shared_bytes, k.num_warps, key[2])}
         out.append(cache[key][p["kernel"]])
     return out
 
@@ -190,45 +195,77 @@ def predictions(points, peers: list[str], head_dims: list[int], commit: str) -> 
     return lines
 
 
+def _commit(ap, commit: str, what: str) -> str:
+    """The full hash of ``commit``, or the parser's error naming ``what``."""
+    res = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+                         capture_output=True, text=True)
+    if res.returncode or not commit:
+        ap.error(f"{what}: {commit!r} is not a commit of this repository")
+    return res.stdout.strip()
+
+
+def _pairs_files(ap, args, mc) -> list[tuple[str, str, list]]:
+    """(path, commit, points) of each PAIRS@COMMIT argument, every one checked before any
+    compile starts."""
+    out = []
+    for arg in args.pairs:
+        path, at, commit = arg.rpartition("@")
+        if not at or not path:
+            ap.error(f"{arg}: expected PAIRS@COMMIT, a model_check.py --pairs file and a commit")
+        try:
+            points = mc.load_pairs(path)
+        except OSError as err:
+            ap.error(f"{arg}: cannot read {path} ({err.strerror or err})")
+        except (ValueError, TypeError, KeyError) as err:
+            ap.error(f"{path} is not a model_check.py --pairs file ({err})")
+        out.append((path, _commit(ap, commit, arg), points))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("pairs", nargs="*", metavar="PAIRS@COMMIT",
                     help="a model_check.py --pairs file and the commit whose kernels it holds")
-    ap.add_argument("--predict", nargs="+", metavar="PRIOR", default=[],
-                    help="also predict these forwards (model_check names: ssmax, "
-                         "ggd@gather=async, ...) as compiled at --at, with each fit")
+    ap.add_argument("--predict", action="append", metavar="PRIOR", default=[],
+                    help="also predict this forward (a model_check name: ssmax, "
+                         "ggd@gather=async, ...) as compiled at --at, with each fit; repeat it")
     ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="for --predict")
     ap.add_argument("--at", default="HEAD", help="the commit --predict compiles (default: HEAD)")
     ap.add_argument("--child", metavar="PAIRS", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
+        here = str(Path(__file__).resolve().parent)   # the worktree's model_check, not this one
+        sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != here]
         print(json.dumps(kernel_terms(json.loads(Path(args.child).read_text()))))
         return 0
     if not args.pairs:
         ap.error("give PAIRS@COMMIT arguments")
     mc = _model_check()
+    files = _pairs_files(ap, args, mc)
+    if args.predict:
+        at = _commit(ap, args.at, "--at")
+        for prior in args.predict:
+            if prior.partition("@")[0] not in mc.PRIORS:
+                ap.error(f"--predict {prior}: the prior is one of {', '.join(mc.PRIORS)}")
+            try:
+                pins_of(prior)
+            except ValueError as err:
+                ap.error(f"--predict {err}")
     points = []
-    for arg in args.pairs:
-        path, _, commit = arg.rpartition("@")
-        if not path or not Path(path).is_file():
-            ap.error(f"{arg}: expected PAIRS@COMMIT, a model_check.py --pairs file and a commit")
-        try:
-            loaded = mc.load_pairs(path)
-        except (ValueError, TypeError, KeyError) as err:
-            ap.error(f"{path} is not a model_check.py --pairs file ({err})")
+    for path, commit, loaded in files:
         for point, terms in zip(loaded, compile_at(Path(path), commit)):
             if same_kernel(point, terms):
                 points.append(with_terms(point, terms))
             else:
                 print(f"left out {point.prior} {point.head_dim} {point.kernel} of {path}: compiled at "
-                      f"{commit}, its units differ from the file's", file=sys.stderr)
+                      f"{commit[:12]}, its units differ from the file's", file=sys.stderr)
     if len(points) <= len(TERM_SETS["+ both"]):
-        print("too few points to fit the terms")
+        print("too few points to fit the terms", file=sys.stderr)
         return 1
     print("\n".join(report(points)))
     if args.predict:
         print(f"\npredicted forwards at {args.at} (cycles per 1000 scores):\n")
-        print("\n".join(predictions(points, args.predict, args.head_dim, args.at)))
+        print("\n".join(predictions(points, args.predict, args.head_dim, at)))
     return 0
 
 

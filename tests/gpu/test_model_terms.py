@@ -65,13 +65,32 @@ def test_the_report_fits_each_term_set_and_a_term_that_explains_a_miss_helps():
     assert sum(re.match(r"\| p\d+ \|", line) is not None for line in lines) == 14
 
 
-def test_a_bad_argument_is_named(tmp_path):
-    res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "missing.json@HEAD")],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 2 and "PAIRS@COMMIT" in res.stderr, res.stderr
+def _cli(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("case", ["missing", "no commit", "bad commit", "not pairs", "bad predict",
+                                  "bad pins", "bad at"])
+def test_a_bad_argument_is_named_before_anything_compiles(tmp_path, case):
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(json.dumps([]))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"prior": "uniform"}]))
-    res = subprocess.run([sys.executable, str(SCRIPT), f"{bad}@HEAD"], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert res.returncode == 2 and "is not a model_check.py --pairs file" in res.stderr, res.stderr
+    args, says = {
+        "missing": ([f"{tmp_path / 'missing.json'}@HEAD"], "cannot read"),
+        "no commit": ([pairs], "expected PAIRS@COMMIT"),
+        "bad commit": ([f"{pairs}@no-such-commit"], "'no-such-commit' is not a commit"),
+        "not pairs": ([f"{bad}@HEAD"], "is not a model_check.py --pairs file"),
+        "bad predict": ([f"{pairs}@HEAD", "--predict", "alibi"], "--predict alibi: the prior is one of"),
+        "bad pins": ([f"{pairs}@HEAD", "--predict", "ggd@gather=fast"], "is not gather=async"),
+        "bad at": ([f"{pairs}@HEAD", "--predict", "ggd", "--at", "nope"], "--at: 'nope' is not a commit"),
+    }[case]
+    res = _cli(*args)
+    assert res.returncode == 2 and says in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_pins_name_what_they_pin():
+    with pytest.raises(ValueError, match="'fwd=128x64'"):
+        terms.pins_of("ggd@fwd=128x64")
