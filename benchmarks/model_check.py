@@ -20,8 +20,11 @@ lacks shows as that point's error. `--pairs` writes the points as JSON for the n
 The fit (`fit_units`): the model's bound is the largest of its units, as if they overlapped
 perfectly; the fitted model is a sum, cycles = sum of w_u x (unit u's cycles), with one
 non-negative weight per unit for every kernel, fitted to relative error (non-negative least
-squares). Its LOO refits without the point. Compile with the Triton the GPU ran (the AOT
-compile uses the Triton imported here): another version's kernels are other kernels.
+squares). Its LOO refits without the point. Each point also carries the latency term (one
+warp's path through the main loop from the SASS scoreboards, over the CTAs an SM holds:
+bamgen.scoreboard), and where every point does, the table fits it with the units too: the term
+on trial (docs/performance.md, "Latency and occupancy, tested"). Compile with the Triton the GPU
+ran (the AOT compile uses the Triton imported here): another version's kernels are other kernels.
 """
 from __future__ import annotations
 
@@ -67,6 +70,9 @@ class Point:
 
 
 UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")
+# The candidate term each point carries beside the units (its pairs too, so that each run
+# tests it on points the fit has not seen): docs/performance.md, "Latency and occupancy, tested"
+LATENCY = "latency"
 GHZ, SMS = 1.98, 132   # the measured cycles' clock and SMs by default: an H100's or H200's
 
 
@@ -150,8 +156,18 @@ def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None
         model = loop_model(k.main_loop, arch, k.num_warps)
         scale = 1000 / (k.block[0] * k.block[1]) * (
             dq_launches(module) if k.name == "attn_bwd_dq" else 1)
-        cycles[wanted[k.name]] = {u: c * scale for u, c in model["cycles"].items()}
+        cycles[wanted[k.name]] = {**{u: c * scale for u, c in model["cycles"].items()},
+                                  LATENCY: latency_per_tile(k) * scale}
     return cycles
+
+
+def latency_per_tile(k) -> float:
+    """The latency term of a compiled kernel (benchmarks/model_terms.py tested it): one warp's
+    steady pass through the main loop, from the SASS scoreboards (bamgen.scoreboard), over the
+    CTAs an SM holds, in cycles per tile."""
+    from bamgen.scoreboard import main_loop, resident_ctas, scheduled, warp_cycles
+    path = warp_cycles(main_loop(scheduled(k.cubin)), k.num_warps, k.arch)
+    return path / resident_ctas(k.registers, k.shared_bytes, k.num_warps, k.arch)
 
 
 def _modelled(key: tuple) -> dict:
@@ -187,7 +203,7 @@ def points(runs: list[dict], ghz: float, sms: int, arch: str) -> list[Point]:
     out = []
     for run, name, n, key, kernel, cycles in measured:
         units = compiled[keys[key]][kernel]
-        out.append(Point(key[0], key[1], kernel, max(units.values()), cycles, run["env"]["device"],
+        out.append(Point(key[0], key[1], kernel, max(units[u] for u in UNITS), cycles, run["env"]["device"],
                          tuple(sorted(units.items())), arch, name, n))
     return out
 
@@ -273,27 +289,48 @@ def nope_of(pts: list[Point]):
 
 
 def table(pts: list[Point]) -> list[str]:
+    """The points beside the raw model, one factor per kernel and the fitted sum of units, each
+    with its leave-one-out error; where every point carries the latency term, the fitted sum
+    with it too (the term on trial: docs/performance.md, "Latency and occupancy, tested")."""
     nope = nope_of(pts)
     weights = fit_units(pts) if len(pts) > len(UNITS) else None
-    lines = ["| prior | D | kernel | modelled | measured | measured / modelled | vs NoPE, modelled | "
-             "vs NoPE, measured | LOO error | fitted | LOO error, fitted |", "|" + "---|" * 11]
+    with_latency = bool(pts) and all(LATENCY in dict(p.units) for p in pts)
+    terms = UNITS + (LATENCY,)
+    weights_latency = fit_units(pts, terms) if with_latency and len(pts) > len(terms) else None
+    head = ["prior", "D", "kernel", "modelled", "measured", "measured / modelled",
+            "vs NoPE, modelled", "vs NoPE, measured", "LOO error", "fitted", "LOO error, fitted"]
+    if with_latency:
+        head += ["fitted + latency", "LOO error, + latency"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     loo, loo_fit = leave_one_out(pts), leave_one_out_fit(pts)
-    for p, err, err_fit in zip(pts, loo, loo_fit):
+    loo_latency = leave_one_out_fit(pts, terms) if with_latency else [None] * len(pts)
+    for p, err, err_fit, err_latency in zip(pts, loo, loo_fit, loo_latency):
         base = nope(p)
         rel = (f"{p.modelled / base.modelled:.2f}x | {p.measured / base.measured:.2f}x" if base
                else "- | -")
-        lines.append(f"| {p.prior} | {p.head_dim} | {p.kernel} | {p.modelled:.0f} | "
-                     f"{p.measured:.0f} | {p.measured / p.modelled:.2f} | {rel} | {_pct(err)} | "
-                     f"{'-' if weights is None else f'{fitted(p, weights):.0f}'} | {_pct(err_fit)} |")
-    for name, errs in (("one factor per kernel and head dim", loo), ("the fitted sum of units", loo_fit)):
+        row = (f"| {p.prior} | {p.head_dim} | {p.kernel} | {p.modelled:.0f} | "
+               f"{p.measured:.0f} | {p.measured / p.modelled:.2f} | {rel} | {_pct(err)} | "
+               f"{_cycles(p, weights)} | {_pct(err_fit)} |")
+        if with_latency:
+            row += f" {_cycles(p, weights_latency)} | {_pct(err_latency)} |"
+        lines.append(row)
+    summaries = [("one factor per kernel and head dim", loo), ("the fitted sum of units", loo_fit)]
+    if with_latency:
+        summaries.append(("the fitted sum of units and latency", loo_latency))
+    for name, errs in summaries:
         errors = [abs(e) for e in errs if e is not None]
         if errors:
             lines.append(f"\nwithin 15% (leave one out, {name}): "
                          f"{sum(e <= 0.15 for e in errors)} of {len(errors)}")
-    if weights:
-        lines.append("\nfitted weights (cycles per modelled cycle): "
-                     + ", ".join(f"{u} {w:.2f}" for u, w in weights.items()))
+    for name, w in (("", weights), (", with latency", weights_latency)):
+        if w:
+            lines.append(f"\nfitted weights{name} (cycles per modelled cycle): "
+                         + ", ".join(f"{u} {x:.2f}" for u, x in w.items()))
     return lines
+
+
+def _cycles(p: Point, weights: dict | None) -> str:
+    return "-" if weights is None else f"{fitted(p, weights):.0f}"
 
 
 def _pct(err: float | None) -> str:

@@ -133,17 +133,34 @@ def compile_at(pairs: Path, commit: str) -> list[dict]:
                            capture_output=True)
 
 
+def latency_of(terms: dict) -> float:
+    """The latency term in cycles per 1000 scores (model_check.latency_per_tile's, scaled)."""
+    return terms["path"] * terms["scale"] / terms["ctas"]
+
+
+def add_latency(path: str, matched: dict[int, dict]) -> None:
+    """Write the latency term into a pairs file's points (index -> their kernel's terms), as
+    model_check writes it for a new run: each run's pairs then test it (docs/performance.md,
+    "Latency and occupancy, tested")."""
+    points = json.loads(Path(path).read_text())
+    for i, terms in matched.items():
+        units = [u for u in points[i]["units"] if u[0] != "latency"]
+        points[i]["units"] = sorted(units + [["latency", round(latency_of(terms), 3)]])
+    Path(path).write_text(json.dumps(points, indent=1))
+
+
 def with_terms(point, terms: dict):
     """A model_check Point whose units carry the candidate terms too."""
     units = dict(point.units)
     one_cta = terms["ctas"] == 1
-    extra = {"latency": terms["path"] * terms["scale"] / terms["ctas"],
+    extra = {"latency": latency_of(terms),
              **{f"{u} (single CTA)": units[u] * one_cta for u in UNITS}}
     return replace(point, units=tuple(sorted({**units, **extra}.items())))
 
 
 def same_kernel(point, terms: dict) -> bool:
-    return all(abs(terms["units"][u] - c) <= TOLERANCE * max(1.0, c) for u, c in point.units)
+    stored = dict(point.units)
+    return all(abs(terms["units"][u] - stored[u]) <= TOLERANCE * max(1.0, stored[u]) for u in UNITS)
 
 
 TERM_SETS = {"the five units": UNITS,
@@ -231,6 +248,9 @@ def main(argv=None) -> int:
                          "ggd@gather=async, ...) as compiled at --at, with each fit; repeat it")
     ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="for --predict")
     ap.add_argument("--at", default="HEAD", help="the commit --predict compiles (default: HEAD)")
+    ap.add_argument("--add-latency", action="store_true",
+                    help="write the latency term into each pairs file's points (those whose "
+                         "kernel compiled the same), as model_check writes it for a new run")
     ap.add_argument("--child", metavar="PAIRS", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -253,12 +273,16 @@ def main(argv=None) -> int:
                 ap.error(f"--predict {err}")
     points = []
     for path, commit, loaded in files:
-        for point, terms in zip(loaded, compile_at(Path(path), commit)):
+        matched = {}
+        for i, (point, terms) in enumerate(zip(loaded, compile_at(Path(path), commit))):
             if same_kernel(point, terms):
                 points.append(with_terms(point, terms))
+                matched[i] = terms
             else:
                 print(f"left out {point.prior} {point.head_dim} {point.kernel} of {path}: compiled at "
                       f"{commit[:12]}, its units differ from the file's", file=sys.stderr)
+        if args.add_latency:
+            add_latency(path, matched)
     if len(points) <= len(TERM_SETS["+ both"]):
         print("too few points to fit the terms", file=sys.stderr)
         return 1

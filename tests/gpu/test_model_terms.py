@@ -94,3 +94,17 @@ def test_a_bad_argument_is_named_before_anything_compiles(tmp_path, case):
 def test_pins_name_what_they_pin():
     with pytest.raises(ValueError, match="'fwd=128x64'"):
         terms.pins_of("ggd@fwd=128x64")
+
+
+def test_add_latency_writes_the_term_into_the_matched_points_only(tmp_path):
+    pairs = tmp_path / "pairs.json"
+    units = [["fp32", 1.0], ["issue", 2.0], ["lsu", 3.0], ["mufu", 4.0], ["tensor", 5.0]]
+    pairs.write_text(json.dumps([{"prior": "uniform", "kernel": "fwd", "units": units},
+                                 {"prior": "ggd", "kernel": "fwd", "units": units + [["latency", 9.0]]},
+                                 {"prior": "fire", "kernel": "fwd", "units": units}]))
+    terms.add_latency(str(pairs), {0: {"path": 800.0, "scale": 0.5, "ctas": 2},
+                                   1: {"path": 100.0, "scale": 1.0, "ctas": 1}})
+    points = json.loads(pairs.read_text())
+    assert dict(points[0]["units"])["latency"] == 200.0
+    assert dict(points[1]["units"])["latency"] == 100.0 and len(points[1]["units"]) == 6
+    assert points[2]["units"] == units    # its kernel compiled otherwise: left as it was
