@@ -40,7 +40,7 @@ if __name__ == "__main__":   # the AOT compile needs the compiler's kernels, not
 ROOT = Path(__file__).resolve().parents[1]
 
 TOLERANCE = 0.02   # recompiled units within 2% of the file's: the same kernel
-GATHERS = ("async", "coalesced", "direct")              # a variant's table reads (pins)
+GATHERS = ("async", "coalesced", "direct", "prefetch")  # a variant's table reads (pins)
 TILE_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")  # a variant's pinned tiles
 
 
@@ -74,7 +74,7 @@ def pins_of(prior: str) -> dict:
         elif key in TILE_KERNELS and re.fullmatch(r"\d+x\d+x\d+x\d+", value):
             pins.setdefault("tiles", {})[key] = [int(x) for x in value.split("x")]
         else:
-            raise ValueError(f"{prior!r}: {part!r} is not gather=async|coalesced|direct or "
+            raise ValueError(f"{prior!r}: {part!r} is not gather=async|coalesced|direct|prefetch or "
                              f"<kernel>=BMxBNxWARPSxSTAGES ({', '.join(TILE_KERNELS)})")
     return pins
 

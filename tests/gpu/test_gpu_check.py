@@ -160,7 +160,7 @@ def test_with_a_gpu_it_runs_six_steps_and_writes_one_report(monkeypatch, tmp_pat
     peers = variants.argv[variants.argv.index("--peers") + 1:variants.argv.index("--decode-peers")]
     assert variants.argv[variants.argv.index("--markdown") + 1] == variants_json.replace(".json", ".md")
     assert {p.partition("@")[0] for p in peers if "@" in p} <= set(peers)
-    assert {"gather=async", "fwd=128x64x8x3", "fwd=128x64x8x2"} <= {
+    assert {"gather=direct", "gather=async", "fwd=128x64x8x2"} <= {
         pin for p in peers for pin in p.partition("@")[2].split(",")}
     assert "--forward-only" in variants.argv
     assert model.argv[1:4] == ("benchmarks/model_check.py", bench_json, variants_json)
@@ -231,8 +231,9 @@ def test_the_variant_peers_are_peers_the_benchmark_takes():
     assert args.peers == list(gc.VARIANT_PEERS) and args.kernels and args.forward_only
     assert args.decode_peers == list(gc.VARIANT_DECODE_PEERS) and args.decode_n == [4096]
     pinned = {name: gpu.split_variant(name)[1] for name in args.peers if "@" in name}
-    assert pinned["bamgen-ggd@gather=async"] == gpu.Variant((), "async")
-    assert pinned["bamgen-ssmax@fwd=128x64x8x3"] == gpu.Variant((("fwd", (128, 64, 8, 3)),), None)
+    assert pinned["bamgen-ggd@gather=direct"] == gpu.Variant((), "direct")
+    assert pinned["bamgen-ssmax@gather=async"] == gpu.Variant((), "async")
+    assert pinned["bamgen-ggd@fwd=128x64x8x2"] == gpu.Variant((("fwd", (128, 64, 8, 2)),), None)
     assert "bamgen-ssmax-inline" in args.peers   # (a build with the other strategy, not a pin)
     assert gpu.split_variant(args.decode_peers[1])[1] == gpu.Variant((), "coalesced")
 

@@ -138,7 +138,7 @@ def test_fma_row_sums_of_a_gpu_launch_match_the_reference(monkeypatch):
     _check_against_reference("bam_ssmax", "triton")
 
 
-@pytest.mark.parametrize("family, head_dim, read", [("sm_90", 32, "direct"), ("sm_90", 128, "direct"),
+@pytest.mark.parametrize("family, head_dim, read", [("sm_90", 32, "prefetch"), ("sm_90", 128, "prefetch"),
                                                     ("sm_80", 64, "async"), (None, 64, "async")])
 def test_an_interpreted_family_chooses_the_read_and_the_groups(family, head_dim, read, monkeypatch):
     """Under the interpreter, BAMGEN_INTERPRET_TILES gives the family's forward read (by head-dim

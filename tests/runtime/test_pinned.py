@@ -32,7 +32,7 @@ def _call(module, causal=True, n=37, seed=0):
 BAM_SSMAX = importlib.import_module("generated.bam_ssmax")
 
 
-@pytest.mark.parametrize("gather", ["coalesced", "direct"])
+@pytest.mark.parametrize("gather", ["coalesced", "direct", "prefetch"])
 @pytest.mark.parametrize("module", [GGD, BAM_SSMAX], ids=["ggd", "bam_ssmax"])
 def test_another_table_gather_computes_what_the_shipped_forward_does(gather, module):
     """The forward reading its table entries another way (a copy from pointers of another
@@ -45,6 +45,56 @@ def test_another_table_gather_computes_what_the_shipped_forward_does(gather, mod
     assert table_gather() == FWD_TABLE_GATHER   # (the pin ends with the block)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def _layout_call(module, layout, seed=3):
+    """A call in one of the layouts a table forward runs (its loops' bounds differ in each): its
+    output and every gradient."""
+    g = torch.Generator().manual_seed(seed)
+    nq, nk, kw = 37, 37, dict(causal=True)
+    if layout == "bidirectional":
+        kw = dict(causal=False)
+    elif layout == "continuation":   # 5 new queries after 32 cached keys
+        nq, kw = 5, dict(causal=True, q_offset=32)
+    elif layout == "key_mask":
+        mask = torch.ones(2, nk, dtype=torch.bool)
+        mask[0, :6] = False
+        kw = dict(causal=True, key_mask=mask)
+    elif layout == "packed":
+        cu = torch.tensor([0, 3, 20, 37], dtype=torch.int32)
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    elif layout == "positions":   # integer positions: the table read at them (no read ahead)
+        pos = torch.sort(torch.randperm(60, generator=g)[:nk]).values.to(torch.float32)[None]
+        kw = dict(causal=True, pos_q=pos, pos_k=pos)
+    batch = 1 if layout in ("packed", "positions") else 2
+    q = torch.randn(batch, 2, nq, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(batch, 1, nk, 16, generator=g, requires_grad=True) for _ in range(2))
+    params = {name: t.clone().requires_grad_() for name, t in module.default_params(2).items()}
+    out = module.attention(q, k, v, backend="triton", **kw, **params)
+    grads = torch.autograd.grad(out, [q, k, v, *params.values()],
+                                torch.randn(out.shape, generator=g), allow_unused=True)
+    return [out.detach(), *(t for t in grads if t is not None)]
+
+
+@pytest.mark.parametrize("layout", ["bidirectional", "continuation", "key_mask", "packed", "positions"])
+@pytest.mark.parametrize("module", [GGD, BAM_SSMAX], ids=["ggd", "bam_ssmax"])
+def test_the_read_ahead_gives_the_direct_read_s_bits_in_every_layout(module, layout, monkeypatch):
+    """"prefetch" reads each key tile's entries one tile ahead (the last clamped to the last
+    tile, an empty loop reading the first): the same entries as the direct read, so the same
+    bits, where the loops start past the diagonal, stop short of it, skip a document's keys
+    or read at integer positions. Under a GPU family's tiles too (BAMGEN_INTERPRET_TILES: its
+    64-key tiles, so a 37-key call has one tile and the read ahead its clamp)."""
+    for family in (None, "sm_90"):
+        if family is None:
+            monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
+        else:
+            monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
+        with pinned(gather="direct"):
+            want = _layout_call(module, layout)
+        with pinned(gather="prefetch"):
+            got = _layout_call(module, layout)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), (family, layout)
 
 
 class _Spy:
@@ -118,7 +168,7 @@ def test_a_block_inside_another_adds_to_its_pins():
     ({"decode": (8, 16, 4, 1)}, None, r"decode=\(8, 16, 4, 1\) is not a tile config .* >= 16"),
     ({"fwd": (True, 16, 4, 1)}, None, r"is not a tile config"),
     ({"fwd": (64, 64, 32, 2)}, None, r"warps a power of two up to 16"),
-    (None, "shared", r"pinned\(gather=...\): 'shared' is not one of async, coalesced, direct"),
+    (None, "shared", r"pinned\(gather=...\): 'shared' is not one of async, coalesced, direct, prefetch"),
 ])
 def test_a_wrong_pin_is_refused_by_name(tiles, gather, match):
     with pytest.raises(ValueError, match=match):

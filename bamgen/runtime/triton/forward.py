@@ -21,8 +21,9 @@ Constexpr flags of the launch:
                (document, query tile) items, and the program's rows and keys are its
                document's (CuSeqQ / CuSeqK: int32 cumulative lengths), positions local and
                offsets 0; key tiles of other documents are never visited
-  TABLE_GATHER "async", "coalesced" or "direct": how a table prior's tile of entries is read
-               (tiles.fwd_table_gather; helpers._gather_table); ignored without a table
+  TABLE_GATHER "async", "coalesced", "direct" or "prefetch": how a table prior's tile of
+               entries is read (tiles.fwd_table_gather; helpers._gather_table; "prefetch" is
+               "direct" one tile ahead: _attn_fwd_inner); ignored without a table
 With the three flags off the kernel compiles to what it was without them (the same loops).
 The prior's flags (TABLE, RAMP, ROW_FACTORS, SKIP, ...) are hooks.py's.
 Runtime (never recompiles): Nq, Nk, q_offset, k_offset, sm_scale, strides, Hq, GROUP, the
@@ -42,7 +43,7 @@ from .helpers import (
     _load_kept,
     _gather_table, _load_kv, _logit2, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
-    _table_logit2, _tensor_positions, _value_entries, _window_keys)
+    _table_load, _table_logit2, _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
     POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, TABLE_POSITIONS, prior_ramp,
     prior_scalars)
@@ -84,9 +85,24 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         near_ref = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)[:, None]
     if ROW_FACTORS:
         logit_r2 = _logit_row2(pos_i, pos_n, sc)   # the logit's row factor, once (ROW_FACTORS)
+    # "prefetch": each tile's table entries are read one tile ahead, in registers (the first
+    # before the loop, the next at each tile's top), so a load has a whole tile's work to
+    # arrive under. Read in the tile that uses them, ptxas issued them after the score MMA's
+    # wait and the next instruction waited for each (docs/performance.md, "Latency and
+    # occupancy, tested"). The next tile is clamped to the last one the loop visits: every read
+    # is of entries the loop reads anyway. (Positions from tensors: the keys' positions come
+    # with their tile, so those read directly.)
+    PREFETCH: tl.constexpr = TABLE and TABLE_GATHER == "prefetch" and not TABLE_POSITIONS
+    if PREFETCH:
+        last_n = n_lo + tl.maximum(n_hi - n_lo - 1, 0) // BLOCK_N * BLOCK_N
+        tab_next = _table_load(tab_rows + (n_lo + k_offset + tl.arange(0, BLOCK_N))[None, :])
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n_abs = offs_n + k_offset
+        if PREFETCH:
+            tab_tile = tab_next
+            ahead = tl.minimum(start_n + BLOCK_N, last_n) + k_offset + tl.arange(0, BLOCK_N)
+            tab_next = _table_load(tab_rows + ahead[None, :])
         k = _load_kv(k_base, offs_n, stride_kn, offs_d, Nk, not STEADY, D, HEAD_DIM)
         if HAS_KEY_MASK:   # (a NaN in a padding key's k is hidden by the where() below)
             kept = _kept_keys(km_base, offs_n, Nk)
@@ -111,11 +127,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                 z = _fwd_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc,
                                 TABLE_GATHER)
         elif ROW_FACTORS:
-            if TABLE:
+            if PREFETCH:
+                tab = _value_entries(tab_tile)
+            elif TABLE:
                 tab = _value_entries(_gather_table(tab_at, TABLE_GATHER))
             else:
                 tab = ()
             z = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
+        elif PREFETCH:
+            z = _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_tile, sc)
         else:
             z = _fwd_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc,
                             TABLE_GATHER)

@@ -265,8 +265,9 @@ def _table_load(ptrs):
 def _gather_table(ptrs, TABLE_GATHER: tl.constexpr):
     """The forward's tile of table entries, read as TABLE_GATHER says (tiles.FWD_TABLE_GATHER):
     "async" through tl.load (the pipeliner's asynchronous copy), "coalesced" the same from a
-    pointer tensor of another shape, "direct" through _table_load."""
-    if TABLE_GATHER == "direct":
+    pointer tensor of another shape, "direct" through _table_load ("prefetch": the same, where
+    the kernel does not read a tile ahead: the decode kernel, positions from tensors)."""
+    if TABLE_GATHER == "direct" or TABLE_GATHER == "prefetch":
         return _table_load(ptrs)
     elif TABLE_GATHER == "coalesced":
         # the pointers as [M, 1, N]: a shape no other load or store of the kernel has, so that

@@ -224,6 +224,13 @@ TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32,
 #               registers instead of 168-174 at head dim 64 on sm_90 (one CTA per SM either way);
 #   "direct"    ld.global.nc in the MMA layout (helpers._table_load, as the backward kernels
 #               gather): no shared memory and no copy back, but the load is not pipelined.
+#   "prefetch"  "direct" one key tile ahead: each tile's entries are read in registers at the
+#               previous tile's top (forward._attn_fwd_inner), so a load has a tile's work to
+#               arrive under; read in the tile that uses them, ptxas issues them after the
+#               score MMA's wait and waits for each in turn (BAM-SSMax's forward at 128: 16 L2
+#               round trips a tile in series). The same entries, the same bits; 198-243
+#               registers against 182-224 (one CTA per SM either way). Positions from tensors
+#               read directly (the keys' positions come with their tile).
 # The H200 measured the "async" table forwards at 1.40x NoPE's at head dim 128 and 3.4-3.9x at
 # 64 (docs/performance.md, "Where a table forward's time goes"). Which read is faster is for a
 # GPU to decide: `make gpu-check` times the reads against the shipped one (gpu_check.VARIANT_PEERS:
@@ -238,9 +245,16 @@ TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32,
 # BAM-SSMax's forward off the path its 4x-slow kernel took: at 255 registers its async read
 # came back from shared memory one 8-byte load at a time, each waited for (direct: 207
 # registers, no shared-memory round trip); that kernel is timed against the async read next.
+# Then (2026-11-27, no GPU; docs/performance.md, "Latency and occupancy, tested") the SASS's
+# scoreboards showed the direct read waiting for its loads one at a time, and the latency term
+# that halves the model's median error put one warp's pass of SSMax's forward at 128 at 6,293
+# cycles with the direct read and 2,086 read ahead (GGD 1,961 and 1,714; at 64 GGD 1,541 and
+# 1,330, SSMax 1,942 and 1,376), spill-free for every table prior in every layout with Triton
+# 3.6 and 3.9. So sm_90 reads ahead at both head dims, and `make gpu-check`'s variants step
+# times the direct read against it.
 FWD_TABLE_GATHER = "async"
-FWD_TABLE_GATHER_AT = {("sm_90", 64): "direct", ("sm_90", 128): "direct"}
-TABLE_GATHERS = ("async", "coalesced", "direct")
+FWD_TABLE_GATHER_AT = {("sm_90", 64): "prefetch", ("sm_90", 128): "prefetch"}
+TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
 
 
 HEAD_DIM_BUCKETS = (64, 128, 256)   # the head dims of the tables above: a smaller one takes the next
