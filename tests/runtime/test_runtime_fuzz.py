@@ -365,6 +365,16 @@ FOUND = [
                  "tm": [2.6449806258672077, 2.78989989236185],
                  "ssmax": [8.494586372957613, 8.494586372957613]},
          poison=("k", 1075, math.nan), seed=293124, use_module=False),
+    # GGD with beta = 300 and queries at 2**23: every log-prior overflows to -inf, so every row
+    # sees nothing, and key 1 of one head holds -inf in v. The dK/dV kernel's dS = P (dP - delta)
+    # was 0 * inf = NaN at that key's scores (the causal mask was its only guard), and gave its
+    # dk NaN where autograd gives 0. dS now keeps only the scores whose P is not 0.
+    Case(prior="generalized_gaussian", backend="triton", dtype="bf16", B=2, Hq=2, Hk=2, Nq=17,
+         Nk=17, D=8, causal=True, q_offset=8388608, k_offset=0,
+         layouts=("bnhd", "strided_slice", "bnhd"),
+         params={"alpha": [1.2612936662280088, 1.98], "beta": [300.0, 300.0],
+                 "mu": [2.3535372645481867, 2.4701296826856507]},
+         poison=("v", 9451, -math.inf), seed=1073741825, use_module=True),
     # SSMax with ssmax = 1e30 and one key (log(n) = 0): the torch path printed the logit as
     # ssmax * (s + log_prior) * log(n), and float32 took ssmax * (s + log_prior) = -8.9e38 to
     # -inf before the 0 came, -inf * 0 = NaN, where the reference's logit is 0. The row factor
@@ -382,13 +392,14 @@ def test_cases_the_fuzz_found(found, backend):
     assert run_case(dataclasses.replace(found, backend=backend)) == "checked"
 
 
-def test_dead_row_with_a_nan_value_on_the_torch_path():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dead_row_with_a_nan_value(backend):
     """Found by the fuzz: a row whose only key has a log-prior of -inf (GGD with beta = 300:
     (14 / 0.5) ** 300 overflows) sees nothing, so its gradients are 0, even where that key's v
-    is NaN (0 * NaN reached dS through dP = dO v^T). The torch path now reads such a v as 0 in the
-    backward; a live row that weighs it keeps its NaN through O. (The Triton path still gives
-    NaN here: docs/reliability.md.)"""
-    case = Case(prior="generalized_gaussian", backend="torch", dtype="fp32", B=1, Hq=1, Hk=1, Nq=1,
+    is NaN (0 * NaN reached dS through dP = dO v^T). The torch path reads such a v as 0 in the
+    backward, the Triton dK/dV kernel keeps dS only where P is not 0 (docs/reliability.md); a
+    live row that weighs it keeps its NaN through O."""
+    case = Case(prior="generalized_gaussian", backend=backend, dtype="fp32", B=1, Hq=1, Hk=1, Nq=1,
                 Nk=1, D=1, causal=False, q_offset=-3, k_offset=3,
                 layouts=("contiguous", "contiguous", "contiguous"),
                 params={"alpha": [0.5], "beta": [300.0], "mu": [1.0]}, poison=("v", 0, math.nan),
