@@ -368,7 +368,7 @@ FOUND = [
     # GGD with beta = 300 and queries at 2**23: every log-prior overflows to -inf, so every row
     # sees nothing, and key 1 of one head holds -inf in v. The dK/dV kernel's dS = P (dP - delta)
     # was 0 * inf = NaN at that key's scores (the causal mask was its only guard), and gave its
-    # dk NaN where autograd gives 0. dS now keeps only the scores whose P is not 0.
+    # dk NaN where autograd gives 0. A score whose logit is -inf now counts as masked there.
     Case(prior="generalized_gaussian", backend="triton", dtype="bf16", B=2, Hq=2, Hk=2, Nq=17,
          Nk=17, D=8, causal=True, q_offset=8388608, k_offset=0,
          layouts=("bnhd", "strided_slice", "bnhd"),
@@ -397,8 +397,8 @@ def test_dead_row_with_a_nan_value(backend):
     """Found by the fuzz: a row whose only key has a log-prior of -inf (GGD with beta = 300:
     (14 / 0.5) ** 300 overflows) sees nothing, so its gradients are 0, even where that key's v
     is NaN (0 * NaN reached dS through dP = dO v^T). The torch path reads such a v as 0 in the
-    backward, the Triton dK/dV kernel keeps dS only where P is not 0 (docs/reliability.md); a
-    live row that weighs it keeps its NaN through O."""
+    backward, the Triton dK/dV kernel counts a score whose logit is -inf as masked
+    (docs/reliability.md); a live row that weighs it keeps its NaN through O."""
     case = Case(prior="generalized_gaussian", backend=backend, dtype="fp32", B=1, Hq=1, Hk=1, Nq=1,
                 Nk=1, D=1, causal=False, q_offset=-3, k_offset=3,
                 layouts=("contiguous", "contiguous", "contiguous"),

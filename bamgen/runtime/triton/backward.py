@@ -242,13 +242,14 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                     grads = _logit_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
                     dlogit_ds = grads[1]
                     zT = grads[0] * 1.4426950408889634  # log2(e)
+            # (a score its prior hides, z = -inf, counts as masked: dS below is then 0 even where
+            # dP is infinite, an infinite value in its key's v, where P (dP - delta) = 0 * inf)
+            visible = visible & (zT != -float("inf"))
             pT = tl.where(visible, tl.exp2(zT - m_row[None, :]) * inv_l[None, :], 0.0)
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
-            # where(): a score whose P is 0 (masked, hidden by its prior, or in a row that sees
-            # no key) has dS = 0 even where delta is NaN (a NaN query) or dP infinite (an
-            # infinite value in its key's v), as autograd gives; P * NaN, or 0 * inf, would
-            # spread NaN to the key. A NaN P (a poisoned row's NaN logit) keeps its NaN.
+            # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN
+            # query), as autograd through a mask gives; P * NaN would spread it to every key
             if ROW_FACTORS:
                 # d logit / d s is the row's alone (ROW_FACTORS): dS = P (dP - delta) * ds_row is
                 # P * fma(dP, ds_row, -delta * ds_row), the row's two factors made once per tile
@@ -256,9 +257,9 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                     ds_row = tl.load(RowF + (row_base + offs_m) * 2 + 1, mask=row_ok, other=0.0)
                 else:
                     ds_row = _row_factors(_position(offs_m_abs), n_rows, sc)[0]
-                dsT = tl.where(pT != 0.0, pT * tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :]), 0.0)
+                dsT = tl.where(visible, pT * tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :]), 0.0)
             else:
-                dsT = tl.where(pT != 0.0, pT * (dpT - delta[None, :]), 0.0)
+                dsT = tl.where(visible, pT * (dpT - delta[None, :]), 0.0)
             if POS_GRADS:   # column sums of dS * d logit / d j_c (dS: d loss / d logit)
                 pos_grads = prior_position_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
                 dpos_k = _position_terms(dpos_k, dsT, pT, pos_grads, POSITIONS)
