@@ -242,9 +242,12 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                     grads = _logit_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
                     dlogit_ds = grads[1]
                     zT = grads[0] * 1.4426950408889634  # log2(e)
-            # (a score its prior hides, z = -inf, counts as masked: dS below is then 0 even where
-            # dP is infinite, an infinite value in its key's v, where P (dP - delta) = 0 * inf)
-            visible = visible & (zT != -float("inf"))
+            if not RAMP:
+                # a score its prior hides, z = -inf, counts as masked: dS below is then 0 even
+                # where dP is infinite, an infinite value in its key's v, where P (dP - delta)
+                # = 0 * inf. (A ramp's logit is finite; the compare put 8-24 bytes of ALiBi's
+                # dK/dV on the stack.)
+                visible = visible & (zT != -float("inf"))
             pT = tl.where(visible, tl.exp2(zT - m_row[None, :]) * inv_l[None, :], 0.0)
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
