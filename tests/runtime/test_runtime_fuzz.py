@@ -410,3 +410,27 @@ def test_dead_row_with_a_nan_value(backend):
     assert run_case(dataclasses.replace(case, Nq=2, Nk=2, q_offset=0, k_offset=1, causal=True,
                                         params={"alpha": [3.0], "beta": [1.0], "mu": [0.0]},
                                         poison=("v", 0, math.nan))) == "checked"
+
+
+@pytest.mark.xfail(strict=True, reason="open: the Triton dQ kernel's parameter sums take 0 * inf "
+                   "from a dead row (docs/reliability.md, 'A dead row's parameter sums')")
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_a_dead_row_gives_no_parameter_gradient_from_a_non_finite_value(poison):
+    """GGD with beta = 300: row 0's only key lies (14 / 0.5) ** 300 below the head's best, so the
+    row sees nothing, and that key's v holds NaN or inf. The prior's parameters should get 0
+    from the row, as on the torch path; the Triton dQ kernel's parameter sums take 0 * inf =
+    NaN from it (dq alone is zeroed after the loop)."""
+    mod = importlib.import_module("generated.generalized_gaussian")
+    grads = {}
+    for backend in ("torch", "triton"):
+        q, k, v = (torch.ones(1, 1, 1, 1) for _ in range(3))
+        v[0, 0, 0, 0] = poison
+        params = {"alpha": torch.tensor([0.5], requires_grad=True),
+                  "beta": torch.tensor([300.0], requires_grad=True),
+                  "mu": torch.tensor([1.0], requires_grad=True)}
+        q.requires_grad_()
+        out = mod.attention(q, k, v, causal=False, q_offset=-3, k_offset=3, backend=backend, **params)
+        out.backward(torch.ones_like(out))   # (the output: NaN on the torch path, P V's 0 * NaN)
+        grads[backend] = [q.grad] + [t.grad for t in params.values()]
+    for name, t, r in zip(("q", "alpha", "beta", "mu"), grads["triton"], grads["torch"]):
+        assert torch.equal(t, r) and torch.equal(t, torch.zeros_like(t)), (name, t, r)

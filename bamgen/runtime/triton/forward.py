@@ -89,9 +89,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     # before the loop, the next at each tile's top), so a load has a whole tile's work to
     # arrive under. Read in the tile that uses them, ptxas issued them after the score MMA's
     # wait and the next instruction waited for each (docs/performance.md, "Latency and
-    # occupancy, tested"). The next tile is clamped to the last one the loop visits: every read
-    # is of entries the loop reads anyway. (Positions from tensors: the keys' positions come
-    # with their tile, so those read directly.)
+    # occupancy, tested"). The next tile is clamped to the last one the loop visits, so every
+    # read in the loop is of entries the loop reads anyway; an empty loop's one read (its first
+    # tile, at most a tile past the last key) falls inside the table's TABLE_PAD entries.
+    # (Positions from tensors: the keys' positions come with their tile, so those read directly.)
     PREFETCH: tl.constexpr = TABLE and TABLE_GATHER == "prefetch" and not TABLE_POSITIONS
     if PREFETCH:
         last_n = n_lo + tl.maximum(n_hi - n_lo - 1, 0) // BLOCK_N * BLOCK_N

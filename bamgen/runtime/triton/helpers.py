@@ -266,7 +266,8 @@ def _gather_table(ptrs, TABLE_GATHER: tl.constexpr):
     """The forward's tile of table entries, read as TABLE_GATHER says (tiles.FWD_TABLE_GATHER):
     "async" through tl.load (the pipeliner's asynchronous copy), "coalesced" the same from a
     pointer tensor of another shape, "direct" through _table_load ("prefetch": the same, where
-    the kernel does not read a tile ahead: the decode kernel, positions from tensors)."""
+    the entries are not read a tile ahead: positions from tensors; forward._attn_fwd_inner
+    reads ahead itself, for the forward and for the decode kernel when one pins it)."""
     if TABLE_GATHER == "direct" or TABLE_GATHER == "prefetch":
         return _table_load(ptrs)
     elif TABLE_GATHER == "coalesced":

@@ -249,9 +249,10 @@ TILES["positions_table"] = _derived("table", {("sm_90", 64, "bwd_dq"): [(64, 32,
 # scoreboards showed the direct read waiting for its loads one at a time, and the latency term
 # (which cuts the model's median error from 10% to 6%) put one warp's pass of SSMax's forward
 # at 128 at 6,293 cycles with the direct read and 2,086 read ahead (GGD 1,961 and 1,714; at 64
-# GGD 1,541 and 1,330, SSMax 1,942 and 1,376), spill-free for every table prior in every
-# layout with Triton 3.6 and 3.9. So sm_90 reads ahead at both head dims, and `make
-# gpu-check`'s variants step times the direct read against it.
+# GGD 1,541 and 1,330, SSMax 1,942 and 1,376), spill-free for all ten table priors in the
+# plain, key-mask and packed layouts (integer positions read directly) with Triton 3.6 and
+# 3.9. So sm_90 reads ahead at both head dims, and `make gpu-check`'s variants step times the
+# direct read against it.
 FWD_TABLE_GATHER = "async"
 FWD_TABLE_GATHER_AT = {("sm_90", 64): "prefetch", ("sm_90", 128): "prefetch"}
 TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
