@@ -166,6 +166,7 @@ def test_a_block_inside_another_adds_to_its_pins():
     ({"fwd": (64, 64, 4, 0)}, None, r"is not a tile config \(BLOCK_M, BLOCK_N, num_warps"),
     ({"fwd": (24, 16, 4, 1)}, None, r"fwd=\(24, 16, 4, 1\) is not a tile config .* powers of two"),
     ({"decode": (8, 16, 4, 1)}, None, r"decode=\(8, 16, 4, 1\) is not a tile config .* >= 16"),
+    ({"fwd": (128, 512, 8, 2)}, None, r"fwd=\(128, 512, 8, 2\) is not a tile config .* <= 256"),
     ({"fwd": (True, 16, 4, 1)}, None, r"is not a tile config"),
     ({"fwd": (64, 64, 32, 2)}, None, r"warps a power of two up to 16"),
     (None, "shared", r"pinned\(gather=...\): 'shared' is not one of async, coalesced, direct, prefetch"),

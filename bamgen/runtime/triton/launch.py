@@ -166,7 +166,7 @@ def pinned(tiles=None, gather=None):
         if not _tile_config(config):
             raise ValueError(f"pinned(tiles=...): {name}={config!r} is not a tile config "
                              f"(BLOCK_M, BLOCK_N, num_warps, num_stages): blocks powers of two "
-                             f">= 16, warps a power of two up to 16, stages >= 1")
+                             f">= 16 and <= {TABLE_PAD}, warps a power of two up to 16, stages >= 1")
     if gather is not None and gather not in TABLE_GATHERS:
         raise ValueError(f"pinned(gather=...): {gather!r} is not one of {', '.join(TABLE_GATHERS)}")
     outer = _PINS.get()
@@ -180,13 +180,15 @@ def pinned(tiles=None, gather=None):
 
 def _tile_config(config) -> bool:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) as a kernel can take it: blocks of at least one
-    MMA (16) and powers of two, as tl.arange and tl.dot need."""
+    MMA (16) and powers of two, as tl.arange and tl.dot need, and at most TABLE_PAD, the entries
+    a distance table keeps either side of the call's distances: a tile's table reads past the
+    last row or key (and the forward's read one key tile ahead) stay inside it."""
     if len(config) != 4 or not all(type(x) is int for x in config):
         return False
     block_m, block_n, warps, stages = config
     power = lambda x: x > 0 and x & (x - 1) == 0   # noqa: E731
-    return (power(block_m) and power(block_n) and min(block_m, block_n) >= 16
-            and power(warps) and warps <= 16 and stages >= 1)
+    return (power(block_m) and power(block_n) and 16 <= min(block_m, block_n)
+            and max(block_m, block_n) <= TABLE_PAD and power(warps) and warps <= 16 and stages >= 1)
 
 
 def table_gather(device=None, head_dim=None):
