@@ -434,3 +434,18 @@ def test_a_dead_row_gives_no_parameter_gradient_from_a_non_finite_value(poison):
         grads[backend] = [q.grad] + [t.grad for t in params.values()]
     for name, t, r in zip(("q", "alpha", "beta", "mu"), grads["triton"], grads["torch"]):
         assert torch.equal(t, r) and torch.equal(t, torch.zeros_like(t)), (name, t, r)
+
+
+@pytest.mark.xfail(strict=True, reason="open: the dK/dV kernel's dS multiplies delta's rounding by "
+                   "SSMax's row factor (docs/reliability.md, 'A one-hot row times a huge row factor')")
+def test_a_one_hot_row_times_a_huge_row_factor_the_fuzz_found():
+    """BAM-SSMax with ssmax = 1e30 (tb = 0: a constant log-prior), fp16: each row's softmax is
+    one-hot, so dS = P (dP - delta) is exactly 0 and so are dk and dq in exact arithmetic. The
+    kernel's delta comes from the fp16-rounded O, dP - delta at the chosen key is a rounding
+    residue, and times the row factor ssmax * log(n) = 2.8e30 it overflows fp16's dS: dk is inf
+    on 2 keys where the reference has 0."""
+    case = Case(prior="bam_ssmax", backend="triton", dtype="fp16", B=1, Hq=1, Hk=1, Nq=2, Nk=17,
+                D=8, causal=False, q_offset=15, k_offset=0, layouts=("bnhd", "contiguous", "transposed"),
+                params={"ta": [0.5588449450441093], "tb": [0.0], "tm": [1.1869301434951718],
+                        "ssmax": [1e30]}, poison=None, seed=238, use_module=False)
+    assert run_case(case) == "checked"
