@@ -174,6 +174,41 @@ def test_modelled_backward_against_nope(modelled_per_1k):
     assert cost["bam_ssmax"] <= 1.5 * nope, cost
 
 
+DKDV_LOOP_SCRIPT = r"""
+import collections, json, sys
+from bamgen.aot import compile_module, disassemble, main_loop
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior
+out = []
+for name in sys.argv[1:]:
+    for dim in (64, 128):
+        for k in compile_module(load_prior(shipped_prior(name)), arch="sm_90", head_dim=dim,
+                                only=("attn_bwd_dkdv",)):
+            ops = collections.Counter(op for _, op, _ in main_loop(disassemble(k.cubin)))
+            out.append([name, dim, k.block[0] * k.block[1] // (32 * k.num_warps),
+                        {op: n for op, n in ops.items()
+                         if op.startswith(("MUFU", "P2R", "R2P", "HGMMA"))}])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_dkdv_loop_takes_its_rows_statistics_ready():
+    """The dK/dV kernel revisits every row once per key tile: its main loop (sm_90, bf16) holds
+    no division for 1/l (MUFU.RCP: _bwd_preprocess makes it once per row) and keeps no mask in
+    general registers (P2R/R2P: dS is selected on P, not on a mask held across the dP product).
+    Both took 45% of NoPE's issue slots at head dim 64 (docs/performance.md, "The dK/dV loop's
+    row statistics"). One exponential per score, and warpgroup MMAs."""
+    res = run_script_aot(DKDV_LOOP_SCRIPT, "uniform", "generalized_gaussian", "bam_ssmax")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    assert len(rows) == 6, rows
+    for name, dim, scores_a_thread, ops in rows:
+        assert not any(op.startswith(("MUFU.RCP", "P2R", "R2P")) for op in ops), (name, dim, ops)
+        assert any(op.startswith("HGMMA") for op in ops), (name, dim, ops)
+        assert ops.get("MUFU.EX2", 0) == scores_a_thread, (name, dim, ops)
+
+
 @pytest.mark.slow
 def test_inspect_saves_cubins(tmp_path):
     report = _inspect(PRIOR_DIR / "laplace.yaml", "sm_80", 64, "--save", str(tmp_path / "cubins"))

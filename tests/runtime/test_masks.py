@@ -305,6 +305,30 @@ def test_rows_that_see_no_key_stay_zero_beside_an_infinite_value(prior, backend)
     assert not bool(torch.isfinite(out[:, :, first_key + 2:]).all())
 
 
+@pytest.mark.parametrize("prior", ["uniform", "generalized_gaussian", "bam_ssmax", "laplace"])
+def test_a_key_a_row_weighs_zero_gets_no_nan_from_it(prior):
+    """A score whose weight underflows to exactly 0 passes no gradient to its key's dk on the
+    Triton path, NaN or not (the dK/dV kernel selects dS where P is not 0; docs/reliability.md,
+    "Non-finite inputs"; a ramp, ALiBi, selects on the mask and keeps SDPA's 0 * NaN). The last
+    key, seen by the last row alone (causal), has a score so far below that row's best that its
+    weight is 0; the last row's incoming gradient holds a NaN, which reaches every key that row
+    weighs, but not the key it does not."""
+    mod = load(prior)
+    g = torch.Generator().manual_seed(5)
+    B, Hq, N, D = 1, 2, 23, 16
+    params = params_for(mod, Hq, g)
+    q, k, v, dout = (torch.randn(B, Hq, N, D, generator=g) for _ in range(4))
+    k[:, :, -1] = -1e4 * q[:, :, -1]   # a score ~1e4 * |q|^2 below the row's best: exp underflows
+    dout[:, :, -1, 0] = float("nan")
+    out, (dq, dk, dv, *_) = run(mod, q, k, v, dout, params, "triton", causal=True)
+    assert bool(torch.isfinite(out).all())
+    assert not bool(torch.isfinite(dk[:, :, :-1]).all())   # the keys the last row weighs: NaN
+    if prior == "laplace":
+        assert not bool(torch.isfinite(dk[:, :, -1]).any()), dk[:, :, -1]
+    else:
+        assert bool((dk[:, :, -1] == 0).all()), dk[:, :, -1]
+
+
 def test_n_counts_the_keys_a_query_sees():
     """SSMax's n after the causal rule, the document and key_mask, against a plain count: a
     query that sees 3 keys has logit (s + log_prior) * ssmax * log 3."""

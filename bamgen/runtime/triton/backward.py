@@ -1,5 +1,6 @@
 """The backward kernels, written once for every prior (the prior enters through hooks.py):
-_bwd_preprocess (delta = rowsum(dO * O)), _attn_bwd_dkdv (one program per key tile, the query
+_bwd_preprocess (delta = rowsum(dO * O), and each row's softmax statistics as the dK/dV
+kernel reads them), _attn_bwd_dkdv (one program per key tile, the query
 tiles in its loop) and _attn_bwd_dq (one program per query tile; also the parameters'
 gradients: one partial sum per program, summed on the host, no atomics).
 
@@ -61,27 +62,49 @@ GRAD_LOGIT_FACTOR = tl.constexpr(2)
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, Delta, Theta, NRow, RowF, stride_ob, stride_oh, stride_om,
-                    stride_dob, stride_doh, stride_dom, stride_nb, Hq, Nq,
+def _bwd_row_stats(m_row, inv_l, delta):
+    """(m, 1/l, delta) of a tile of rows as the dK/dV kernel uses them, P = exp2(z - m) / l and
+    dS = P (dP - delta), from _softmax_stats and delta. A row that a NaN reached (a NaN logit:
+    its l and delta are NaN, and m may be) gets m = inf, 1/l = 1 and delta = 0: P = 0 and
+    dS = 0 for every key whose logit is a number or -inf, NaN for a key whose logit is NaN; a
+    key its prior hides (-inf, float32's overflow included) gets no NaN from it."""
+    poisoned = inv_l != inv_l
+    m_row = tl.where(poisoned, float("inf"), m_row)
+    inv_l = tl.where(poisoned, 1.0, inv_l)
+    delta = tl.where(poisoned, 0.0, delta)
+    return m_row, inv_l, delta
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, Mrow, Lrow, Delta, RowM, RowInvL, Theta, NRow, RowF, stride_ob,
+                    stride_oh, stride_om, stride_dob, stride_doh, stride_dom, stride_nb, Hq, Nq,
                     NUM_PARAMS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D: tl.constexpr):
-    """Delta = rowsum(dO * O), the softmax backward's row term; with ROW_CACHE also each row's
+    """Delta = rowsum(dO * O), the softmax backward's row term, and each row's m and 1/l as the
+    dK/dV kernel takes them (RowM, RowInvL: _bwd_row_stats); with ROW_CACHE also each row's
     factors for the dK/dV kernel (RowF[b, h, row] = (log2(e) * the logit's row factor,
-    d logit / d s)): that kernel revisits every row once per key tile, where evaluating them
-    (SSMax's log(n), about 20 instructions per row) cost as much as the scores."""
+    d logit / d s)). That kernel revisits every row once per key tile: 1/l there (a full-range
+    division) and the poisoned rows' selects took 40% of NoPE's issue slots at head dim 64,
+    SSMax's log(n) (about 20 instructions per row) as much as the scores."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_m < Nq)[:, None] & (offs_d < D)[None, :]
+    row_ok = offs_m < Nq
+    mask = row_ok[:, None] & (offs_d < D)[None, :]
     o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
                 + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                  + offs_m[:, None] * stride_dom + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
+    rows = pid_bh.to(tl.int64) * Nq + offs_m
+    m_row, inv_l = _softmax_stats(Mrow, Lrow, rows, row_ok)
+    m_row, inv_l, delta = _bwd_row_stats(m_row, inv_l, delta)
+    tl.store(Delta + rows, delta, mask=row_ok)
+    tl.store(RowM + rows, m_row, mask=row_ok)
+    tl.store(RowInvL + rows, inv_l, mask=row_ok)
     if ROW_CACHE:
         sc = prior_scalars(Theta + off_h * NUM_PARAMS)
         n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + offs_m, mask=offs_m < Nq, other=0.0)
@@ -93,7 +116,7 @@ def _bwd_preprocess(O, DO, Delta, Theta, NRow, RowF, stride_ob, stride_oh, strid
 
 
 @triton.jit(do_not_specialize=TABLE_ROW_ARGS)
-def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, Window, NRow,
+def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, Window, NRow,
                    KeyMask, QOff, KOff, CuSeqQ, CuSeqK, Work, PosQ, PosK, DPosK,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -109,6 +132,14 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
     each query head's column sums for the keys' positions, DPosK)."""
     sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
+    # RowM, RowL: each row's m and 1/l as _bwd_preprocess made them (ROWS_READY), and dS is
+    # selected on P != 0 (below); the positional kernels take the forward's m and l there, make
+    # the rows' statistics per query tile and select dS on the mask: with the leaner loop ptxas
+    # cut their registers to the next occupancy step (168 or 128 a thread) and put 8-24 bytes
+    # on the stack, and their loops are bound by the positions' work (docs/performance.md,
+    # "The dK/dV loop's row statistics").
+    ROWS_READY: tl.constexpr = POSITIONS == 0
+    DS_ON_P: tl.constexpr = ROWS_READY and not RAMP
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hk
     off_hk = pid_bh % Hk
@@ -147,7 +178,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
             ramp_slope = ramp[0]
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
         do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + q_start.to(tl.int64) * stride_dom
-        row_base = off_bh.to(tl.int64) * rows_all + q_start   # this head's rows in Mrow, Lrow, Delta
+        row_base = off_bh.to(tl.int64) * rows_all + q_start   # this head's rows in RowM, RowL, Delta
         if POSITIONS > 0:   # this query head's positions of the keys, and their gradient sums
             pos_j = _as_rows(_tensor_positions(PosK, off_bh.to(tl.int64) * keys_all + k_start, offs_n,
                                                key_ok))
@@ -176,17 +207,16 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
             qd_mask = row_ok[:, None] & d_ok[None, :]
             q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=qd_mask, other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd_mask, other=0.0)
-            m_row, inv_l = _softmax_stats(Mrow, Lrow, row_base + offs_m, row_ok)
-            delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-            # A row that a NaN reached (a NaN logit: its l and delta are NaN, and m may be) gives
-            # P = 0 and dS = 0 to every key whose logit is a number or -inf, NaN to a key whose
-            # logit is NaN: a key its prior hides (-inf, float32's overflow included) gets no NaN
-            # from it. Per row, not per score: a where() per score spilled registers
-            # (docs/reliability.md).
-            poisoned = inv_l != inv_l
-            m_row = tl.where(poisoned, float("inf"), m_row)
-            inv_l = tl.where(poisoned, 1.0, inv_l)
-            delta = tl.where(poisoned, 0.0, delta)
+            # the rows' m, 1/l and delta as _bwd_row_stats makes them (a row that a NaN reached
+            # included): made once per row by _bwd_preprocess, or here (ROWS_READY, above)
+            if ROWS_READY:
+                m_row = tl.load(RowM + row_base + offs_m, mask=row_ok, other=0.0)
+                inv_l = tl.load(RowL + row_base + offs_m, mask=row_ok, other=0.0)
+                delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+            else:
+                m_row, inv_l = _softmax_stats(RowM, RowL, row_base + offs_m, row_ok)
+                delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+                m_row, inv_l, delta = _bwd_row_stats(m_row, inv_l, delta)
             offs_m_abs = offs_m + q_offset
             # Transposed tiles [BLOCK_N, BLOCK_M]: keys along rows, queries along columns.
             qkT = _dot(k, tl.trans(q), None, DOT_PREC, UPCAST_DOT)
@@ -242,17 +272,22 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                     grads = _logit_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
                     dlogit_ds = grads[1]
                     zT = grads[0] * 1.4426950408889634  # log2(e)
-            if not RAMP:
-                # a score its prior hides, z = -inf, counts as masked: dS below is then 0 even
-                # where dP is infinite, an infinite value in its key's v, where P (dP - delta)
-                # = 0 * inf. (A ramp's logit is finite; the compare put 8-24 bytes of ALiBi's
-                # dK/dV on the stack.)
+            if not RAMP and not DS_ON_P:
+                # (dS selected on the mask) a score its prior hides, z = -inf, counts as masked
                 visible = visible & (zT != -float("inf"))
             pT = tl.where(visible, tl.exp2(zT - m_row[None, :]) * inv_l[None, :], 0.0)
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
-            # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN
-            # query), as autograd through a mask gives; P * NaN would spread it to every key
+            # dS only where P is not 0: a masked score, one its prior hides (z = -inf) and one
+            # whose P is 0 have dS = 0 even where dP is infinite (an infinite value in the key's
+            # v: P (dP - delta) would be 0 * inf) or delta is NaN, as autograd through a mask
+            # gives. Selecting on P, which the score needs anyway, keeps no mask alive across
+            # the dP product: the mask held there cost NoPE's loop at head dim 64 on sm_90 a
+            # fifth of its issue slots in predicate spills. A ramp (ALiBi, FoX) selects on the
+            # mask: its logit is finite, so only a masked score has P = 0 but for underflow, and
+            # selecting on P put 8-16 bytes of ALiBi's or FoX's kernel on sm_80 on the stack; so
+            # do the positional kernels (ROWS_READY), where a score its prior hides counts as
+            # masked (the compare above).
             if ROW_FACTORS:
                 # d logit / d s is the row's alone (ROW_FACTORS): dS = P (dP - delta) * ds_row is
                 # P * fma(dP, ds_row, -delta * ds_row), the row's two factors made once per tile
@@ -260,9 +295,13 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, Mrow, Lrow, Delta, RowF, DK, DV, Table, W
                     ds_row = tl.load(RowF + (row_base + offs_m) * 2 + 1, mask=row_ok, other=0.0)
                 else:
                     ds_row = _row_factors(_position(offs_m_abs), n_rows, sc)[0]
-                dsT = tl.where(visible, pT * tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :]), 0.0)
+                dp_term = tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :])
             else:
-                dsT = tl.where(visible, pT * (dpT - delta[None, :]), 0.0)
+                dp_term = dpT - delta[None, :]
+            if DS_ON_P:
+                dsT = tl.where(pT != 0.0, pT * dp_term, 0.0)
+            else:
+                dsT = tl.where(visible, pT * dp_term, 0.0)
             if POS_GRADS:   # column sums of dS * d logit / d j_c (dS: d loss / d logit)
                 pos_grads = prior_position_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
                 dpos_k = _position_terms(dpos_k, dsT, pT, pos_grads, POSITIONS)
@@ -548,7 +587,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 z = out[0] * 1.4426950408889634  # log2(e)
         p = tl.where(visible, tl.exp2(z - m_row[:, None]) * inv_l[:, None], 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
-        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)   # (see the dK/dV kernel)
+        # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN query), as
+        # autograd through a mask gives. (Selecting on P != 0, as the dK/dV kernel does, cost
+        # this loop more issue slots than it saved.)
+        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
         if POS_GRADS and WRITE_DQ:
             pos_grads = prior_position_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
             dpos_q = _position_terms(dpos_q, ds, p, pos_grads, 0)

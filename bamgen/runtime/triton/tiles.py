@@ -41,8 +41,11 @@ TILES = {
         "sm_80": {
             64: {"fwd": [(128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
             # dK/dV: 64x32 spills 16-24 bytes since the per-row key counts and NaN containment;
-            # 32x64 is the best-modelled spill-free tile (docs/performance.md, "Tile sizes")
-            128: {"fwd": [(64, 64, 4, 2), (128, 32, 8, 1)], "bwd_dkdv": [(32, 64, 4, 2)],
+            # 32x64 is the best-modelled spill-free tile (docs/performance.md, "Tile sizes") in
+            # one stage: with two (LSU-modelled 820 against 934 cycles / 1k scores) NoPE's and
+            # FoX's put 8-32 bytes on the stack at 255 registers since dK/dV reads its rows'
+            # statistics from the preprocess kernel
+            128: {"fwd": [(64, 64, 4, 2), (128, 32, 8, 1)], "bwd_dkdv": [(32, 64, 4, 1)],
                   "bwd_dq": [(64, 32, 4, 2)]},
             256: _HEAD_256,
         },
@@ -88,8 +91,10 @@ TILES = {
         },
         "sm_80": {
             64: {"fwd": [(64, 32, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
-            # forward at head dim 128: 64x32 spills 112 bytes (32x64: 0, modelled 2758 / 1k)
-            128: {"fwd": [(32, 64, 4, 2)], "bwd_dkdv": [(32, 32, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
+            # forward at head dim 128: 64x32 spills 112 bytes (32x64: 0, modelled 2758 / 1k);
+            # dK/dV: 32x32 spills 8 bytes since dS is selected on P (32x16: 0, both modelled
+            # 2734 / 1k, FP32-bound)
+            128: {"fwd": [(32, 64, 4, 2)], "bwd_dkdv": [(32, 16, 4, 2)], "bwd_dq": [(16, 16, 4, 2)]},
             256: _HEAD_256,
         },
     },
