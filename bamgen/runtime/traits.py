@@ -116,6 +116,14 @@ class PriorTraits:
     table_positions: bool = False
 
     @property
+    def rows_ready(self) -> bool:
+        """The dK/dV kernel reads each row's m and 1/l as the backward's preprocess kernel made
+        them and selects dS on P (ROWS_READY); the kernels of positions as tensors make them
+        per query tile from the forward's m and l, where the leaner loop spilled
+        (docs/performance.md, "The dK/dV loop's row statistics")."""
+        return not self.tensor_positions
+
+    @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 

@@ -11,9 +11,10 @@ import pytest
 from tests.gpu.test_aot import KERNELS, PRIOR_DIR, SHARED_LIMIT, _inspect
 
 
-# head dim 128 on both families in every run; 64 on sm_80 (where BAM-SSMax's and NoPE's dK/dV
-# with masks spilled 8-32 bytes until they read their rows' statistics from the preprocess
-# kernel, docs/performance.md) in `make test-full`
+# head dim 128 on both families in every run; 64 on sm_80 in `make test-full` (the dK/dV kernels
+# of BAM-SSMax packed at 64 on sm_80 and NoPE's at 128 spilled 32 and 8 bytes until they read
+# their rows' statistics from the preprocess kernel: docs/performance.md, "The dK/dV loop's row
+# statistics")
 PACKED_SHAPES = [("sm_80", 128), ("sm_90", 128),
                  pytest.param("sm_80", 64, marks=pytest.mark.aot_full)]
 
@@ -32,10 +33,19 @@ def test_packed_kernels_compile_without_spills(prior, arch, head_dim):
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
 
 
+# GGD and FIRE at head dim 128 on sm_90 in every run; the light and general kinds' key-mask
+# kernels (ALiBi's at 64 and FoX's at 128 on sm_80 spilled 8 bytes, BAM-SSMax's at 64 16, until
+# the same change) on sm_80 in `make test-full`
+PADDED = [pytest.param(prior, "sm_90", 128, id=f"{prior}-128-sm_90")
+          for prior in ("generalized_gaussian", "fire")] + [
+    pytest.param(prior, "sm_80", dim, id=f"{prior}-{dim}-sm_80", marks=pytest.mark.aot_full)
+    for prior in ("laplace", "forget_gate", "bam_ssmax") for dim in (64, 128)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("prior", ["generalized_gaussian", "fire"])
-def test_padded_kernels_compile_without_spills(prior):
-    report = _inspect(PRIOR_DIR / f"{prior}.yaml", "sm_90", 128, "--layout", "padded")
+@pytest.mark.parametrize("prior, arch, head_dim", PADDED)
+def test_padded_kernels_compile_without_spills(prior, arch, head_dim):
+    report = _inspect(PRIOR_DIR / f"{prior}.yaml", arch, head_dim, "--layout", "padded")
     assert {k["name"] for k in report["kernels"]} == KERNELS   # batched generation decodes too
     for kernel in report["kernels"]:
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel

@@ -306,13 +306,13 @@ def test_rows_that_see_no_key_stay_zero_beside_an_infinite_value(prior, backend)
 
 
 @pytest.mark.parametrize("prior", ["uniform", "generalized_gaussian", "bam_ssmax", "laplace"])
-def test_a_key_a_row_weighs_zero_gets_no_nan_from_it(prior):
+def test_a_key_a_row_weighs_zero_gets_no_nan_in_dk_from_it(prior):
     """A score whose weight underflows to exactly 0 passes no gradient to its key's dk on the
     Triton path, NaN or not (the dK/dV kernel selects dS where P is not 0; docs/reliability.md,
     "Non-finite inputs"; a ramp, ALiBi, selects on the mask and keeps SDPA's 0 * NaN). The last
     key, seen by the last row alone (causal), has a score so far below that row's best that its
-    weight is 0; the last row's incoming gradient holds a NaN, which reaches every key that row
-    weighs, but not the key it does not."""
+    weight is 0; the last row's incoming gradient holds a NaN, which reaches the dk of every key
+    that row weighs, but not of the key it does not; that key's dv is P dO, NaN as SDPA's."""
     mod = load(prior)
     g = torch.Generator().manual_seed(5)
     B, Hq, N, D = 1, 2, 23, 16
@@ -323,6 +323,7 @@ def test_a_key_a_row_weighs_zero_gets_no_nan_from_it(prior):
     out, (dq, dk, dv, *_) = run(mod, q, k, v, dout, params, "triton", causal=True)
     assert bool(torch.isfinite(out).all())
     assert not bool(torch.isfinite(dk[:, :, :-1]).all())   # the keys the last row weighs: NaN
+    assert bool(torch.isnan(dv[:, :, -1, 0]).all())         # P dO: 0 * NaN
     if prior == "laplace":
         assert not bool(torch.isfinite(dk[:, :, -1]).any()), dk[:, :, -1]
     else:

@@ -368,7 +368,8 @@ FOUND = [
     # GGD with beta = 300 and queries at 2**23: every log-prior overflows to -inf, so every row
     # sees nothing, and key 1 of one head holds -inf in v. The dK/dV kernel's dS = P (dP - delta)
     # was 0 * inf = NaN at that key's scores (the causal mask was its only guard), and gave its
-    # dk NaN where autograd gives 0. A score whose logit is -inf now counts as masked there.
+    # dk NaN where autograd gives 0. A score whose logit is -inf (P = 0) now gets no dS there:
+    # first as masked, since as a score whose P is 0 (the dK/dV kernel selects dS on P).
     Case(prior="generalized_gaussian", backend="triton", dtype="bf16", B=2, Hq=2, Hk=2, Nq=17,
          Nk=17, D=8, causal=True, q_offset=8388608, k_offset=0,
          layouts=("bnhd", "strided_slice", "bnhd"),

@@ -24,7 +24,11 @@ Constexpr flags of the launch:
   TILE_GRAD_SUMS (dQ, with ROW_FACTORS; derived: BLOCK_M * BLOCK_N >= 2048) the parameters'
                sums dS * g are reduced per key tile into [BLOCK_M] vectors instead of
                [BLOCK_M, BLOCK_N] accumulators
-The prior's flags (hooks.py) decide the rest: with ROW_FACTORS dQ sums the per-score parts of
+  DS_ON_P      (dK/dV; derived: ROWS_READY and not RAMP) dS is selected where P is not 0, not
+               on the mask: no mask is kept across the dP product
+The prior's flags (hooks.py) decide the rest: with ROWS_READY the dK/dV kernel reads each row's
+m and 1/l as _bwd_preprocess made them (RowM, RowL), else the forward's m and l there; with
+ROW_FACTORS dQ sums the per-score parts of
 the derivatives and applies each row's factors after its key loop, dK/dV folds d logit / d s
 into the row term, and every logit is _factored_logit2's; ROW_CACHE: _bwd_preprocess writes each
 row's (log2(e) * logit factor, d logit / d s) to RowF for dK/dV; TABLE_WIDTH: the dQ kernel's
@@ -53,8 +57,8 @@ from .helpers import (
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    CENTER_GRADS, GRAD_MODES, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, SCORE_IS_S,
-    SKIP, TABLE, TABLE_POSITIONS, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
+    CENTER_GRADS, GRAD_MODES, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, ROWS_READY,
+    SCORE_IS_S, SKIP, TABLE, TABLE_POSITIONS, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
     prior_scalars, prior_score_factors)
 
 GRAD_TABLE = tl.constexpr(1)          # (bamgen.runtime.traits: GRAD_TABLE, GRAD_LOGIT_FACTOR)
@@ -80,12 +84,13 @@ def _bwd_preprocess(O, DO, Mrow, Lrow, Delta, RowM, RowInvL, Theta, NRow, RowF, 
                     stride_oh, stride_om, stride_dob, stride_doh, stride_dom, stride_nb, Hq, Nq,
                     NUM_PARAMS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D: tl.constexpr):
-    """Delta = rowsum(dO * O), the softmax backward's row term, and each row's m and 1/l as the
-    dK/dV kernel takes them (RowM, RowInvL: _bwd_row_stats); with ROW_CACHE also each row's
-    factors for the dK/dV kernel (RowF[b, h, row] = (log2(e) * the logit's row factor,
-    d logit / d s)). That kernel revisits every row once per key tile: 1/l there (a full-range
-    division) and the poisoned rows' selects took 40% of NoPE's issue slots at head dim 64,
-    SSMax's log(n) (about 20 instructions per row) as much as the scores."""
+    """Delta = rowsum(dO * O), the softmax backward's row term (0 for a row that a NaN reached:
+    _bwd_row_stats), and with ROWS_READY each row's m and 1/l as the dK/dV kernel takes them
+    (RowM, RowInvL); with ROW_CACHE also each row's factors for the dK/dV kernel (RowF[b, h,
+    row] = (log2(e) * the logit's row factor, d logit / d s)). That kernel revisits every row
+    once per key tile: 1/l there (a full-range division) and the poisoned rows' selects were
+    about 120 of NoPE's 670 instructions a pass at head dim 64, SSMax's log(n) (about 20
+    instructions per row) as much as the scores."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
@@ -103,8 +108,9 @@ def _bwd_preprocess(O, DO, Mrow, Lrow, Delta, RowM, RowInvL, Theta, NRow, RowF, 
     m_row, inv_l = _softmax_stats(Mrow, Lrow, rows, row_ok)
     m_row, inv_l, delta = _bwd_row_stats(m_row, inv_l, delta)
     tl.store(Delta + rows, delta, mask=row_ok)
-    tl.store(RowM + rows, m_row, mask=row_ok)
-    tl.store(RowInvL + rows, inv_l, mask=row_ok)
+    if ROWS_READY:
+        tl.store(RowM + rows, m_row, mask=row_ok)
+        tl.store(RowInvL + rows, inv_l, mask=row_ok)
     if ROW_CACHE:
         sc = prior_scalars(Theta + off_h * NUM_PARAMS)
         n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + offs_m, mask=offs_m < Nq, other=0.0)
@@ -132,13 +138,12 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
     each query head's column sums for the keys' positions, DPosK)."""
     sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
-    # RowM, RowL: each row's m and 1/l as _bwd_preprocess made them (ROWS_READY), and dS is
-    # selected on P != 0 (below); the positional kernels take the forward's m and l there, make
-    # the rows' statistics per query tile and select dS on the mask: with the leaner loop ptxas
-    # cut their registers to the next occupancy step (168 or 128 a thread) and put 8-24 bytes
-    # on the stack, and their loops are bound by the positions' work (docs/performance.md,
-    # "The dK/dV loop's row statistics").
-    ROWS_READY: tl.constexpr = POSITIONS == 0
+    # RowM, RowL: with ROWS_READY (hooks.py) each row's m and 1/l as _bwd_preprocess made them,
+    # and dS is selected on P != 0 (below) unless the prior is a ramp; without (the positional
+    # kernels), the forward's m and l, the rows' statistics made per query tile and dS selected
+    # on the mask: with the leaner loop ptxas cut their registers to the next occupancy step
+    # (168 or 128 a thread) and put 8-24 bytes on the stack, and their loops are bound by the
+    # positions' work (docs/performance.md, "The dK/dV loop's row statistics").
     DS_ON_P: tl.constexpr = ROWS_READY and not RAMP
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hk
@@ -286,7 +291,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
             # fifth of its issue slots in predicate spills. A ramp (ALiBi, FoX) selects on the
             # mask: its logit is finite, so only a masked score has P = 0 but for underflow, and
             # selecting on P put 8-16 bytes of ALiBi's or FoX's kernel on sm_80 on the stack; so
-            # do the positional kernels (ROWS_READY), where a score its prior hides counts as
+            # do the positional kernels (not ROWS_READY), where a score its prior hides counts as
             # masked (the compare above).
             if ROW_FACTORS:
                 # d logit / d s is the row's alone (ROW_FACTORS): dS = P (dP - delta) * ds_row is
@@ -587,9 +592,9 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 z = out[0] * 1.4426950408889634  # log2(e)
         p = tl.where(visible, tl.exp2(z - m_row[:, None]) * inv_l[:, None], 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
-        # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN query), as
-        # autograd through a mask gives. (Selecting on P != 0, as the dK/dV kernel does, cost
-        # this loop more issue slots than it saved.)
+        # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN in its dO,
+        # or in a seen key's v), as autograd through a mask gives. (Selecting on P != 0, as the
+        # dK/dV kernel does, cost this loop more issue slots than it saved.)
         ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
         if POS_GRADS and WRITE_DQ:
             pos_grads = prior_position_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)

@@ -51,6 +51,9 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
                   score reads the distance table at d_top - (pos_i - pos_j) instead of at its
                   tokens' distance; the positions take no gradient (DPosQ, DPosK are not
                   written): traits.position_table_traits, docs/positions.md "Integer positions"
+  ROWS_READY      (traits.rows_ready: all but POSITIONS) _bwd_preprocess writes each row's m and
+                  1/l, which the dK/dV kernel reads (RowM, RowL); else the dK/dV kernel takes the
+                  forward's m and l there and makes them per query tile
 
 Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
 tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
@@ -91,10 +94,11 @@ CENTER_GRADS = tl.constexpr(False)
 CLAMP_POSITIONS = tl.constexpr(False)
 POSITIONS = tl.constexpr(0)
 TABLE_POSITIONS = tl.constexpr(False)
+ROWS_READY = tl.constexpr(True)
 
 FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
          "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS",
-         "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS")
+         "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS", "ROWS_READY")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
          "prior_score_factors", "prior_logit_row", "prior_logit_score", "prior_position_grads")
 

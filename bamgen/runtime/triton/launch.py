@@ -655,9 +655,16 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
     d_top_b, tab_slot, tab_stride_h = table_args(prior, table, d_top)
     delta = torch.empty(B, Hq, Nq, device=q.device, dtype=torch.float32)
     # each row's m and 1/l as the dK/dV kernel reads them (see _bwd_preprocess); the kernels of
-    # positions as tensors read the forward's m and l instead (ROWS_READY in backward.py)
-    row_stats = torch.empty(2, B, Hq, Nq, device=q.device, dtype=torch.float32)
-    rows_dkdv = stats if prior.traits.tensor_positions else row_stats
+    # positions as tensors read the forward's m and l instead (traits.rows_ready, ROWS_READY)
+    if prior.traits.rows_ready:
+        # (two tensors, not two views of one: views of one buffer written by one launch made
+        # AOT autograd specialise the length, tests/runtime/test_compile.py)
+        rows_dkdv = tuple(torch.empty(B, Hq, Nq, device=q.device, dtype=torch.float32)
+                          for _ in range(2))
+        row_stats = rows_dkdv
+    else:
+        rows_dkdv = stats
+        row_stats = (delta, delta)   # (placeholders the preprocess kernel does not touch)
     if prior.traits.row_cache:
         # each row's (log2(e) * logit factor, d logit / d s) for dK/dV (see _bwd_preprocess)
         row_f = torch.empty(B, Hq, Nq, 2, device=q.device, dtype=torch.float32)

@@ -19,7 +19,8 @@ shipped prior of that kind, for bf16 and head dims 64 and 128 (tests/gpu/test_ao
 defaults and the alternates; ``python benchmarks/tile_sweep.py`` is the sweep that chose them,
 and docs/performance.md has its figures). Among the spill-free tiles the default is the one the
 model ranks best with num_stages >= 2 (software pipelining hides load latency, which the model
-does not see). Head dim 256 is outside that guarantee.
+does not see), one stage where no two-stage tile is spill-free (the light kind's dK/dV at head
+dim 128 on sm_80). Head dim 256 is outside that guarantee.
 """
 from __future__ import annotations
 
