@@ -655,16 +655,12 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
     d_top_b, tab_slot, tab_stride_h = table_args(prior, table, d_top)
     delta = torch.empty(B, Hq, Nq, device=q.device, dtype=torch.float32)
     # each row's m and 1/l as the dK/dV kernel reads them (see _bwd_preprocess); the kernels of
-    # positions as tensors read the forward's m and l instead (traits.rows_ready, ROWS_READY)
-    if prior.traits.rows_ready:
-        # (two tensors, not two views of one: views of one buffer written by one launch made
-        # AOT autograd specialise the length, tests/runtime/test_compile.py)
-        rows_dkdv = tuple(torch.empty(B, Hq, Nq, device=q.device, dtype=torch.float32)
-                          for _ in range(2))
-        row_stats = rows_dkdv
-    else:
-        rows_dkdv = stats
-        row_stats = (delta, delta)   # (placeholders the preprocess kernel does not touch)
+    # positions as tensors read the forward's m and l instead (traits.rows_ready, ROWS_READY).
+    # Two tensors, not two views of one: views of one buffer written by one launch made AOT
+    # autograd specialise the length (tests/runtime/test_compile.py).
+    forward_rows = (stats[0], stats[1])
+    ready = tuple(torch.empty(B, Hq, Nq, device=q.device, dtype=torch.float32)
+                  for _ in range(2)) if prior.traits.rows_ready else None
     if prior.traits.row_cache:
         # each row's (log2(e) * logit factor, d logit / d s) for dK/dV (see _bwd_preprocess)
         row_f = torch.empty(B, Hq, Nq, 2, device=q.device, dtype=torch.float32)
@@ -672,7 +668,7 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         row_f = delta   # (a placeholder the kernels do not touch)
     rows, warps = PREPROCESS
     wrap(kernels["preprocess"])[(triton.cdiv(Nq, rows), B * Hq)](
-        out32, dout, stats[0], stats[1], delta, row_stats[0], row_stats[1], theta, counts, row_f,
+        out32, dout, *forward_rows, delta, *(ready or (delta, delta)), theta, counts, row_f,
         out32.stride(0), out32.stride(1), out32.stride(2), dout.stride(0), dout.stride(1),
         dout.stride(2), counts.stride(0), Hq, Nq,
         NUM_PARAMS=num_params, BLOCK_M=rows, HEAD_DIM=head_dim, D=D, num_warps=warps, num_stages=1)
@@ -684,7 +680,7 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
     def run_dkdv(config):
         block_m, block_n, warps, stages = config
         return wrap(kernels["bwd_dkdv"])[(lay.grid0(1, block_n, Nk), B * Hk)](
-            q, k, v, theta, dout, *rows_dkdv, delta, row_f, dk, dv, table, window, counts,
+            q, k, v, theta, dout, *(ready or forward_rows), delta, row_f, dk, dv, table, window, counts,
             *lay.pointers(1, block_n), lay.pos_q, lay.pos_k, dpos_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
@@ -821,7 +817,8 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
          dict(STORE_O32=dtype != "fp32", TABLE_GATHER=fwd_table_gather(arch, padded))),
         ("bwd_preprocess", kernels["preprocess"], None,
          dict(O=ptr if dtype == "fp32" else "*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32",
-              Delta="*fp32", RowM="*fp32", RowInvL="*fp32", Theta="*fp32", NRow="*fp32", RowF="*fp32"), None),
+              Delta="*fp32", RowM="*fp32", RowInvL="*fp32", Theta="*fp32", NRow="*fp32",
+              RowF="*fp32"), None),
         ("attn_bwd_dkdv", kernels["bwd_dkdv"], "bwd_dkdv",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, RowM="*fp32", RowL="*fp32", Delta="*fp32",
               RowF="*fp32", DK=ptr, DV=ptr, Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs,
