@@ -209,6 +209,50 @@ def test_the_dkdv_loop_takes_its_rows_statistics_ready():
         assert ops.get("MUFU.EX2", 0) == scores_a_thread, (name, dim, ops)
 
 
+DQ_LOOP_SCRIPT = r"""
+import collections, json, sys
+from bamgen.aot import compile_module, disassemble, loop_model, mma_loops
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior
+out = []
+for name in sys.argv[1:]:
+    for dim in (64, 128):
+        for k in compile_module(load_prior(shipped_prior(name)), arch="sm_90", head_dim=dim,
+                                only=("attn_bwd_dq",)):
+            loops = mma_loops(disassemble(k.cubin))
+            steady = min(loops, key=len)
+            ops = collections.Counter(op.split(".")[0] for _, op, _ in steady)
+            per_1k = 1000 / (k.block[0] * k.block[1])
+            cycles = loop_model(k.main_loop, "sm_90", k.num_warps)["cycles"]
+            out.append([name, dim, len(loops), k.stack_bytes, k.block[0] * k.block[1] // (32 * k.num_warps),
+                        {op: ops[op] for op in ("ISETP", "SEL", "FSEL", "PRMT")},
+                        cycles["issue"] * per_1k, cycles["tensor"] * per_1k])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_dq_loop_splits_off_its_steady_run():
+    """The dQ kernel's key tiles that every row of a whole query tile sees whole run through a
+    loop of their own with no causal or bounds mask (tiles.DQ_STEADY_AT: NoPE and GGD at head
+    dim 64 on sm_90, NoPE at 128): no integer compare or select a score there, and NoPE's loop
+    at 64 issues within 15% of its tensor cores' floor (it issued 1.6x: docs/performance.md,
+    "The dQ kernel's steady run"). GGD at 128, where the split spilled, keeps one masked loop."""
+    res = run_script_aot(DQ_LOOP_SCRIPT, "uniform", "generalized_gaussian")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(name, dim): rest for name, dim, *rest in json.loads(res.stdout)}
+    assert len(rows) == 4, rows
+    for (name, dim), (loops, stack, scores, masks, issue, tensor) in rows.items():
+        assert stack == 0, (name, dim, stack)
+        if (name, dim) == ("generalized_gaussian", 128):
+            assert loops == 1 and masks["ISETP"] >= scores, (name, dim, loops, masks)
+            continue
+        assert loops == 2, (name, dim, loops)
+        assert all(n < scores for n in masks.values()), (name, dim, scores, masks)
+    issue, tensor = rows[("uniform", 64)][4:]
+    assert issue <= 1.15 * tensor, (issue, tensor)
+
+
 @pytest.mark.slow
 def test_inspect_saves_cubins(tmp_path):
     report = _inspect(PRIOR_DIR / "laplace.yaml", "sm_80", 64, "--save", str(tmp_path / "cubins"))

@@ -13,6 +13,7 @@ import torch
 
 from bamgen.runtime.triton.launch import _PINS, pinned, table_gather
 from bamgen.runtime.triton.tiles import FWD_TABLE_GATHER
+from tests.helpers import gqa_call_grads
 
 GGD = importlib.import_module("generated.generalized_gaussian")
 
@@ -67,13 +68,7 @@ def _layout_call(module, layout, seed=3):
         pos = torch.sort(torch.randperm(60, generator=g)[:nk]).values.to(torch.float32)[None]
         kw = dict(causal=True, pos_q=pos, pos_k=pos)
     batch = 1 if layout in ("packed", "positions") else 2
-    q = torch.randn(batch, 2, nq, 16, generator=g, requires_grad=True)
-    k, v = (torch.randn(batch, 1, nk, 16, generator=g, requires_grad=True) for _ in range(2))
-    params = {name: t.clone().requires_grad_() for name, t in module.default_params(2).items()}
-    out = module.attention(q, k, v, backend="triton", **kw, **params)
-    grads = torch.autograd.grad(out, [q, k, v, *params.values()],
-                                torch.randn(out.shape, generator=g), allow_unused=True)
-    return [out.detach(), *(t for t in grads if t is not None)]
+    return gqa_call_grads(module, g, batch, nq, nk, **kw)
 
 
 @pytest.mark.parametrize("layout", ["bidirectional", "continuation", "key_mask", "packed", "positions"])

@@ -26,6 +26,10 @@ Constexpr flags of the launch:
                [BLOCK_M, BLOCK_N] accumulators
   DS_ON_P      (dK/dV; derived: ROWS_READY and not RAMP) dS is selected where P is not 0, not
                on the mask: no mask is kept across the dP product
+  SPLIT_STEADY (dQ; tiles.dq_splits_steady) the key tiles that every row of a whole query tile
+               sees whole run first through a loop with no causal or bounds mask (the
+               forward's steady state); off, one masked loop walks every tile (fewer
+               registers: the split spills where the loop is near 255)
 The prior's flags (hooks.py) decide the rest: with ROWS_READY the dK/dV kernel reads each row's
 m and 1/l as _bwd_preprocess made them (RowM, RowL), else the forward's m and l there; with
 ROW_FACTORS dQ sums the per-score parts of
@@ -51,11 +55,11 @@ import triton.language as tl
 
 from .helpers import (
     TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _distance, _dot, _factored_logit2, _fp32_scalars,
-    _kept_keys,
+    _kept_keys, _load_kv,
     _logit2, _logit_grads, _logit_row2, _position, _position_diff, _position_reduce,
     _position_terms, _store_positions, _tensor_positions, _zero_tiles, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
-    _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
+    _steady_keys, _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
     CENTER_GRADS, GRAD_MODES, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, ROWS_READY,
     SCORE_IS_S, SKIP, TABLE, TABLE_POSITIONS, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
@@ -366,7 +370,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
                  ROW_SUMS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr,
-                 VARLEN: tl.constexpr):
+                 VARLEN: tl.constexpr, SPLIT_STEADY: tl.constexpr):
     """One program: one query tile of one (batch, head). Writes dQ and, for each learnable
     parameter, one partial sum of dS * d logit / d param into DTheta[program, head, param]
     (the host sums the programs: deterministic, no atomics, no N^2 tensor).
@@ -470,6 +474,11 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     if SKIP:
         n_lo, n_hi = _window_keys(Window, off_h, pid_m * BLOCK_M + q_offset - k_offset, BLOCK_M,
                                   n_hi, BLOCK_N)
+    if SPLIT_STEADY:
+        n_full = _steady_keys(pid_m * BLOCK_M, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL,
+                              SKIP, BLOCK_M, BLOCK_N, True)
+    else:
+        n_full = n_lo
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # Parameter gradients, row by row: sum_j dS_ij g_ij - (sum_j dS_ij)(sum_j P_ij g_ij).
     # The second term is 0 in exact arithmetic (a softmax's dS sums to 0 over its row); with
@@ -512,146 +521,173 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         dpos_q = _zero_tiles(BLOCK_M, BLOCK_N)
         pos_means = _zero_tiles(BLOCK_M, BLOCK_N)
         pos_ds = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start_n in range(n_lo, n_hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < Nk
-        if HAS_KEY_MASK:   # padding keys: hidden, and read as 0 (a NaN there reaches nothing)
-            key_ok = _kept_keys(km_base, offs_n, Nk)
-        kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
-        offs_n_abs = offs_n + k_offset
-        if POSITIONS > 0:
-            pos_j = _as_cols(_tensor_positions(PosK, pid_bh.to(tl.int64) * keys_all + k_start, offs_n,
-                                               offs_n < Nk))
-            pos_d = _position_diff(pos_i, pos_j)
+    # Two runs of key tiles, as in the forward (SPLIT_STEADY; else the second alone): [n_lo,
+    # n_full) is seen whole by every row of a whole query tile (the steady state: no causal or
+    # bounds mask, K and V read unmasked; a key_mask still hides its padding keys), then
+    # [n_full, n_hi), the diagonal and the ragged end. The where()s the steady run leaves out
+    # select every score there, so both runs compute the same bits.
+    for run in tl.static_range(0 if SPLIT_STEADY else 1, 2):
+        STEADY = run == 0   # (a constexpr: static_range unrolls the runs)
+        if STEADY:
+            tiles_lo = n_lo
+            tiles_hi = n_full
         else:
-            pos_j = _position(offs_n_abs)[None, :]
-            pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
-        visible = row_ok[:, None] & key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n_abs[None, :] <= offs_m_abs[:, None])
-        if TABLE_POSITIONS:
-            key_at = pos_j.to(tl.int32)
-        else:
-            key_at = offs_n_abs[None, :]
-        if INTERLEAVED:
-            # the tile's log-prior and derivative entries, four per vector load
-            tab_at = tab_rows + key_at * TABLE_WIDTH
-            tab = ()
-            for group in tl.static_range(TABLE_WIDTH // 4):
-                tab = tab + _table_load4(tab_at + 4 * group)
-        else:
-            tab_at = tab_rows + key_at
-        if RAMP:
-            if CAUSAL:
-                ramp_d = row_ref_f[:, None] - pos_j   # exact: positions stay within 2**24 (MAX_POSITION)
-                z = tl.fma(ramp_d, ramp_slope, qk * qk_scale)
-            elif RAMP_SYMMETRIC:
-                z = _ramp_logit2(qk, qk_scale, ramp_slope, offs_m_abs[:, None], offs_n_abs[None, :],
-                                 near[:, None])
-                # |d| - |d_ref|, exact (the derivative of an even ramp is a constant times |d|)
-                ramp_d = (tl.abs(offs_m_abs[:, None] - offs_n_abs[None, :])
-                          - tl.abs(offs_m_abs - near)[:, None]).to(tl.float32)
+            tiles_lo = n_full
+            tiles_hi = n_hi
+        for start_n in range(tiles_lo, tiles_hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < Nk
+            if HAS_KEY_MASK:   # padding keys: hidden, and read as 0 (a NaN there reaches nothing)
+                key_ok = _kept_keys(km_base, offs_n, Nk)
+            if STEADY and not HAS_KEY_MASK:
+                k = _load_kv(k_base, offs_n, stride_kn, offs_d, Nk, False, D, HEAD_DIM)
+                v = _load_kv(v_base, offs_n, stride_vn, offs_d, Nk, False, D, HEAD_DIM)
             else:
-                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
-            if GRAD_COUNT > 0:
-                if (RAMP_SYMMETRIC or CAUSAL) and not ROW_SUMS:
-                    # from the row's reference too: the derivative's part that is constant along
-                    # the row (ALiBi's |d_ref| / b^2, which grows with the positions) meets
-                    # sum_j dS = 0 (each times its ramp factor, after the loop)
-                    dlogit = ()
-                    for g in tl.static_range(NUM_GRADS):
-                        dlogit = dlogit + (ramp_d,)
-                else:
-                    dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, (), sc)   # (clamped below)
-        elif SCORE_IS_S:
+                kv_mask = key_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
+                            other=0.0)
+                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
+                            other=0.0)
+            qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
+            offs_n_abs = offs_n + k_offset
+            if POSITIONS > 0:
+                pos_j = _as_cols(_tensor_positions(PosK, pid_bh.to(tl.int64) * keys_all + k_start, offs_n,
+                                                   offs_n < Nk))
+                pos_d = _position_diff(pos_i, pos_j)
+            else:
+                pos_j = _position(offs_n_abs)[None, :]
+                pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
+            MASKED = HAS_KEY_MASK or not STEADY
+            if STEADY:
+                visible = tl.broadcast_to(key_ok[None, :], (BLOCK_M, BLOCK_N))   # (HAS_KEY_MASK's)
+            else:
+                visible = row_ok[:, None] & key_ok[None, :]
+                if CAUSAL:
+                    visible = visible & (offs_n_abs[None, :] <= offs_m_abs[:, None])
+            if TABLE_POSITIONS:
+                key_at = pos_j.to(tl.int32)
+            else:
+                key_at = offs_n_abs[None, :]
             if INTERLEAVED:
-                z = _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab[0], sc)
-            else:
-                z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
+                # the tile's log-prior and derivative entries, four per vector load
+                tab_at = tab_rows + key_at * TABLE_WIDTH
                 tab = ()
-            if GRAD_COUNT > 0:
-                dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, tab, sc)
-        else:
-            if TABLE and not INTERLEAVED:
-                tab = (_table_load(tab_at),)
-            elif not TABLE:
-                tab = ()
-            if ROW_FACTORS:
-                z, logit_u = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)
-                if GRAD_COUNT > 0:
-                    # each parameter's per-score factor (times its row factor, after the loop); a
-                    # parameter whose factor is the logit's own u takes u (GRAD_LOGIT_FACTOR)
-                    dlogit = prior_score_factors(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                for group in tl.static_range(TABLE_WIDTH // 4):
+                    tab = tab + _table_load4(tab_at + 4 * group)
             else:
-                out = _logit_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
-                dlogit_ds = out[1]
-                dlogit = out[2:]
-                z = out[0] * 1.4426950408889634  # log2(e)
-        p = tl.where(visible, tl.exp2(z - m_row[:, None]) * inv_l[:, None], 0.0)
-        dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
-        # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN in its dO,
-        # or in a seen key's v), as autograd through a mask gives. (Selecting on P != 0, as the
-        # dK/dV kernel does, cost this loop more issue slots than it saved.)
-        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
-        if POS_GRADS and WRITE_DQ:
-            pos_grads = prior_position_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
-            dpos_q = _position_terms(dpos_q, ds, p, pos_grads, 0)
-            pos_means = _position_terms(pos_means, p, p, pos_grads, 0)
-            pos_ds += ds
-        if GRAD_COUNT > 0:
-            if TILE_ROW_SUMS:
-                ds_rows += tl.sum(ds, 1)
-            else:
-                ds_acc += ds
-        if DIST_SUMS:
-            # dS summed per distance (the skewed tile's columns), times each derivative's
-            # table entries at those distances: sum_ij dS_ij g(i - j) = sum_d g(d) sum_{i-j=d} dS_ij
-            per_dist = tl.sum(tl.where(skew_ok, tl.gather(ds, skew_at, 1), 0.0), 0)
-            e_tile = (d_top_b - 33554433 - (pid_m * BLOCK_M + q_offset) + (start_n + k_offset)
-                      - (BLOCK_M - 1))
-            entry = e_tile + dist_u
-            in_table = dist_rows & ((entry >= 0) & (entry < tab_slot))[:, None]
-            new_acc = ()
-            for c in tl.static_range(DIST_K // DIST_CHUNK):
-                column = c * DIST_CHUNK + dist_k
-                slab = tl.load(tab_grads + c * DIST_CHUNK * tab_slot + entry[:, None],
-                               mask=in_table & (column < NUM_GRADS)[None, :], other=0.0)
-                new_acc = new_acc + (dist_acc[c] + tl.sum(per_dist[:, None] * slab, 0),)
-            dist_acc = new_acc
-        new_sums = ()
-        for g in tl.static_range(GRAD_COUNT):
-            # (GRAD_BASE + g: its index among all the learnable scalars, a constexpr)
+                tab_at = tab_rows + key_at
             if RAMP:
-                seen = dlogit[GRAD_BASE + g]
-                if not CAUSAL or ROW_SUMS:
-                    seen = tl.where(p > 0.0, _clamped(seen), 0.0)
-            elif GRAD_MODES[GRAD_BASE + g] == GRAD_TABLE:
-                seen = dlogit[GRAD_BASE + g]  # a table entry: clamped, 0 where P is
-            elif GRAD_MODES[GRAD_BASE + g] == GRAD_LOGIT_FACTOR:
-                # the logit's own per-score factor: finite wherever P > 0
-                seen = tl.where(p > 0.0, logit_u, 0.0)
-            elif CENTER_GRADS:
-                seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g] - centres[g]), 0.0)
+                if CAUSAL:
+                    ramp_d = row_ref_f[:, None] - pos_j   # exact: positions stay within 2**24 (MAX_POSITION)
+                    z = tl.fma(ramp_d, ramp_slope, qk * qk_scale)
+                elif RAMP_SYMMETRIC:
+                    z = _ramp_logit2(qk, qk_scale, ramp_slope, offs_m_abs[:, None], offs_n_abs[None, :],
+                                     near[:, None])
+                    # |d| - |d_ref|, exact (the derivative of an even ramp is a constant times |d|)
+                    ramp_d = (tl.abs(offs_m_abs[:, None] - offs_n_abs[None, :])
+                              - tl.abs(offs_m_abs - near)[:, None]).to(tl.float32)
+                else:
+                    z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
+                if GRAD_COUNT > 0:
+                    if (RAMP_SYMMETRIC or CAUSAL) and not ROW_SUMS:
+                        # from the row's reference too: the derivative's part that is constant along
+                        # the row (ALiBi's |d_ref| / b^2, which grows with the positions) meets
+                        # sum_j dS = 0 (each times its ramp factor, after the loop)
+                        dlogit = ()
+                        for g in tl.static_range(NUM_GRADS):
+                            dlogit = dlogit + (ramp_d,)
+                    else:
+                        dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, (), sc)   # (clamped below)
+            elif SCORE_IS_S:
+                if INTERLEAVED:
+                    z = _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab[0], sc)
+                else:
+                    z = _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_at, sc)
+                    tab = ()
+                if GRAD_COUNT > 0:
+                    dlogit = prior_grads(0.0, pos_d, pos_i, pos_j, pos_n, tab, sc)
             else:
-                seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g]), 0.0)
-            if TILE_GRAD_SUMS:
-                grad = sums[2 * g] + _row_dot(ds, seen)
-            else:
-                # tl.fma: one FFMA each (the kernels compile with contraction off, see FP_FUSION)
-                grad = tl.fma(ds, seen, sums[2 * g])
-            if TILE_ROW_SUMS:
-                mean = sums[2 * g + 1] + _row_dot(p, seen)
-            else:
-                mean = tl.fma(p, seen, sums[2 * g + 1])
-            new_sums = new_sums + (grad, mean)
-        sums = new_sums
-        if WRITE_DQ:
-            if not SCORE_IS_S and not ROW_FACTORS:
-                ds = tl.where(p > 0.0, ds * dlogit_ds, 0.0)   # (see the dK/dV kernel)
-            dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST_DOT)
+                if TABLE and not INTERLEAVED:
+                    tab = (_table_load(tab_at),)
+                elif not TABLE:
+                    tab = ()
+                if ROW_FACTORS:
+                    z, logit_u = _factored_logit2(qk, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                    if GRAD_COUNT > 0:
+                        # each parameter's per-score factor (times its row factor, after the loop); a
+                        # parameter whose factor is the logit's own u takes u (GRAD_LOGIT_FACTOR)
+                        dlogit = prior_score_factors(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                else:
+                    out = _logit_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                    dlogit_ds = out[1]
+                    dlogit = out[2:]
+                    z = out[0] * 1.4426950408889634  # log2(e)
+            p = tl.exp2(z - m_row[:, None]) * inv_l[:, None]
+            if MASKED:
+                p = tl.where(visible, p, 0.0)
+            dp = _dot(do, tl.trans(v), None, DOT_PREC, UPCAST_DOT)
+            # where(): a masked score has dS = 0 even in a row whose delta is NaN (a NaN in its dO,
+            # or in a seen key's v), as autograd through a mask gives. (Selecting on P != 0, as the
+            # dK/dV kernel does, cost this loop more issue slots than it saved.)
+            ds = p * (dp - delta[:, None])
+            if MASKED:
+                ds = tl.where(visible, ds, 0.0)
+            if POS_GRADS and WRITE_DQ:
+                pos_grads = prior_position_grads(qk * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
+                dpos_q = _position_terms(dpos_q, ds, p, pos_grads, 0)
+                pos_means = _position_terms(pos_means, p, p, pos_grads, 0)
+                pos_ds += ds
+            if GRAD_COUNT > 0:
+                if TILE_ROW_SUMS:
+                    ds_rows += tl.sum(ds, 1)
+                else:
+                    ds_acc += ds
+            if DIST_SUMS:
+                # dS summed per distance (the skewed tile's columns), times each derivative's
+                # table entries at those distances: sum_ij dS_ij g(i - j) = sum_d g(d) sum_{i-j=d} dS_ij
+                per_dist = tl.sum(tl.where(skew_ok, tl.gather(ds, skew_at, 1), 0.0), 0)
+                e_tile = (d_top_b - 33554433 - (pid_m * BLOCK_M + q_offset) + (start_n + k_offset)
+                          - (BLOCK_M - 1))
+                entry = e_tile + dist_u
+                in_table = dist_rows & ((entry >= 0) & (entry < tab_slot))[:, None]
+                new_acc = ()
+                for c in tl.static_range(DIST_K // DIST_CHUNK):
+                    column = c * DIST_CHUNK + dist_k
+                    slab = tl.load(tab_grads + c * DIST_CHUNK * tab_slot + entry[:, None],
+                                   mask=in_table & (column < NUM_GRADS)[None, :], other=0.0)
+                    new_acc = new_acc + (dist_acc[c] + tl.sum(per_dist[:, None] * slab, 0),)
+                dist_acc = new_acc
+            new_sums = ()
+            for g in tl.static_range(GRAD_COUNT):
+                # (GRAD_BASE + g: its index among all the learnable scalars, a constexpr)
+                if RAMP:
+                    seen = dlogit[GRAD_BASE + g]
+                    if not CAUSAL or ROW_SUMS:
+                        seen = tl.where(p > 0.0, _clamped(seen), 0.0)
+                elif GRAD_MODES[GRAD_BASE + g] == GRAD_TABLE:
+                    seen = dlogit[GRAD_BASE + g]  # a table entry: clamped, 0 where P is
+                elif GRAD_MODES[GRAD_BASE + g] == GRAD_LOGIT_FACTOR:
+                    # the logit's own per-score factor: finite wherever P > 0
+                    seen = tl.where(p > 0.0, logit_u, 0.0)
+                elif CENTER_GRADS:
+                    seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g] - centres[g]), 0.0)
+                else:
+                    seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g]), 0.0)
+                if TILE_GRAD_SUMS:
+                    grad = sums[2 * g] + _row_dot(ds, seen)
+                else:
+                    # tl.fma: one FFMA each (the kernels compile with contraction off, see FP_FUSION)
+                    grad = tl.fma(ds, seen, sums[2 * g])
+                if TILE_ROW_SUMS:
+                    mean = sums[2 * g + 1] + _row_dot(p, seen)
+                else:
+                    mean = tl.fma(p, seen, sums[2 * g + 1])
+                new_sums = new_sums + (grad, mean)
+            sums = new_sums
+            if WRITE_DQ:
+                if not SCORE_IS_S and not ROW_FACTORS:
+                    ds = tl.where(p > 0.0, ds * dlogit_ds, 0.0)   # (see the dK/dV kernel)
+                dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST_DOT)
     if WRITE_DQ:
         if ROW_FACTORS:
             dq = dq * (sm_scale * ds_row)[:, None]   # d logit / d s, the row's alone

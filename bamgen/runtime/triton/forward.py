@@ -43,7 +43,7 @@ from .helpers import (
     _load_kept,
     _gather_table, _load_kv, _logit2, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
-    _table_load, _table_logit2, _tensor_positions, _value_entries, _window_keys)
+    _steady_keys, _table_load, _table_logit2, _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
     POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, TABLE_POSITIONS, prior_ramp,
     prior_scalars)
@@ -207,24 +207,20 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     # the prior's parameters for this head, and what depends on them alone
     sc = prior_scalars(Theta + off_h * NUM_PARAMS)
     offs_m_abs = offs_m + q_offset
-    # key tiles [0, n_full) are seen whole by every row (the steady state, no masks);
-    # [n_full, n_hi) hold the diagonal and the ragged end
     n_hi = Nk
-    n_full = Nk // BLOCK_N * BLOCK_N
     # n: the keys each row sees (counted on the host: over all blocks of the row's keys)
     n_visible = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
     if CAUSAL:
         n_hi = tl.minimum(Nk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + q_offset - k_offset, 0))
-        first_row_keys = tl.minimum(tl.maximum(pid_m * BLOCK_M + q_offset - k_offset + 1, 0), Nk)
-        n_full = first_row_keys // BLOCK_N * BLOCK_N
     n_lo = 0
     if SKIP:
         # block skipping: keys outside this head's window of distances [lo, hi] are skipped
         n_lo, n_hi = _window_keys(Window, off_h, pid_m * BLOCK_M + q_offset - k_offset, BLOCK_M,
                                   n_hi, BLOCK_N)
-        # the steady state ends at a whole tile inside [n_lo, n_full) (keys there exist and are
-        # visible, so a tile may reach past the window: those scores are computed exactly)
-        n_full = tl.maximum(n_lo, tl.minimum(n_full, tl.cdiv(n_hi, BLOCK_N) * BLOCK_N))
+    # key tiles [n_lo, n_full) are seen whole by every row (the steady state, no masks; rows
+    # past Nq compute what no one stores); [n_full, n_hi) hold the diagonal and the ragged end
+    n_full = _steady_keys(pid_m * BLOCK_M, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL, SKIP,
+                          BLOCK_M, BLOCK_N, False)
     # distance d of this head sits at Table + h * tab_stride_h + d_top - d: a query's row of
     # the Toeplitz table, indexed by the key's absolute position, starts here
     # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)

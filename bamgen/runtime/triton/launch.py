@@ -29,7 +29,7 @@ from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
 from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, GRAD_GROUPS_MASKED, INTERPRET_TILES,
-                    TABLE_GATHERS, TILES, fwd_table_gather, head_dim_bucket)
+                    TABLE_GATHERS, TILES, dq_splits_steady, fwd_table_gather, head_dim_bucket)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -203,6 +203,15 @@ def table_gather(device=None, head_dim=None):
         return FWD_TABLE_GATHER
     family = interpreted_family() if interpreting() else gpu_family(device)
     return FWD_TABLE_GATHER if family is None else fwd_table_gather(family, head_dim)
+
+
+def dq_split_steady(prior, device, head_dim) -> bool:
+    """The dQ kernel's SPLIT_STEADY: tiles.dq_splits_steady for the device's family, the
+    prior's tile kind and the (padded) head dim; on under the interpreter unless
+    BAMGEN_INTERPRET_TILES names a family (the tests then run both loops; they compute the same
+    bits either way)."""
+    family = interpreted_family() if interpreting() else gpu_family(device)
+    return family is None or dq_splits_steady(prior.traits.tile_kind, family, head_dim)
 
 
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
@@ -704,6 +713,7 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         INTERPRET_GRAD_GROUP if interpreting() and interpreted_family() is None else None, lay.masked)
     dq = torch.empty_like(q)
     partials = {}   # one partial sum per dQ program: its shape follows the tile
+    split_steady = dq_split_steady(prior, q.device, head_dim)
 
     def run_dq(config):
         block_m, block_n, warps, stages = config
@@ -725,8 +735,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
                 GRAD_COUNT=count, DIST_SUMS=dist_sums, DIST_K=dist_width(prior.traits.num_grads),
                 CAUSAL=causal, BLOCK_M=block_m,
                 BLOCK_N=block_n, HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast,
-                ROW_SUMS=row_sums, **lay.flags(), num_warps=warps, num_stages=stages,
-                enable_fp_fusion=FP_FUSION)
+                ROW_SUMS=row_sums, **lay.flags(), SPLIT_STEADY=split_steady, num_warps=warps,
+                num_stages=stages, enable_fp_fusion=FP_FUSION)
         return out
 
     rows = torch.zeros(B, Hq, Nq, 1 + prior.traits.num_grads, device=q.device, dtype=torch.float32) \
@@ -834,7 +844,8 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
               else grad_groups(prior.traits.num_grads, prior.traits.tile_kind,
                                masked=any(flags))[0][1],
               DIST_SUMS=prior.traits.dist_sums, DIST_K=dist_width(prior.traits.num_grads),
-              ROW_SUMS=False)),
+              ROW_SUMS=False,
+              SPLIT_STEADY=dq_splits_steady(prior.traits.tile_kind, arch, padded))),
     ]
     if layout in ("plain", "padded") and not positional:   # (else: the prefill kernels alone)
         plans += [

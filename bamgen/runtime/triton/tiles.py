@@ -272,6 +272,30 @@ def head_dim_bucket(head_dim: int) -> int:
     return min(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
 
 
+# Where the dQ kernel splits off its steady run (SPLIT_STEADY of backward._attn_bwd_dq): the key
+# tiles that every row of a whole query tile sees whole go through a loop with no causal or
+# bounds mask, as the forward's do. NoPE's dQ loop at head dim 64 on sm_90 issues 216
+# instructions a pass instead of 310 (151 -> 105 issue cycles per 1000 scores, against a tensor
+# floor of 94), GGD's 236 -> 209 (Triton 3.9). But the split raises registers (the table kind at
+# 64 on sm_90 from 213 to 242), and it spills where the loop was near 255 already: the table
+# kind's 64x32 at head dim 128 on sm_90 (64 bytes; its 64x16 split models 289 against 64x32's
+# 242 unsplit), T5's (8-24 bytes; an LSU-bound loop it does not shorten), FIRE's (240-328),
+# BAM-SSMax's packed on sm_80 at 128 (16), Laplace's at 128 on sm_80 with Triton 3.6 (8; the
+# light kind's dQ there is LSU-bound in the model either way). So it is on for the (tile kind,
+# family, head dim bucket) below, each spill-free with Triton 3.9 and 3.6 in the plain, key-mask
+# and packed layouts for every candidate (tests/gpu/test_aot.py compiles them), and off for the
+# kernels of positions as tensors (bound by the positions' work) and wherever not named.
+# docs/performance.md, "The dQ kernel's steady run".
+DQ_STEADY_AT = frozenset({("light", "sm_80", 64), ("light", "sm_90", 64), ("light", "sm_90", 128),
+                          ("table", "sm_90", 64), ("general", "sm_90", 64)})
+
+
+def dq_splits_steady(kind: str, arch: str, head_dim: int) -> bool:
+    """Whether the dQ kernel of a tile kind splits off its steady run on a GPU family at a
+    (padded) head dim (DQ_STEADY_AT, by the head dim's bucket)."""
+    return (kind, arch, head_dim_bucket(head_dim)) in DQ_STEADY_AT
+
+
 def fwd_table_gather(arch: str, head_dim: int) -> str:
     """The forward's table read on a GPU family at a (padded) head dim, by its bucket (the
     read was timed with the bucket's tile)."""
