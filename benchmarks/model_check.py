@@ -121,9 +121,9 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
 
 
 def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
-    """A kernel spec (triton_kernel_specs) with a variant's pinned tile and table gather, as
-    bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's name of it
-    ("fwd", "bwd_dkdv", "bwd_dq", "decode")."""
+    """A kernel spec (triton_kernel_specs) with a variant's pinned tile, table gather and dQ
+    split, as bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's name
+    of it ("fwd", "bwd_dkdv", "bwd_dq", "decode")."""
     name, fn, signature, constexprs, warps, stages = spec
     constexprs = dict(constexprs)
     tile = pins.get("tiles", {}).get(kernel)
@@ -132,6 +132,8 @@ def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
         warps, stages = tile[2], tile[3]
     if kernel in ("fwd", "decode") and pins.get("gather"):
         constexprs["TABLE_GATHER"] = pins["gather"]
+    if kernel == "bwd_dq" and pins.get("dq_split") is not None:
+        constexprs["SPLIT_STEADY"] = pins["dq_split"]
     return name, fn, signature, constexprs, warps, stages
 
 

@@ -126,11 +126,14 @@ def _ask_aot(request: dict, args) -> subprocess.CompletedProcess:
 def gqa_call_grads(module, g, batch: int, nq: int, nk: int, **kw) -> list:
     """One Triton-path call of a generated module on random GQA inputs (2 query heads over 1
     KV head, head dim 16) with its default parameters: the output and every gradient (q, k, v,
-    the learnable parameters) for a random incoming gradient, all drawn from generator g."""
+    the learnable parameters) for a random incoming gradient, all drawn from generator g (a
+    prior whose initial values are random, T5's buckets, draws them from g's seed)."""
     import torch
     q = torch.randn(batch, 2, nq, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(batch, 1, nk, 16, generator=g, requires_grad=True) for _ in range(2))
-    params = {name: t.clone().requires_grad_() for name, t in module.default_params(2).items()}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(g.initial_seed())
+        params = {name: t.clone().requires_grad_() for name, t in module.default_params(2).items()}
     out = module.attention(q, k, v, backend="triton", **kw, **params)
     grads = torch.autograd.grad(out, [q, k, v, *params.values()],
                                 torch.randn(out.shape, generator=g), allow_unused=True)

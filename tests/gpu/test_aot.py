@@ -235,8 +235,9 @@ print(json.dumps(out))
 def test_the_dq_loop_splits_off_its_steady_run():
     """The dQ kernel's key tiles that every row of a whole query tile sees whole run through a
     loop of their own with no causal or bounds mask (tiles.DQ_STEADY_AT: NoPE and GGD at head
-    dim 64 on sm_90, NoPE at 128): no integer compare or select a score there, and NoPE's loop
-    at 64 issues within 15% of its tensor cores' floor (it issued 1.6x: docs/performance.md,
+    dim 64 on sm_90, NoPE at 128): fewer integer compares and selects there than scores a thread
+    (the masked loop takes one or more a score; the pipeline keeps a few), and NoPE's loop at
+    64 issues within 15% of its tensor cores' floor (it issued 1.6x: docs/performance.md,
     "The dQ kernel's steady run"). GGD at 128, where the split spilled, keeps one masked loop."""
     res = run_script_aot(DQ_LOOP_SCRIPT, "uniform", "generalized_gaussian")
     assert res.returncode == 0, res.stderr[-3000:]

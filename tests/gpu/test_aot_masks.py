@@ -49,3 +49,27 @@ def test_padded_kernels_compile_without_spills(prior, arch, head_dim):
     assert {k["name"] for k in report["kernels"]} == KERNELS   # batched generation decodes too
     for kernel in report["kernels"]:
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
+
+
+# The dQ kernels that split off their steady run (tiles.DQ_STEADY_AT: the split raises
+# registers) with a key mask and with packed documents: the light, table and general kinds at
+# head dim 64 on sm_90 in every run (GGD's takes 242-254 registers), the light kind at 128 on
+# sm_90 and 64 on sm_80 in `make test-full` (docs/performance.md, "The dQ kernel's steady run")
+SPLIT_DQ = [pytest.param(prior, "sm_90", 64, layout, id=f"{prior}-64-sm_90-{layout}")
+            for prior in ("uniform", "laplace", "generalized_gaussian", "bam_ssmax")
+            for layout in ("padded", "packed")] + [
+    pytest.param(prior, arch, dim, layout, id=f"{prior}-{dim}-{arch}-{layout}",
+                 marks=pytest.mark.aot_full)
+    for prior in ("uniform", "laplace", "forget_gate") for arch, dim in (("sm_90", 128), ("sm_80", 64))
+    for layout in ("padded", "packed")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prior, arch, head_dim, layout", SPLIT_DQ)
+def test_split_dq_kernels_compile_without_spills_with_masks(prior, arch, head_dim, layout):
+    report = _inspect(PRIOR_DIR / f"{prior}.yaml", arch, head_dim, "--layout", layout,
+                      "--kernel", "attn_bwd_dq")
+    assert "attn_bwd_dq" in {k["name"] for k in report["kernels"]}   # (and the forward)
+    for kernel in report["kernels"]:
+        assert 0 < kernel["registers"] <= 255, kernel
+        assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel

@@ -127,18 +127,19 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
     out = tmp_path / "run.json"
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--n", "32", "--decode-n", "80",
                           "--decode-batch", "2", "--peers", "bamgen-ggd", "bamgen-ggd@gather=coalesced",
-                          "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1", "--decode-peers", "bamgen-ggd",
+                          "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off", "--decode-peers", "bamgen-ggd",
                           "bamgen-ggd@gather=coalesced", "--json", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for check in ("bamgen-ggd@gather=coalesced vs bamgen-ggd fwd+grads",
-                  "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1 vs bamgen-ggd fwd+grads",
+                  "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off vs bamgen-ggd fwd+grads",
                   "decode bamgen-ggd@gather=coalesced vs bamgen-ggd"):
         assert check in res.stdout, res.stdout
     import json
     training = json.loads(out.read_text())["results"][0]
-    assert training["variants"]["bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1"] == {
-        "tiles": {"bwd_dq": [16, 16, 4, 1], "fwd": [16, 16, 4, 1]}, "gather": None}
+    assert training["variants"]["bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off"] == {
+        "tiles": {"bwd_dq": [16, 16, 4, 1], "fwd": [16, 16, 4, 1]}, "gather": None,
+        "dq_split": False}
 
 
 @pytest.mark.parametrize("flag, name, words", [
@@ -146,6 +147,8 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
     ("--peers", "bamgen-ggd-torch@gather=direct", "only a bamgen peer on the Triton kernels"),
     ("--peers", "bamgen-ggd@gather=shared", "gather= one of async, coalesced, direct"),
     ("--peers", "bamgen-ggd@fwd=128x64", "write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>"),
+    ("--peers", "bamgen-ggd@dq_split=yes", "or dq_split=on|off"),
+    ("--peers", "bamgen-ggd@dq_split=on,dq_split=off", "pin 'dq_split' given twice"),
     ("--peers", "bamgen-nope@gather=direct", "'bamgen-nope' is not a peer; choose from:"),
     ("--decode-peers", "bamgen-ggd-forward@gather=direct", "only a bamgen decode peer"),
 ])

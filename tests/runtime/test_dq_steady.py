@@ -1,31 +1,39 @@
 """The dQ kernel's steady run (SPLIT_STEADY, tiles.dq_splits_steady): the key tiles that every
 row of a whole query tile sees whole go through a loop with no causal or bounds mask. Under the
-interpreter, from the user's side: every layout a user brings (causal and bidirectional,
-a continuation after cached keys, a key mask, packed documents, position tensors, a window)
-gives the same bits with the split as without it, for the output and every gradient; and each
-launch takes the flag its GPU family's table gives."""
+interpreter, from the user's side: every layout a user brings (causal and bidirectional, a
+continuation after cached keys, per-row offsets with left padding, a key mask, packed documents,
+position tensors, a sliding window) gives the same bits with the split as without it, for the
+output and every gradient; each launch takes the flag its GPU family's table gives; and the
+steady run's bounds (helpers._steady_keys) hold only tiles every row sees whole, as many as
+there are."""
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from bamgen.runtime.triton import launch
+import bamgen
+from bamgen.runtime.triton.helpers import _steady_keys
+from bamgen.runtime.triton.launch import pinned
 from bamgen.runtime.triton.tiles import DQ_STEADY_AT, dq_splits_steady
-from tests.helpers import gqa_call_grads
+from tests.compiler.test_strategies import WINDOW   # (ALiBi inside |d| <= 5)
+from tests.helpers import gqa_call_grads, write_prior
 
 MODULES = {name: importlib.import_module(f"generated.{name}")
-           for name in ("uniform", "laplace", "generalized_gaussian", "bam_ssmax", "forget_gate")}
+           for name in ("uniform", "laplace", "generalized_gaussian", "bam_ssmax", "forget_gate", "t5")}
 # 70 rows: with the interpreter's dQ tile (32 rows, 16 keys) the middle query tile is whole and
 # past two whole key tiles (the steady run runs), the last one ragged (it does not)
 N = 70
 
 
-def _call(module, layout, seed=11):
+def _call(module, layout, n=N, seed=11):
     """One call in a layout: its output and every gradient (q, k, v, the learnable parameters)."""
     g = torch.Generator().manual_seed(seed)
-    nq, nk, batch, kw = N, N, 2, dict(causal=True)
+    nq, nk, batch, kw = n, n, 2, dict(causal=True)
     if layout == "bidirectional":
         kw = dict(causal=False)
     elif layout == "continuation":   # 40 new queries after 30 cached keys
@@ -34,6 +42,11 @@ def _call(module, layout, seed=11):
         mask = torch.ones(2, nk, dtype=torch.bool)
         mask[0, :5] = False
         kw = dict(causal=True, key_mask=mask)
+    elif layout == "row_offsets":   # batched generation: each row its own offsets, left padding
+        mask = torch.ones(2, nk, dtype=torch.bool)
+        mask[1, :7] = False
+        nq, kw = 40, dict(causal=True, q_offset=torch.tensor([30, 0]), k_offset=torch.tensor([0, 5]),
+                          key_mask=mask)
     elif layout == "packed":
         cu = torch.tensor([0, 3, 67, 70], dtype=torch.int32)   # (the second: 64 rows)
         batch, kw = 1, dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
@@ -42,6 +55,56 @@ def _call(module, layout, seed=11):
         pos = gates.cumsum(-1)
         batch, kw = 1, dict(causal=True, pos_q=pos, pos_k=pos)
     return gqa_call_grads(module, g, batch, nq, nk, **kw)
+
+
+def _split_and_whole(module, layout, **kw):
+    """The call with the split pinned on, then off."""
+    with pinned(dq_split=True):
+        split = _call(module, layout, **kw)
+    with pinned(dq_split=False):
+        whole = _call(module, layout, **kw)
+    return split, whole
+
+
+LAYOUTS = ["causal", "bidirectional", "continuation", "key_mask", "row_offsets", "packed"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["uniform", "laplace", "generalized_gaussian", "bam_ssmax"])
+def test_the_steady_run_gives_the_bits_of_one_masked_loop(name, layout):
+    """With the split and without it, the same output and gradients, bit for bit: the steady
+    run leaves out only where()s that select every score it sees (NoPE; a ramp, ALiBi; a table
+    prior with three learnable parameters, GGD; a score other than s + log_prior, SSMax)."""
+    split, whole = _split_and_whole(MODULES[name], layout)
+    for got, want in zip(split, whole, strict=True):
+        assert torch.equal(got, want), layout
+
+
+@pytest.mark.parametrize("name, layout", [("forget_gate", "positions"), ("t5", "causal"),
+                                          ("t5", "bidirectional")])
+def test_kinds_a_gpu_does_not_split_give_the_same_bits_split(name, layout):
+    """FoX's positions as tensors (its gates' cumulative log) and T5's per-distance sums: no GPU
+    family splits their dQ loop (tiles.DQ_STEADY_AT), nor does the interpreter by default; split
+    by a pin, the steady run computes what one masked loop does, the positions' gradients and
+    the per-distance sums included."""
+    split, whole = _split_and_whole(MODULES[name], layout)
+    for got, want in zip(split, whole, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_sliding_window_gives_the_same_bits_split(tmp_path, causal):
+    """A window prior skips whole key tiles (SKIP): the steady run starts at the window's first
+    tile and may end one tile past its last key (those scores the prior hides, exactly)."""
+    module = bamgen.load(write_prior(tmp_path, WINDOW), cache_dir=tmp_path / "cache")
+    assert module.TRAITS.skip == float("-inf")
+    runs = []
+    for split in (True, False):
+        g = torch.Generator().manual_seed(4)
+        with pinned(dq_split=split):
+            runs.append(gqa_call_grads(module, g, 1, 32, 101, causal=causal, q_offset=64))
+    for got, want in zip(*runs, strict=True):
+        assert torch.equal(got, want)
 
 
 class _Spy:
@@ -64,61 +127,94 @@ def _spy_dq(module, monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("layout", ["causal", "bidirectional", "continuation", "key_mask", "packed"])
-@pytest.mark.parametrize("name", ["uniform", "laplace", "generalized_gaussian", "bam_ssmax"])
-def test_the_steady_run_gives_the_bits_of_one_masked_loop(name, layout, monkeypatch):
-    """With the split and without it, the same output and gradients, bit for bit: the steady
-    run leaves out only where()s that select every score it sees (NoPE; a ramp, ALiBi; a table
-    prior with three learnable parameters, GGD; a score other than s + log_prior, SSMax)."""
-    module = MODULES[name]
-    seen = _spy_dq(module, monkeypatch)
-    split = _call(module, layout)
-    assert seen and all(seen)   # (the interpreter splits: both loops run)
-    monkeypatch.setattr(launch, "dq_split_steady", lambda prior, device, head_dim: False)
-    whole = _call(module, layout)
-    assert not any(seen[len(seen) // 2:])
-    for got, want in zip(split, whole, strict=True):
-        assert torch.equal(got, want), layout
-
-
-def test_positions_from_the_model_give_the_same_bits_split_or_not(monkeypatch):
-    """FoX's positions as tensors (its gates' cumulative log): the interpreter splits its dQ
-    loop too (on a GPU the kernels of positions as tensors do not: tiles.DQ_STEADY_AT), and
-    the steady run computes what one masked loop does, the positions' gradients included."""
-    module = MODULES["forget_gate"]
-    split = _call(module, "positions")
-    monkeypatch.setattr(launch, "dq_split_steady", lambda prior, device, head_dim: False)
-    whole = _call(module, "positions")
-    for got, want in zip(split, whole, strict=True):
-        assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize("family", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", ["uniform", "generalized_gaussian", "bam_ssmax"])
 def test_each_launch_takes_its_family_s_flag(name, family, monkeypatch):
     """Under a GPU family's tiles (BAMGEN_INTERPRET_TILES) the dQ launch takes the split where
     DQ_STEADY_AT names its tile kind, family and head dim (the light kind on both families,
     the table and general kinds at head dim 64 on sm_90 alone), and computes the bits of one
-    masked loop either way."""
+    masked loop either way. 160 rows: the family's 64-row dQ tile has a whole query tile past
+    whole key tiles (BAM-SSMax's on sm_90 reduces its sums per key tile, TILE_GRAD_SUMS)."""
     module = MODULES[name]
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
     seen = _spy_dq(module, monkeypatch)
-    got = _call(module, "causal")
+    got = _call(module, "causal", n=160)
     want_flag = dq_splits_steady(module._prior.traits.tile_kind, family, 16)
     assert want_flag == ((module._prior.traits.tile_kind, family, 64) in DQ_STEADY_AT)
     assert seen and all(flag == want_flag for flag in seen), (seen, want_flag)
-    monkeypatch.setattr(launch, "dq_split_steady", lambda prior, device, head_dim: not want_flag)
-    other = _call(module, "causal")
+    with pinned(dq_split=not want_flag):
+        other = _call(module, "causal", n=160)
     for g, w in zip(got, other, strict=True):
         assert torch.equal(g, w)
 
 
-def test_the_kernels_of_positions_as_tensors_do_not_split_on_a_gpu():
-    """The positional kinds are not in DQ_STEADY_AT: their loops are bound by the positions'
-    work, and their registers are where they were (tests/gpu/test_aot.py's positional matrix)."""
+def test_the_interpreter_splits_the_kinds_some_gpu_splits(monkeypatch):
+    """The interpreter's default follows the kinds: those DQ_STEADY_AT names split (so the
+    suite runs both loops), the others run one masked loop as every GPU does."""
+    monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
+    for name, split in (("uniform", True), ("generalized_gaussian", True), ("t5", False)):
+        seen = _spy_dq(MODULES[name], monkeypatch)
+        _call(MODULES[name], "causal", n=20)
+        assert seen == [split], name
     kinds = {kind for kind, _, _ in DQ_STEADY_AT}
     assert kinds == {"light", "table", "general"}
     positional = MODULES["forget_gate"]._prior.positional.traits.tile_kind
-    assert positional.startswith("positions")
+    assert positional.startswith("positions") and not dq_splits_steady(positional, None, 64)
     assert not any(dq_splits_steady(positional, arch, d) for arch in ("sm_80", "sm_90")
                    for d in (64, 128))
+
+
+# --------------------------------------------------------------------------------------------
+# the steady run's bounds, against the keys each row sees
+
+
+@triton.jit
+def _steady_keys_probe(Out, first_row, Nq, Nk, q_offset, k_offset, n_lo, n_hi,
+                       CAUSAL: tl.constexpr, SKIP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, WHOLE_ROWS: tl.constexpr):
+    tl.store(Out, _steady_keys(first_row, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL, SKIP,
+                               BLOCK_M, BLOCK_N, WHOLE_ROWS))
+
+
+def _sees_whole(tile, rows, Nk, q_offset, k_offset, causal, block_n):
+    """Whether every row sees every key of the tile starting at key `tile`."""
+    return all(j < Nk and (not causal or j + k_offset <= r + q_offset)
+               for r in rows for j in range(tile, tile + block_n))
+
+
+CASES = list(itertools.product([0, 32, 64], [40, 70, 96], [1, 17, 64, 70, 101],
+                               [(0, 0), (30, 0), (0, 5), (-20, 0), (0, 40)], [True, False],
+                               [True, False], [None, (5, 5), (-3, 40)]))
+
+
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (64, 32)])
+def test_the_steady_keys_are_the_tiles_every_row_sees_whole(block_m, block_n):
+    """For query tiles at the start, middle and ragged end, key counts of 1 to past a tile,
+    offsets either way (a continuation, a key offset, negative ones), causal or not, whole rows
+    asked or not, with and without a window of distances [lo, hi]: the steady run [n_lo,
+    n_full) starts where the loop does, runs whole tiles every row of the tile sees whole (and,
+    with WHOLE_ROWS, exist), and without a window holds every such tile there is; the masked
+    run [n_full, n_hi) takes the rest."""
+    out = torch.zeros(1, dtype=torch.int32)
+    for first_row, Nq, Nk, (q_off, k_off), causal, whole, window in CASES:
+        n_hi = min(Nk, max(first_row + block_m + q_off - k_off, 0)) if causal else Nk
+        n_lo = 0
+        if window is not None:   # as _window_keys gives them
+            lo, hi = window
+            row0 = first_row + q_off - k_off
+            n_lo = min(max(row0 - hi, 0), n_hi) // block_n * block_n
+            n_hi = min(n_hi, max(row0 + block_m - lo, 0))
+        _steady_keys_probe[(1,)](out, first_row, Nq, Nk, q_off, k_off, n_lo, n_hi, causal,
+                                 window is not None, block_m, block_n, whole)
+        n_full = int(out.item())
+        case = (first_row, Nq, Nk, q_off, k_off, causal, whole, window, n_lo, n_hi, n_full)
+        rows = range(first_row, first_row + block_m)
+        assert n_lo <= n_full and (n_full - n_lo) % block_n == 0, case
+        assert n_full <= triton.cdiv(max(n_hi, n_lo), block_n) * block_n, case
+        if whole and first_row + block_m > Nq:
+            assert n_full == n_lo, case
+            continue
+        for tile in range(n_lo, n_full, block_n):
+            assert _sees_whole(tile, rows, Nk, q_off, k_off, causal, block_n), (case, tile)
+        if window is None:   # as many as there are
+            assert not _sees_whole(n_full, rows, Nk, q_off, k_off, causal, block_n), case

@@ -20,14 +20,7 @@ GGD = importlib.import_module("generated.generalized_gaussian")
 
 def _call(module, causal=True, n=37, seed=0):
     """A GQA call at a ragged length, its output and every gradient (q, k, v, parameters)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 2, n, 16, generator=g, requires_grad=True)
-    k, v = (torch.randn(1, 1, n, 16, generator=g, requires_grad=True) for _ in range(2))
-    params = {name: t.clone().requires_grad_() for name, t in module.default_params(2).items()}
-    out = module.attention(q, k, v, causal=causal, backend="triton", **params)
-    grads = torch.autograd.grad(out, [q, k, v, *params.values()],
-                                torch.randn(out.shape, generator=g), allow_unused=True)
-    return [out.detach(), *(t for t in grads if t is not None)]
+    return gqa_call_grads(module, torch.Generator().manual_seed(seed), 1, n, n, causal=causal)
 
 
 BAM_SSMAX = importlib.import_module("generated.bam_ssmax")
@@ -147,6 +140,29 @@ def test_a_pinned_tile_is_the_one_its_kernel_launches_with(kernel, monkeypatch):
     assert (seen[0]["BLOCK_M"], seen[0]["BLOCK_N"]) != (16, 16)
 
 
+def test_a_pinned_dq_split_is_what_the_dq_kernel_launches_with(monkeypatch):
+    """dq_split=False launches the dQ kernel with one masked loop where the interpreter would
+    split off the steady run (and True splits where a GPU family's table would not: GGD at head
+    dim 64 on sm_80), with the same bits; outside the block the tile table decides again.
+    (What a bamgen-<prior>@dq_split=off peer runs.)"""
+    kernels = GGD._prior.kernels().kernels
+    seen = []
+    monkeypatch.setitem(kernels, "bwd_dq", _Spy(kernels["bwd_dq"], seen))
+    want = _call(GGD, n=70)
+    with pinned(dq_split=False):
+        got = _call(GGD, n=70)
+    assert seen and seen[0]["SPLIT_STEADY"] and not any(s["SPLIT_STEADY"] for s in seen[1:]), seen
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_80")
+    seen.clear()
+    with pinned(dq_split=True):
+        with pinned(gather="direct"):   # (an inner block keeps the outer one's split)
+            _call(GGD)
+    _call(GGD)
+    assert [s["SPLIT_STEADY"] for s in seen] == [True, False], seen
+
+
 def test_a_block_inside_another_adds_to_its_pins():
     with pinned(tiles={"fwd": (16, 16, 4, 2)}):
         with pinned(gather="coalesced", tiles={"bwd_dq": (16, 16, 4, 1)}):
@@ -169,4 +185,10 @@ def test_a_block_inside_another_adds_to_its_pins():
 def test_a_wrong_pin_is_refused_by_name(tiles, gather, match):
     with pytest.raises(ValueError, match=match):
         with pinned(tiles, gather):
+            pass
+
+
+def test_a_dq_split_that_is_not_a_bool_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"pinned\(dq_split=...\): 'off' is not True or False"):
+        with pinned(dq_split="off"):
             pass

@@ -476,7 +476,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                                   n_hi, BLOCK_N)
     if SPLIT_STEADY:
         n_full = _steady_keys(pid_m * BLOCK_M, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL,
-                              SKIP, BLOCK_M, BLOCK_N, True)
+                              SKIP, BLOCK_M, BLOCK_N, WHOLE_ROWS=True)
     else:
         n_full = n_lo
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -528,6 +528,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     # select every score there, so both runs compute the same bits.
     for run in tl.static_range(0 if SPLIT_STEADY else 1, 2):
         STEADY = run == 0   # (a constexpr: static_range unrolls the runs)
+        MASKED = HAS_KEY_MASK or not STEADY
         if STEADY:
             tiles_lo = n_lo
             tiles_hi = n_full
@@ -557,9 +558,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
             else:
                 pos_j = _position(offs_n_abs)[None, :]
                 pos_d = _distance(offs_m_abs[:, None], offs_n_abs[None, :])
-            MASKED = HAS_KEY_MASK or not STEADY
-            if STEADY:
-                visible = tl.broadcast_to(key_ok[None, :], (BLOCK_M, BLOCK_N))   # (HAS_KEY_MASK's)
+            if STEADY:   # the padding keys alone (read where MASKED: with HAS_KEY_MASK)
+                visible = tl.broadcast_to(key_ok[None, :], (BLOCK_M, BLOCK_N))
             else:
                 visible = row_ok[:, None] & key_ok[None, :]
                 if CAUSAL:

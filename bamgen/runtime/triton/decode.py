@@ -29,7 +29,7 @@ import triton.language as tl
 from .forward import _attn_fwd_inner
 from .helpers import (
     TABLE_ROW_ARGS, _fp32_scalars, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term,
-    _row_offsets, _window_keys)
+    _row_offsets, _steady_keys, _window_keys)
 from .hooks import RAMP, RAMP_SYMMETRIC, SKIP, prior_ramp, prior_scalars  # noqa: F401 (variant.py)
 
 
@@ -70,14 +70,13 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
     # the keys any row sees, [n_lo, n_hi), and those every row sees whole, [n_lo, n_full)
     n_lo = 0
     n_hi = Nk
-    n_full = Nk // BLOCK_N * BLOCK_N
     if CAUSAL:
         n_hi = tl.minimum(Nk, tl.maximum(Nq + q_offset - k_offset, 0))
-        n_full = tl.minimum(tl.maximum(q_offset - k_offset + 1, 0), Nk) // BLOCK_N * BLOCK_N
     if SKIP:
         # block skipping: keys outside this head's window of distances [lo, hi] are skipped
         n_lo, n_hi = _window_keys(Window, off_h, q_offset - k_offset, BLOCK_M, n_hi, BLOCK_N)
-        n_full = tl.maximum(n_lo, tl.minimum(n_full, tl.cdiv(n_hi, BLOCK_N) * BLOCK_N))
+    n_full = _steady_keys(0, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL, SKIP, BLOCK_M,
+                          BLOCK_N, WHOLE_ROWS=False)
     # this split's keys: [s_lo, s_hi), cut along key tiles
     s_lo = tl.maximum(pid_s * keys_per_split, n_lo)
     s_hi = tl.minimum(pid_s * keys_per_split + keys_per_split, n_hi)

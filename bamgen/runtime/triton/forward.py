@@ -220,7 +220,7 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     # key tiles [n_lo, n_full) are seen whole by every row (the steady state, no masks; rows
     # past Nq compute what no one stores); [n_full, n_hi) hold the diagonal and the ragged end
     n_full = _steady_keys(pid_m * BLOCK_M, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL, SKIP,
-                          BLOCK_M, BLOCK_N, False)
+                          BLOCK_M, BLOCK_N, WHOLE_ROWS=False)
     # distance d of this head sits at Table + h * tab_stride_h + d_top - d: a query's row of
     # the Toeplitz table, indexed by the key's absolute position, starts here
     # d_top_b - 33554433 is d_top, unknowable to the compiler (TABLE_ROW_ARGS)

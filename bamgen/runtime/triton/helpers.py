@@ -404,24 +404,25 @@ def _window_keys(Window, off_h, row0, ROWS: tl.constexpr, n_hi, BLOCK_N: tl.cons
     return n_lo, n_hi
 
 @triton.jit
-def _steady_keys(row0, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL: tl.constexpr,
+def _steady_keys(first_row, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL: tl.constexpr,
                  SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  WHOLE_ROWS: tl.constexpr):
     """n_full: the key tiles [n_lo, n_full) are seen whole by every row of the query tile
-    that starts at row row0 (the steady state, which needs no causal or bounds mask); the
-    rest, [n_full, n_hi), holds the diagonal and the ragged end. WHOLE_ROWS: the steady state
-    also needs every row of the tile to exist (a kernel that sums over its rows: the dQ
-    kernel's parameter sums), else it is empty."""
+    whose first row is first_row (counted from the program's first row, offsets apart): the
+    steady state, which needs no causal or bounds mask; the rest, [n_full, n_hi), holds the
+    diagonal and the ragged end. WHOLE_ROWS: the steady state also needs every row of the tile
+    to exist (a kernel that sums over its rows: the dQ kernel's parameter sums), else it is
+    empty."""
     n_full = Nk // BLOCK_N * BLOCK_N
     if CAUSAL:
-        first_row_keys = tl.minimum(tl.maximum(row0 + q_offset - k_offset + 1, 0), Nk)
+        first_row_keys = tl.minimum(tl.maximum(first_row + q_offset - k_offset + 1, 0), Nk)
         n_full = first_row_keys // BLOCK_N * BLOCK_N
     if SKIP:
         # the steady state ends at a whole tile inside [n_lo, n_full) (keys there exist and are
         # visible, so a tile may reach past the window: those scores are computed exactly)
         n_full = tl.maximum(n_lo, tl.minimum(n_full, tl.cdiv(n_hi, BLOCK_N) * BLOCK_N))
     if WHOLE_ROWS:
-        n_full = tl.where(row0 + BLOCK_M <= Nq, n_full, n_lo)
+        n_full = tl.where(first_row + BLOCK_M <= Nq, n_full, n_lo)
     return n_full
 
 @triton.jit

@@ -135,21 +135,25 @@ def masked_tile(kernel, config):
 @dataclass(frozen=True)
 class Pins:
     """Launch choices fixed for the calls inside pinned(): a tile config per kernel name
-    (KERNELS' keys, "fwd", "bwd_dq", ...) and the forward's table gather (TABLE_GATHERS)."""
+    (KERNELS' keys, "fwd", "bwd_dq", ...), the forward's table gather (TABLE_GATHERS) and
+    whether the dQ kernel splits off its steady run (SPLIT_STEADY; None: the tile table's)."""
     tiles: dict = field(default_factory=dict)
     gather: str | None = None
+    dq_split: bool | None = None
 
 
 _PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
 
 
 @contextlib.contextmanager
-def pinned(tiles=None, gather=None):
+def pinned(tiles=None, gather=None, dq_split=None):
     """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
-    tiles included), and the forward and decode kernels read a table as ``gather`` says: so
-    that a benchmark times one kernel variant against another in the same process
-    (benchmarks/gpu.py's bamgen-<prior>@... peers). A block inside another adds to its pins.
+    tiles included), the forward and decode kernels read a table as ``gather`` says, and the
+    dQ kernel splits off its steady run or not as ``dq_split`` (True or False) says
+    (tiles.DQ_STEADY_AT otherwise): so that a benchmark times one kernel variant against
+    another in the same process (benchmarks/gpu.py's bamgen-<prior>@... peers). A block inside
+    another adds to its pins.
 
     Pins are read where a kernel is launched, on the calling thread: a backward run in the
     block takes them, but autograd runs a CUDA backward on a thread of its own unless
@@ -169,9 +173,12 @@ def pinned(tiles=None, gather=None):
                              f">= 16 and <= {TABLE_PAD}, warps a power of two up to 16, stages >= 1")
     if gather is not None and gather not in TABLE_GATHERS:
         raise ValueError(f"pinned(gather=...): {gather!r} is not one of {', '.join(TABLE_GATHERS)}")
+    if dq_split is not None and not isinstance(dq_split, bool):
+        raise ValueError(f"pinned(dq_split=...): {dq_split!r} is not True or False (or None: the "
+                         f"tile table's choice)")
     outer = _PINS.get()
     token = _PINS.set(Pins({**outer.tiles, **{k: tuple(v) for k, v in tiles.items()}},
-                           gather or outer.gather))
+                           gather or outer.gather, outer.dq_split if dq_split is None else dq_split))
     try:
         yield
     finally:
@@ -206,12 +213,13 @@ def table_gather(device=None, head_dim=None):
 
 
 def dq_split_steady(prior, device, head_dim) -> bool:
-    """The dQ kernel's SPLIT_STEADY: tiles.dq_splits_steady for the device's family, the
-    prior's tile kind and the (padded) head dim; on under the interpreter unless
-    BAMGEN_INTERPRET_TILES names a family (the tests then run both loops; they compute the same
-    bits either way)."""
+    """The dQ kernel's SPLIT_STEADY: the pinned one, else tiles.dq_splits_steady for the
+    device's family (under the interpreter: the one BAMGEN_INTERPRET_TILES names, else the
+    interpreter's tiles, None), the prior's tile kind and the (padded) head dim."""
+    if _PINS.get().dq_split is not None:
+        return _PINS.get().dq_split
     family = interpreted_family() if interpreting() else gpu_family(device)
-    return family is None or dq_splits_steady(prior.traits.tile_kind, family, head_dim)
+    return dq_splits_steady(prior.traits.tile_kind, family, head_dim)
 
 
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
