@@ -32,8 +32,9 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       pins, comma-separated, are ``<kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>``
                       (kernel: fwd, bwd_dkdv, bwd_dq, decode) and ``gather=async|coalesced|direct``
                       (how the forward and decode kernels read a table prior's entries:
-                      tiles.fwd_table_gather and FWD_TABLE_GATHER) and ``dq_split=on|off``
-                      (whether the dQ kernel splits off its steady run: tiles.DQ_STEADY_AT), e.g.
+                      tiles.fwd_table_gather and FWD_TABLE_GATHER), ``dq_split=on|off`` and
+                      ``dkdv_split=on|off`` (whether the dQ or dK/dV kernel splits off its
+                      steady run: tiles.DQ_STEADY_AT, DKDV_STEADY_AT), e.g.
                       ``bamgen-ggd@fwd=128x64x8x3`` or ``bamgen-ggd@gather=direct``; the calls
                       run inside ``bamgen.runtime.triton.launch.pinned``, the output is held to
                       ``bamgen-<prior>``'s, and the JSON keeps the pins (``variants``) for
@@ -386,26 +387,28 @@ def bamgen_peer(prior: str, backend: str, cfg, qkv, dout, strategy: str | None =
 @dataclass(frozen=True)
 class Variant:
     """The pins of a ``bamgen-<prior>@<pins>`` peer: tile configs per kernel, the forward's
-    table gather and whether the dQ kernel splits off its steady run (None: the default)."""
+    table gather and whether the dQ and dK/dV kernels split off their steady runs (None: the
+    default)."""
     tiles: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     gather: str | None = None
     dq_split: bool | None = None
+    dkdv_split: bool | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """``fwd=128x64x8x3,gather=direct,dq_split=off`` (ValueError saying what is wrong)."""
+        """``fwd=128x64x8x3,gather=direct,dq_split=off,dkdv_split=on`` (ValueError saying what
+        is wrong)."""
         from bamgen.runtime.triton.tiles import INTERPRET_TILES, TABLE_GATHERS
-        tiles, gather, dq_split = {}, None, None
+        tiles, gather, splits = {}, None, {}
         for pin in text.split(","):
             key, _, value = pin.partition("=")
-            if key in tiles or (key == "gather" and gather is not None) or (
-                    key == "dq_split" and dq_split is not None):
+            if key in tiles or key in splits or (key == "gather" and gather is not None):
                 raise ValueError(f"pin {key!r} given twice: give each kernel's tile, the gather "
-                                 f"and dq_split once")
+                                 f"and each split once")
             if key == "gather" and value in TABLE_GATHERS:
                 gather = value
-            elif key == "dq_split" and value in ("on", "off"):
-                dq_split = value == "on"
+            elif key in ("dq_split", "dkdv_split") and value in ("on", "off"):
+                splits[key] = value == "on"
             elif key in INTERPRET_TILES and len(value.split("x")) == 4 and all(
                     x.isdigit() and int(x) > 0 for x in value.split("x")):
                 tiles[key] = tuple(int(x) for x in value.split("x"))
@@ -413,16 +416,17 @@ class Variant:
                 raise ValueError(
                     f"pin {pin!r}: write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages> with kernel "
                     f"one of {', '.join(INTERPRET_TILES)}, gather= one of {', '.join(TABLE_GATHERS)}, "
-                    f"or dq_split=on|off")
-        return cls(tuple(sorted(tiles.items())), gather, dq_split)
+                    f"or dq_split=on|off, dkdv_split=on|off")
+        return cls(tuple(sorted(tiles.items())), gather, splits.get("dq_split"),
+                   splits.get("dkdv_split"))
 
     def context(self):
         from bamgen.runtime.triton.launch import pinned
-        return pinned(dict(self.tiles), self.gather, self.dq_split)
+        return pinned(dict(self.tiles), self.gather, self.dq_split, self.dkdv_split)
 
     def as_json(self) -> dict:
         return {"tiles": {k: list(v) for k, v in self.tiles}, "gather": self.gather,
-                "dq_split": self.dq_split}
+                "dq_split": self.dq_split, "dkdv_split": self.dkdv_split}
 
 
 def split_variant(name: str) -> tuple[str, Variant | None]:

@@ -121,8 +121,8 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
 
 
 def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
-    """A kernel spec (triton_kernel_specs) with a variant's pinned tile, table gather and dQ
-    split, as bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's name
+    """A kernel spec (triton_kernel_specs) with a variant's pinned tile, table gather and
+    splits, as bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's name
     of it ("fwd", "bwd_dkdv", "bwd_dq", "decode")."""
     name, fn, signature, constexprs, warps, stages = spec
     constexprs = dict(constexprs)
@@ -132,8 +132,9 @@ def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
         warps, stages = tile[2], tile[3]
     if kernel in ("fwd", "decode") and pins.get("gather"):
         constexprs["TABLE_GATHER"] = pins["gather"]
-    if kernel == "bwd_dq" and pins.get("dq_split") is not None:
-        constexprs["SPLIT_STEADY"] = pins["dq_split"]
+    for split_kernel, pin in (("bwd_dq", "dq_split"), ("bwd_dkdv", "dkdv_split")):
+        if kernel == split_kernel and pins.get(pin) is not None:
+            constexprs["SPLIT_STEADY"] = pins[pin]
     return name, fn, signature, constexprs, warps, stages
 
 

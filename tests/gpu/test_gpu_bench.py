@@ -139,7 +139,7 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
     training = json.loads(out.read_text())["results"][0]
     assert training["variants"]["bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off"] == {
         "tiles": {"bwd_dq": [16, 16, 4, 1], "fwd": [16, 16, 4, 1]}, "gather": None,
-        "dq_split": False}
+        "dq_split": False, "dkdv_split": None}
 
 
 @pytest.mark.parametrize("flag, name, words", [
@@ -149,6 +149,7 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
     ("--peers", "bamgen-ggd@fwd=128x64", "write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages>"),
     ("--peers", "bamgen-ggd@dq_split=yes", "or dq_split=on|off"),
     ("--peers", "bamgen-ggd@dq_split=on,dq_split=off", "pin 'dq_split' given twice"),
+    ("--peers", "bamgen-ggd@dkdv_split=1", "or dq_split=on|off, dkdv_split=on|off"),
     ("--peers", "bamgen-nope@gather=direct", "'bamgen-nope' is not a peer; choose from:"),
     ("--decode-peers", "bamgen-ggd-forward@gather=direct", "only a bamgen decode peer"),
 ])

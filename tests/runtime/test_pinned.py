@@ -188,7 +188,8 @@ def test_a_wrong_pin_is_refused_by_name(tiles, gather, match):
             pass
 
 
-def test_a_dq_split_that_is_not_a_bool_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"pinned\(dq_split=...\): 'off' is not True or False"):
-        with pinned(dq_split="off"):
+@pytest.mark.parametrize("name", ["dq_split", "dkdv_split"])
+def test_a_split_that_is_not_a_bool_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=rf"pinned\({name}=...\): 'off' is not True or False"):
+        with pinned(**{name: "off"}):
             pass

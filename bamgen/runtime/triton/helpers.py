@@ -426,6 +426,24 @@ def _steady_keys(first_row, Nq, Nk, q_offset, k_offset, n_lo, n_hi, CAUSAL: tl.c
     return n_full
 
 @triton.jit
+def _steady_query_tiles(first_key, Nq, Nk, q_offset, k_offset, m_start, m_end,
+                        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(m_mid_lo, m_mid_hi): of the query tiles [m_start, m_end) that the dK/dV kernel walks for
+    the key tile at first_key, those in [m_mid_lo, m_mid_hi) exist whole and see every key of
+    the tile (the steady state, no mask); [m_start, m_mid_lo) holds the diagonal, [m_mid_hi,
+    m_end) the ragged end. A key tile past Nk has none: both are m_start."""
+    m_lo = m_start
+    m_hi = m_start
+    if first_key + BLOCK_N <= Nk:
+        first = m_start
+        if CAUSAL:   # the first row that sees the tile's last key
+            first = tl.maximum(m_start, first_key + BLOCK_N - 1 + k_offset - q_offset)
+        tiles_end = tl.cdiv(m_end, BLOCK_M) * BLOCK_M
+        m_lo = tl.minimum(m_start + tl.cdiv(first - m_start, BLOCK_M) * BLOCK_M, tiles_end)
+        m_hi = tl.maximum(m_lo, tl.minimum(Nq // BLOCK_M * BLOCK_M, tiles_end))
+    return m_lo, m_hi
+
+@triton.jit
 def _softmax_stats(Mrow, Lrow, offsets, row_ok):
     """(m, 1/l) of the forward's softmax for a tile of rows; 0 and 0 for a row that saw no
     key, so that P = exp2(z - m) / l is 0 there."""

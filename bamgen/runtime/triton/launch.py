@@ -29,7 +29,8 @@ from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
 from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, GRAD_GROUPS_MASKED, INTERPRET_TILES,
-                    TABLE_GATHERS, TILES, dq_splits_steady, fwd_table_gather, head_dim_bucket)
+                    TABLE_GATHERS, TILES, dkdv_splits_steady, dq_splits_steady, fwd_table_gather,
+                    head_dim_bucket)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -136,22 +137,24 @@ def masked_tile(kernel, config):
 class Pins:
     """Launch choices fixed for the calls inside pinned(): a tile config per kernel name
     (KERNELS' keys, "fwd", "bwd_dq", ...), the forward's table gather (TABLE_GATHERS) and
-    whether the dQ kernel splits off its steady run (SPLIT_STEADY; None: the tile table's)."""
+    whether the dQ and dK/dV kernels split off their steady runs (SPLIT_STEADY; None: the
+    tile table's)."""
     tiles: dict = field(default_factory=dict)
     gather: str | None = None
     dq_split: bool | None = None
+    dkdv_split: bool | None = None
 
 
 _PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
 
 
 @contextlib.contextmanager
-def pinned(tiles=None, gather=None, dq_split=None):
+def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None):
     """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
     tiles included), the forward and decode kernels read a table as ``gather`` says, and the
-    dQ kernel splits off its steady run or not as ``dq_split`` (True or False) says
-    (tiles.DQ_STEADY_AT otherwise): so that a benchmark times one kernel variant against
+    dQ and dK/dV kernels split off their steady runs or not as ``dq_split`` and ``dkdv_split``
+    (True or False) say (tiles.DQ_STEADY_AT and DKDV_STEADY_AT otherwise): so that a benchmark times one kernel variant against
     another in the same process (benchmarks/gpu.py's bamgen-<prior>@... peers). A block inside
     another adds to its pins.
 
@@ -173,12 +176,14 @@ def pinned(tiles=None, gather=None, dq_split=None):
                              f">= 16 and <= {TABLE_PAD}, warps a power of two up to 16, stages >= 1")
     if gather is not None and gather not in TABLE_GATHERS:
         raise ValueError(f"pinned(gather=...): {gather!r} is not one of {', '.join(TABLE_GATHERS)}")
-    if dq_split is not None and not isinstance(dq_split, bool):
-        raise ValueError(f"pinned(dq_split=...): {dq_split!r} is not True or False (or None: the "
-                         f"tile table's choice)")
+    for name, split in (("dq_split", dq_split), ("dkdv_split", dkdv_split)):
+        if split is not None and not isinstance(split, bool):
+            raise ValueError(f"pinned({name}=...): {split!r} is not True or False (or None: the "
+                             f"tile table's choice)")
     outer = _PINS.get()
     token = _PINS.set(Pins({**outer.tiles, **{k: tuple(v) for k, v in tiles.items()}},
-                           gather or outer.gather, outer.dq_split if dq_split is None else dq_split))
+                           gather or outer.gather, outer.dq_split if dq_split is None else dq_split,
+                           outer.dkdv_split if dkdv_split is None else dkdv_split))
     try:
         yield
     finally:
@@ -220,6 +225,15 @@ def dq_split_steady(prior, device, head_dim) -> bool:
         return _PINS.get().dq_split
     family = interpreted_family() if interpreting() else gpu_family(device)
     return dq_splits_steady(prior.traits.tile_kind, family, head_dim)
+
+
+def dkdv_split_steady(prior, device, head_dim) -> bool:
+    """The dK/dV kernel's SPLIT_STEADY: the pinned one, else tiles.dkdv_splits_steady (as
+    dq_split_steady)."""
+    if _PINS.get().dkdv_split is not None:
+        return _PINS.get().dkdv_split
+    family = interpreted_family() if interpreting() else gpu_family(device)
+    return dkdv_splits_steady(prior.traits.tile_kind, family, head_dim)
 
 
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
@@ -706,8 +720,9 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
             counts.stride(0), lay.stride_mb, row_abs_flag(shifted),
             NUM_PARAMS=num_params, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
             HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast, **lay.flags(),
-            num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+            SPLIT_STEADY=dkdv_split, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
 
+    dkdv_split = dkdv_split_steady(prior, q.device, head_dim)
     launch(prior, "bwd_dkdv", D, q.device, key, run_dkdv, lay.masked, wrap is not eager_kernel)
     dist_sums = prior.traits.dist_sums and not row_sums
     if prior.traits.table_width and not dist_sums:
@@ -841,7 +856,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, RowM="*fp32", RowL="*fp32", Delta="*fp32",
               RowF="*fp32", DK=ptr, DV=ptr, Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs,
               **pos_ptrs, DPosK="*fp32"),
-         {}),
+         dict(SPLIT_STEADY=dkdv_splits_steady(prior.traits.tile_kind, arch, padded))),
         ("attn_bwd_dq", kernels["bwd_dq"], "bwd_dq",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32", Delta="*fp32",
               DQ=ptr, DTheta="*fp32", RowSums="*fp32", Table="*fp32", Window="*i32", NRow="*fp32",

@@ -302,6 +302,28 @@ def dq_splits_steady(kind: str, arch: str | None, head_dim: int) -> bool:
     return (kind, arch, head_dim_bucket(head_dim)) in DQ_STEADY_AT
 
 
+# The dK/dV kernel's steady run (SPLIT_STEADY of backward._attn_bwd_dkdv): the query tiles whose
+# rows all exist and see every key of the program's key tile, between the diagonal's and the
+# ragged end's, with no mask. No family takes it yet: the two models disagree. At head dim 64 on
+# sm_90 (Triton 3.9) it compiles spill-free for every shipped prior of the light, table and
+# general kinds in the plain, key-mask and packed layouts, and the five throughput units put
+# NoPE's dK/dV at 141 cycles per 1000 scores against 179 (GGD 167 against 193, ALiBi 214
+# against 273, BAM-SSMax 208 against 233); but NoPE's kernel takes 255 registers where it took
+# 149 (two CTAs an SM where it had three), and the latency term puts it at 304 against 210
+# (BAM-SSMax 993 against 433; GGD 361 against 382, ALiBi 343 against 390). At head dim 128 it
+# spills (NoPE 336 bytes). benchmarks/gpu.py's bamgen-<prior>@dkdv_split=on peers time it
+# (docs/performance.md, "The dK/dV kernel's steady run, for a GPU to time").
+DKDV_STEADY_AT: frozenset = frozenset()
+
+
+def dkdv_splits_steady(kind: str, arch: str | None, head_dim: int) -> bool:
+    """Whether the dK/dV kernel of a tile kind splits off its steady run on a GPU family at a
+    (padded) head dim (DKDV_STEADY_AT; arch None: the interpreter's tiles, as for dQ)."""
+    if arch is None:
+        return any(kind == split_kind for split_kind, _, _ in DKDV_STEADY_AT)
+    return (kind, arch, head_dim_bucket(head_dim)) in DKDV_STEADY_AT
+
+
 def fwd_table_gather(arch: str, head_dim: int) -> str:
     """The forward's table read on a GPU family at a (padded) head dim, by its bucket (the
     read was timed with the bucket's tile)."""

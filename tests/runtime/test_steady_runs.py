@@ -1,10 +1,12 @@
-"""The dQ kernel's steady run (SPLIT_STEADY, tiles.dq_splits_steady): the key tiles that every
-row of a whole query tile sees whole go through a loop with no causal or bounds mask. Under the
-interpreter, from the user's side: every layout a user brings (causal and bidirectional, a
-continuation after cached keys, per-row offsets with left padding, a key mask, packed documents,
-position tensors, a sliding window) gives the same bits with the split as without it, for the
-output and every gradient; each launch takes the flag its GPU family's table gives; and the
-steady run's bounds (helpers._steady_keys) hold only tiles every row sees whole, as many as
+"""The backward kernels' steady runs (SPLIT_STEADY): the dQ kernel's key tiles that every row of
+a whole query tile sees whole (tiles.dq_splits_steady), and the dK/dV kernel's query tiles whose
+rows all exist and see every key of its tile (tiles.dkdv_splits_steady, a variant no GPU takes
+yet), go through a loop with no causal or bounds mask. Under the interpreter, from the user's
+side: every layout a user brings (causal and bidirectional, a continuation after cached keys,
+per-row offsets with left padding, a key mask, packed documents, position tensors, a sliding
+window) gives the same bits with a split as without it, for the output and every gradient; each
+launch takes the flag its GPU family's table gives; and the steady runs' bounds
+(helpers._steady_keys, _steady_query_tiles) hold only tiles every row sees whole, as many as
 there are."""
 from __future__ import annotations
 
@@ -17,16 +19,17 @@ import triton
 import triton.language as tl
 
 import bamgen
-from bamgen.runtime.triton.helpers import _steady_keys
+from bamgen.runtime.triton.helpers import _steady_keys, _steady_query_tiles
 from bamgen.runtime.triton.launch import pinned
-from bamgen.runtime.triton.tiles import DQ_STEADY_AT, dq_splits_steady
+from bamgen.runtime.triton.tiles import DKDV_STEADY_AT, DQ_STEADY_AT, dq_splits_steady
 from tests.compiler.test_strategies import WINDOW   # (ALiBi inside |d| <= 5)
 from tests.helpers import gqa_call_grads, write_prior
 
 MODULES = {name: importlib.import_module(f"generated.{name}")
            for name in ("uniform", "laplace", "generalized_gaussian", "bam_ssmax", "forget_gate", "t5")}
 # 70 rows: with the interpreter's dQ tile (32 rows, 16 keys) the middle query tile is whole and
-# past two whole key tiles (the steady run runs), the last one ragged (it does not)
+# past two whole key tiles (the steady run runs), the last one ragged (it does not); with its
+# dK/dV tile (16 rows, 32 keys) the first key tile has two steady query tiles
 N = 70
 
 
@@ -57,11 +60,11 @@ def _call(module, layout, n=N, seed=11):
     return gqa_call_grads(module, g, batch, nq, nk, **kw)
 
 
-def _split_and_whole(module, layout, **kw):
-    """The call with the split pinned on, then off."""
-    with pinned(dq_split=True):
+def _split_and_whole(module, layout, kernel="dq", **kw):
+    """The call with the kernel's split ("dq" or "dkdv") pinned on, then off."""
+    with pinned(**{f"{kernel}_split": True}):
         split = _call(module, layout, **kw)
-    with pinned(dq_split=False):
+    with pinned(**{f"{kernel}_split": False}):
         whole = _call(module, layout, **kw)
     return split, whole
 
@@ -69,39 +72,43 @@ def _split_and_whole(module, layout, **kw):
 LAYOUTS = ["causal", "bidirectional", "continuation", "key_mask", "row_offsets", "packed"]
 
 
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", ["uniform", "laplace", "generalized_gaussian", "bam_ssmax"])
-def test_the_steady_run_gives_the_bits_of_one_masked_loop(name, layout):
+def test_the_steady_run_gives_the_bits_of_one_masked_loop(name, layout, kernel):
     """With the split and without it, the same output and gradients, bit for bit: the steady
     run leaves out only where()s that select every score it sees (NoPE; a ramp, ALiBi; a table
     prior with three learnable parameters, GGD; a score other than s + log_prior, SSMax)."""
-    split, whole = _split_and_whole(MODULES[name], layout)
+    split, whole = _split_and_whole(MODULES[name], layout, kernel)
     for got, want in zip(split, whole, strict=True):
         assert torch.equal(got, want), layout
 
 
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
 @pytest.mark.parametrize("name, layout", [("forget_gate", "positions"), ("t5", "causal"),
                                           ("t5", "bidirectional")])
-def test_kinds_a_gpu_does_not_split_give_the_same_bits_split(name, layout):
+def test_kinds_a_gpu_does_not_split_give_the_same_bits_split(name, layout, kernel):
     """FoX's positions as tensors (its gates' cumulative log) and T5's per-distance sums: no GPU
     family splits their dQ loop (tiles.DQ_STEADY_AT), nor does the interpreter by default; split
     by a pin, the steady run computes what one masked loop does, the positions' gradients and
     the per-distance sums included."""
-    split, whole = _split_and_whole(MODULES[name], layout)
+    split, whole = _split_and_whole(MODULES[name], layout, kernel)
     for got, want in zip(split, whole, strict=True):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_a_sliding_window_gives_the_same_bits_split(tmp_path, causal):
-    """A window prior skips whole key tiles (SKIP): the steady run starts at the window's first
-    tile and may end one tile past its last key (those scores the prior hides, exactly)."""
+def test_a_sliding_window_gives_the_same_bits_split(tmp_path, causal, kernel):
+    """A window prior skips whole key tiles (SKIP): the dQ kernel's steady run starts at the
+    window's first tile and may end one tile past its last key (those scores the prior hides,
+    exactly); the dK/dV kernel's walks the window's query tiles alone."""
     module = bamgen.load(write_prior(tmp_path, WINDOW), cache_dir=tmp_path / "cache")
     assert module.TRAITS.skip == float("-inf")
     runs = []
     for split in (True, False):
         g = torch.Generator().manual_seed(4)
-        with pinned(dq_split=split):
+        with pinned(**{f"{kernel}_split": split}):
             runs.append(gqa_call_grads(module, g, 1, 32, 101, causal=causal, q_offset=64))
     for got, want in zip(*runs, strict=True):
         assert torch.equal(got, want)
@@ -157,7 +164,7 @@ def test_the_interpreter_splits_the_kinds_some_gpu_splits(monkeypatch):
         _call(MODULES[name], "causal", n=20)
         assert seen == [split], name
     kinds = {kind for kind, _, _ in DQ_STEADY_AT}
-    assert kinds == {"light", "table", "general"}
+    assert kinds == {"light", "table", "general"} and not DKDV_STEADY_AT
     positional = MODULES["forget_gate"]._prior.positional.traits.tile_kind
     assert positional.startswith("positions") and not dq_splits_steady(positional, None, 64)
     assert not any(dq_splits_steady(positional, arch, d) for arch in ("sm_80", "sm_90")
@@ -218,3 +225,50 @@ def test_the_steady_keys_are_the_tiles_every_row_sees_whole(block_m, block_n):
             assert _sees_whole(tile, rows, Nk, q_off, k_off, causal, block_n), (case, tile)
         if window is None:   # as many as there are
             assert not _sees_whole(n_full, rows, Nk, q_off, k_off, causal, block_n), case
+
+
+@triton.jit
+def _steady_query_tiles_probe(Out, first_key, Nq, Nk, q_offset, k_offset, m_start, m_end,
+                              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    lo, hi = _steady_query_tiles(first_key, Nq, Nk, q_offset, k_offset, m_start, m_end, CAUSAL,
+                                 BLOCK_M, BLOCK_N)
+    tl.store(Out, lo)
+    tl.store(Out + 1, hi)
+
+
+QUERY_CASES = list(itertools.product([0, 32, 64], [1, 17, 40, 70, 96], [17, 64, 70, 96],
+                                     [(0, 0), (30, 0), (0, 5), (-20, 0), (0, 40)], [True, False],
+                                     [None, (5, 5), (-3, 40)]))
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 64)])
+def test_the_steady_query_tiles_are_those_that_see_the_key_tile_whole(block_m, block_n):
+    """For key tiles at the start, middle and ragged end, offsets either way, causal or not,
+    with and without a window: of the query tiles the dK/dV kernel walks, [m_mid_lo, m_mid_hi)
+    exist whole and see every key of the tile, the tiles before it (the diagonal) and after it
+    (the ragged end) do not, and the three runs walk the tiles one loop would."""
+    out = torch.zeros(2, dtype=torch.int32)
+    for first_key, Nq, Nk, (q_off, k_off), causal, window in QUERY_CASES:
+        m_start = max(first_key + k_off - q_off, 0) // block_m * block_m if causal else 0
+        m_end = Nq
+        if window is not None:   # as the kernel narrows them
+            lo, hi = window
+            col0 = first_key + k_off - q_off
+            m_end = min(Nq, max(col0 + block_n + hi, 0))
+            m_start = max(m_start, min(max(col0 + lo, 0), m_end) // block_m * block_m)
+        _steady_query_tiles_probe[(1,)](out, first_key, Nq, Nk, q_off, k_off, m_start, m_end,
+                                        causal, block_m, block_n)
+        lo, hi = (int(x) for x in out)
+        case = (first_key, Nq, Nk, q_off, k_off, causal, window, m_start, m_end, lo, hi)
+        walked = list(range(m_start, m_end, block_m))
+        runs = [*range(m_start, lo, block_m), *range(lo, hi, block_m), *range(hi, m_end, block_m)]
+        assert runs == walked, case
+
+        def steady(tile):
+            keys = range(first_key, first_key + block_n)
+            return tile + block_m <= Nq and all(
+                j < Nk and (not causal or j + k_off <= r + q_off)
+                for r in range(tile, tile + block_m) for j in keys)
+        assert all(steady(t) for t in range(lo, hi, block_m)), case
+        assert not any(steady(t) for t in range(m_start, lo, block_m)), case
+        assert not any(steady(t) for t in range(hi, m_end, block_m)), case
