@@ -77,7 +77,8 @@ def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
         grad_modes=_grad_modes(plan), tile_kind=tile_kind(plan),
         center_grads=(plan.strategy == "inline" and plan.score_is_identity and plan.ramp is None
                       and bool(plan.learnable) and bool(set(plan.positions_used) & {"i", "j", "n"})),
-        dist_sums=dist_sums(plan), channels=spec.channels, tensor_positions=plan.tensor_positions)
+        dist_sums=dist_sums(plan), channels=spec.channels, tensor_positions=plan.tensor_positions,
+        position_grads=any(g != 0 for _, g in plan.ir.position_grads))
 
 
 # A table prior with more tabulated learnable scalars than this sums dS per distance in the dQ

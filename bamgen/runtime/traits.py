@@ -88,7 +88,9 @@ class PriorTraits:
     are the traits of the kernels whose positions come from tensors (pos_q, pos_k): inline,
     with the position derivatives among the hooks. table_positions: these are the traits of the
     kernels that read the prior's distance table at integer position tensors
-    (position_table_traits)."""
+    (position_table_traits). position_grads: some derivative of the logit by a position is not
+    0 (NoPE's are all 0: its kernels of positions as tensors sum none, and the positions'
+    gradients are 0)."""
     name: str
     class_name: str
     params: tuple[ParamTraits, ...]
@@ -114,6 +116,7 @@ class PriorTraits:
     channels: int = 1
     tensor_positions: bool = False
     table_positions: bool = False
+    position_grads: bool = True
 
     @property
     def rows_ready(self) -> bool:

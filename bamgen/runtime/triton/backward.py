@@ -64,7 +64,7 @@ from .helpers import (
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _steady_keys, _steady_query_tiles, _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    CENTER_GRADS, GRAD_MODES, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, ROWS_READY,
+    CENTER_GRADS, GRAD_MODES, POSITION_GRADS, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, ROWS_READY,
     SCORE_IS_S, SKIP, TABLE, TABLE_POSITIONS, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
     prior_scalars, prior_score_factors)
 
@@ -144,7 +144,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
     heads and every query tile that can see it, so dK and dV need no atomics (POSITIONS: and
     each query head's column sums for the keys' positions, DPosK)."""
     sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
-    POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
+    POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS and POSITION_GRADS
     # RowM, RowL: with ROWS_READY (hooks.py) each row's m and 1/l as _bwd_preprocess made them,
     # and dS is selected on P != 0 (below) unless the prior is a ramp; without (the positional
     # kernels), the forward's m and l, the rows' statistics made per query tile and dS selected
@@ -418,7 +418,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     TILE_GRAD_SUMS: tl.constexpr = ROW_FACTORS and BLOCK_M * BLOCK_N >= 2048
     WRITE_DQ: tl.constexpr = GRAD_BASE == 0   # (one group's launch writes dQ: see GRAD_BASE)
     INTERLEAVED: tl.constexpr = TABLE_WIDTH > 0 and not DIST_SUMS   # (DIST_SUMS: the plain table)
-    POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS
+    POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS and POSITION_GRADS
     # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
     pid_m, q_start, Nq, k_start, Nk = _program_span(Work, CuSeqQ, CuSeqK, tl.program_id(0), Nq,
                                                     Nk, VARLEN)

@@ -54,6 +54,9 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
   ROWS_READY      (traits.rows_ready: all but POSITIONS) _bwd_preprocess writes each row's m and
                   1/l, which the dK/dV kernel reads (RowM, RowL); else the dK/dV kernel takes the
                   forward's m and l there and makes them per query tile
+  POSITION_GRADS  (traits.position_grads) some derivative of the logit by a position is not 0;
+                  off (NoPE), the backward kernels of POSITIONS sum no positions' gradients
+                  (DPosQ, DPosK keep the zeros they were made with)
 
 Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
 tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
@@ -95,10 +98,11 @@ CLAMP_POSITIONS = tl.constexpr(False)
 POSITIONS = tl.constexpr(0)
 TABLE_POSITIONS = tl.constexpr(False)
 ROWS_READY = tl.constexpr(True)
+POSITION_GRADS = tl.constexpr(True)
 
 FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
          "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS",
-         "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS", "ROWS_READY")
+         "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS", "ROWS_READY", "POSITION_GRADS")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
          "prior_score_factors", "prior_logit_row", "prior_logit_score", "prior_position_grads")
 

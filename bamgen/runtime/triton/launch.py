@@ -107,12 +107,17 @@ def positions_masked_tile(kernel, config, arch, head_dim):
     slower; at 64 one stage is what spills, KERPLE's and others'),
     on sm_80 a forward of 32 keys takes 16x32 (the packed forward of GGD, ALiBi and BAM-SSMax
     put 8-24 bytes on the stack at 64x32 and 32x32, ptxas capping a thread at 128 or 168
-    registers; 16x32 takes 96-128 and none)."""
+    registers; 16x32 takes 96-128 and none), and a dK/dV tile of 16 rows past head dim 64 one
+    stage (NoPE's packed 16x32 over two put 16 bytes there at 168 registers once its kernels
+    stopped summing positions' gradients that are 0, traits.position_grads; one takes 165 and
+    none, every positional prior's spill-free, modelled 11% slower: LSU-bound)."""
     block_m, block_n, warps, stages = config
     if kernel == "fwd" and block_n <= 32 and arch == "sm_80":
         return (16, 32, 4, stages)
     if kernel == "bwd_dkdv" and block_m <= 16 and arch == "sm_90":
         return (16, max(16, block_n // 2), warps, 1 if head_dim > 64 else stages)
+    if kernel == "bwd_dkdv" and block_m <= 16 and arch == "sm_80" and head_dim > 64:
+        return (block_m, block_n, warps, 1)
     return masked_tile(kernel, config)
 
 

@@ -34,7 +34,8 @@ def flags(traits: PriorTraits) -> dict:
         GRAD_MODES=tuple(traits.grad_modes), TILE_ROW_SUMS=traits.tile_row_sums,
         CENTER_GRADS=traits.center_grads, CLAMP_POSITIONS=traits.clamp_positions,
         POSITIONS=traits.channels if traits.tensor_positions else 0,
-        TABLE_POSITIONS=traits.table_positions, ROWS_READY=traits.rows_ready)
+        TABLE_POSITIONS=traits.table_positions, ROWS_READY=traits.rows_ready,
+        POSITION_GRADS=traits.position_grads)
     assert set(values) == set(hooks.FLAGS)
     return {name: tl.constexpr(value) for name, value in values.items()}
 
