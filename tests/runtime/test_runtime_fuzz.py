@@ -376,6 +376,13 @@ FOUND = [
          params={"alpha": [1.2612936662280088, 1.98], "beta": [300.0, 300.0],
                  "mu": [2.3535372645481867, 2.4701296826856507]},
          poison=("v", 9451, -math.inf), seed=1073741825, use_module=True),
+    # ALiBi without the causal mask, b = 1e-30, one query and one key: d logit / d b is a
+    # per-head factor 1/b^2 (inf in float32) times |d| - |d_ref| = 0, which the Triton dQ kernel
+    # multiplied as inf * 0 and clamped NaN to the largest float (db = 3.4e38 where the answer
+    # is 0). A ramp's sum of 0 now gives 0.
+    Case(prior="laplace", backend="triton", dtype="bf16", B=1, Hq=1, Hk=1, Nq=1, Nk=1, D=8,
+         causal=False, q_offset=0, k_offset=0, layouts=("transposed", "contiguous", "bnhd"),
+         params={"b": [1e-30]}, poison=None, seed=225724128, use_module=False),
     # SSMax with ssmax = 1e30 and one key (log(n) = 0): the torch path printed the logit as
     # ssmax * (s + log_prior) * log(n), and float32 took ssmax * (s + log_prior) = -8.9e38 to
     # -inf before the 0 came, -inf * 0 = NaN, where the reference's logit is 0. The row factor

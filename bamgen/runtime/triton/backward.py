@@ -776,7 +776,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 tl.store(row_at + 1 + g, means[g], mask=row_ok)
                 tl.store(partial + g, tl.sum(grads[g], 0))
         elif RAMP:
-            tl.store(partial + g, _clamped(ramp_factors[g] * tl.sum(grads[g] - ds_rows * means[g], 0)))
+            # (a ramp's factor, 1/b^2 for ALiBi's b, overflows float32 for a tiny b; where its
+            # sum is 0, one key at the row's reference distance, the product is 0, not inf * 0)
+            ramp_sum = tl.sum(grads[g] - ds_rows * means[g], 0)
+            tl.store(partial + g, tl.where(ramp_sum == 0.0, 0.0, _clamped(ramp_factors[g] * ramp_sum)))
         elif ROW_FACTORS:
             tl.store(partial + g, tl.sum(_clamped(factor * (grads[g] - ds_rows * means[g])), 0))
         else:
