@@ -1,6 +1,6 @@
 """The backward kernels' steady runs (SPLIT_STEADY): the dQ kernel's key tiles that every row of
-a whole query tile sees whole (tiles.dq_splits_steady), and the dK/dV kernel's query tiles whose
-rows all exist and see every key of its tile (tiles.dkdv_splits_steady, a variant no GPU takes
+a whole query tile sees whole (tiles.splits_steady), and the dK/dV kernel's query tiles whose
+rows all exist and see every key of its tile (tiles.splits_steady, a variant no GPU takes
 yet), go through a loop with no causal or bounds mask. Under the interpreter, from the user's
 side: every layout a user brings (causal and bidirectional, a continuation after cached keys,
 per-row offsets with left padding, a key mask, packed documents, position tensors, a sliding
@@ -21,7 +21,7 @@ import triton.language as tl
 import bamgen
 from bamgen.runtime.triton.helpers import _steady_keys, _steady_query_tiles
 from bamgen.runtime.triton.launch import pinned
-from bamgen.runtime.triton.tiles import DKDV_STEADY_AT, DQ_STEADY_AT, dq_splits_steady
+from bamgen.runtime.triton.tiles import DKDV_STEADY_AT, DQ_STEADY_AT, splits_steady
 from tests.compiler.test_strategies import WINDOW   # (ALiBi inside |d| <= 5)
 from tests.helpers import gqa_call_grads, write_prior
 
@@ -146,7 +146,7 @@ def test_each_launch_takes_its_family_s_flag(name, family, monkeypatch):
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
     seen = _spy_dq(module, monkeypatch)
     got = _call(module, "causal", n=160)
-    want_flag = dq_splits_steady(module._prior.traits.tile_kind, family, 16)
+    want_flag = splits_steady("bwd_dq", module._prior.traits.tile_kind, family, 16)
     assert want_flag == ((module._prior.traits.tile_kind, family, 64) in DQ_STEADY_AT)
     assert seen and all(flag == want_flag for flag in seen), (seen, want_flag)
     with pinned(dq_split=not want_flag):
@@ -166,8 +166,8 @@ def test_the_interpreter_splits_the_kinds_some_gpu_splits(monkeypatch):
     kinds = {kind for kind, _, _ in DQ_STEADY_AT}
     assert kinds == {"light", "table", "general"} and not DKDV_STEADY_AT
     positional = MODULES["forget_gate"]._prior.positional.traits.tile_kind
-    assert positional.startswith("positions") and not dq_splits_steady(positional, None, 64)
-    assert not any(dq_splits_steady(positional, arch, d) for arch in ("sm_80", "sm_90")
+    assert positional.startswith("positions") and not splits_steady("bwd_dq", positional, None, 64)
+    assert not any(splits_steady("bwd_dq", positional, arch, d) for arch in ("sm_80", "sm_90")
                    for d in (64, 128))
 
 

@@ -26,11 +26,11 @@ Constexpr flags of the launch:
                [BLOCK_M, BLOCK_N] accumulators
   DS_ON_P      (dK/dV; derived: ROWS_READY and not RAMP) dS is selected where P is not 0, not
                on the mask: no mask is kept across the dP product
-  SPLIT_STEADY (dQ: tiles.dq_splits_steady) the key tiles that every row of a whole query tile
+  SPLIT_STEADY (dQ: tiles.splits_steady) the key tiles that every row of a whole query tile
                sees whole run first through a loop with no causal or bounds mask (the
                forward's steady state); off, one masked loop walks every tile (fewer
                registers: the split spills where the loop is near 255). (dK/dV:
-               tiles.dkdv_splits_steady, a variant no GPU family takes yet) the query tiles
+               tiles.splits_steady, a variant no GPU family takes yet) the query tiles
                whose rows all exist and see every key of the tile run between the diagonal's
                and the ragged end's, with no mask
 The prior's flags (hooks.py) decide the rest: with ROWS_READY the dK/dV kernel reads each row's
@@ -306,10 +306,9 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
                 if not RAMP and not DS_ON_P:
                     # (dS selected on the mask) a score its prior hides, z = -inf, counts as masked
                     visible = visible & (zT != -float("inf"))
-                if STEADY:
-                    pT = tl.exp2(zT - m_row[None, :]) * inv_l[None, :]
-                else:
-                    pT = tl.where(visible, tl.exp2(zT - m_row[None, :]) * inv_l[None, :], 0.0)
+                pT = tl.exp2(zT - m_row[None, :]) * inv_l[None, :]
+                if not STEADY:
+                    pT = tl.where(visible, pT, 0.0)
                 dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
                 dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
                 # dS only where P is not 0: a masked score, one its prior hides (z = -inf) and one

@@ -29,8 +29,7 @@ from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
 from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, GRAD_GROUPS_MASKED, INTERPRET_TILES,
-                    TABLE_GATHERS, TILES, dkdv_splits_steady, dq_splits_steady, fwd_table_gather,
-                    head_dim_bucket)
+                    TABLE_GATHERS, TILES, fwd_table_gather, head_dim_bucket, splits_steady)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -159,9 +158,9 @@ def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None):
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
     tiles included), the forward and decode kernels read a table as ``gather`` says, and the
     dQ and dK/dV kernels split off their steady runs or not as ``dq_split`` and ``dkdv_split``
-    (True or False) say (tiles.DQ_STEADY_AT and DKDV_STEADY_AT otherwise): so that a benchmark times one kernel variant against
-    another in the same process (benchmarks/gpu.py's bamgen-<prior>@... peers). A block inside
-    another adds to its pins.
+    (True or False) say (tiles.STEADY_AT otherwise): so that a benchmark times one kernel
+    variant against another in the same process (benchmarks/gpu.py's bamgen-<prior>@...
+    peers). A block inside another adds to its pins.
 
     Pins are read where a kernel is launched, on the calling thread: a backward run in the
     block takes them, but autograd runs a CUDA backward on a thread of its own unless
@@ -222,23 +221,17 @@ def table_gather(device=None, head_dim=None):
     return FWD_TABLE_GATHER if family is None else fwd_table_gather(family, head_dim)
 
 
-def dq_split_steady(prior, device, head_dim) -> bool:
-    """The dQ kernel's SPLIT_STEADY: the pinned one, else tiles.dq_splits_steady for the
-    device's family (under the interpreter: the one BAMGEN_INTERPRET_TILES names, else the
-    interpreter's tiles, None), the prior's tile kind and the (padded) head dim."""
-    if _PINS.get().dq_split is not None:
-        return _PINS.get().dq_split
+def split_steady(prior, kernel, device, head_dim) -> bool:
+    """A backward kernel's ("bwd_dq", "bwd_dkdv") SPLIT_STEADY: the pinned one (dq_split,
+    dkdv_split), else tiles.splits_steady for the device's family (under the interpreter: the
+    one BAMGEN_INTERPRET_TILES names, else the interpreter's tiles, None), the prior's tile kind
+    and the (padded) head dim."""
+    pins = _PINS.get()
+    pin = pins.dq_split if kernel == "bwd_dq" else pins.dkdv_split
+    if pin is not None:
+        return pin
     family = interpreted_family() if interpreting() else gpu_family(device)
-    return dq_splits_steady(prior.traits.tile_kind, family, head_dim)
-
-
-def dkdv_split_steady(prior, device, head_dim) -> bool:
-    """The dK/dV kernel's SPLIT_STEADY: the pinned one, else tiles.dkdv_splits_steady (as
-    dq_split_steady)."""
-    if _PINS.get().dkdv_split is not None:
-        return _PINS.get().dkdv_split
-    family = interpreted_family() if interpreting() else gpu_family(device)
-    return dkdv_splits_steady(prior.traits.tile_kind, family, head_dim)
+    return splits_steady(kernel, prior.traits.tile_kind, family, head_dim)
 
 
 def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
@@ -713,6 +706,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
     # the positions' gradients (POSITIONS: every row and key is written; placeholders otherwise)
     dpos_q, dpos_k = (torch.zeros_like(p) for p in (lay.pos_q, lay.pos_k))
 
+    dkdv_split = split_steady(prior, "bwd_dkdv", q.device, head_dim)
+
     def run_dkdv(config):
         block_m, block_n, warps, stages = config
         return wrap(kernels["bwd_dkdv"])[(lay.grid0(1, block_n, Nk), B * Hk)](
@@ -727,7 +722,6 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
             HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast, **lay.flags(),
             SPLIT_STEADY=dkdv_split, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
 
-    dkdv_split = dkdv_split_steady(prior, q.device, head_dim)
     launch(prior, "bwd_dkdv", D, q.device, key, run_dkdv, lay.masked, wrap is not eager_kernel)
     dist_sums = prior.traits.dist_sums and not row_sums
     if prior.traits.table_width and not dist_sums:
@@ -741,7 +735,7 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         INTERPRET_GRAD_GROUP if interpreting() and interpreted_family() is None else None, lay.masked)
     dq = torch.empty_like(q)
     partials = {}   # one partial sum per dQ program: its shape follows the tile
-    split_steady = dq_split_steady(prior, q.device, head_dim)
+    dq_split = split_steady(prior, "bwd_dq", q.device, head_dim)
 
     def run_dq(config):
         block_m, block_n, warps, stages = config
@@ -763,7 +757,7 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
                 GRAD_COUNT=count, DIST_SUMS=dist_sums, DIST_K=dist_width(prior.traits.num_grads),
                 CAUSAL=causal, BLOCK_M=block_m,
                 BLOCK_N=block_n, HEAD_DIM=head_dim, D=D, DOT_PREC=precision, UPCAST_DOT=upcast,
-                ROW_SUMS=row_sums, **lay.flags(), SPLIT_STEADY=split_steady, num_warps=warps,
+                ROW_SUMS=row_sums, **lay.flags(), SPLIT_STEADY=dq_split, num_warps=warps,
                 num_stages=stages, enable_fp_fusion=FP_FUSION)
         return out
 
@@ -861,7 +855,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, RowM="*fp32", RowL="*fp32", Delta="*fp32",
               RowF="*fp32", DK=ptr, DV=ptr, Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs,
               **pos_ptrs, DPosK="*fp32"),
-         dict(SPLIT_STEADY=dkdv_splits_steady(prior.traits.tile_kind, arch, padded))),
+         dict(SPLIT_STEADY=splits_steady("bwd_dkdv", prior.traits.tile_kind, arch, padded))),
         ("attn_bwd_dq", kernels["bwd_dq"], "bwd_dq",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32", Delta="*fp32",
               DQ=ptr, DTheta="*fp32", RowSums="*fp32", Table="*fp32", Window="*i32", NRow="*fp32",
@@ -873,7 +867,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
                                masked=any(flags))[0][1],
               DIST_SUMS=prior.traits.dist_sums, DIST_K=dist_width(prior.traits.num_grads),
               ROW_SUMS=False,
-              SPLIT_STEADY=dq_splits_steady(prior.traits.tile_kind, arch, padded))),
+              SPLIT_STEADY=splits_steady("bwd_dq", prior.traits.tile_kind, arch, padded))),
     ]
     if layout in ("plain", "padded") and not positional:   # (else: the prefill kernels alone)
         plans += [

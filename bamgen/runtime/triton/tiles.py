@@ -277,29 +277,18 @@ def head_dim_bucket(head_dim: int) -> int:
 # bounds mask, as the forward's do. NoPE's dQ loop at head dim 64 on sm_90 issues 216
 # instructions a pass instead of 310 (151 -> 105 issue cycles per 1000 scores, against a tensor
 # floor of 94), GGD's 236 -> 209 (Triton 3.9). But the split raises registers (BAM's, Cauchy's,
-# the Gaussian's and KERPLE's at 64 on sm_90 from 213 to 242), and it spills where the loop was near 255 already: the table
-# kind's 64x32 at head dim 128 on sm_90 (64 bytes; its 64x16 split models 289 against 64x32's
+# the Gaussian's and KERPLE's at 64 on sm_90 from 213 to 242), and it spills where the loop was
+# near 255 already: the table kind's 64x32 at head dim 128 on sm_90 (64 bytes; its 64x16 split models 289 against 64x32's
 # 242 unsplit), T5's (8-24 bytes; an LSU-bound loop it does not shorten), FIRE's (240-328),
 # BAM-SSMax's packed on sm_80 at 128 (16), Laplace's at 128 on sm_80 with Triton 3.6 (8; the
 # light kind's dQ there is LSU-bound in the model either way). So it is on for the (tile kind,
 # family, head dim bucket) below, each spill-free with Triton 3.9 and 3.6 in the plain, key-mask
 # and packed layouts for every candidate (tests/gpu/test_aot.py and test_aot_masks.py compile
-# the plain, key-mask and packed kernels of the shipped priors at 3.9's defaults), and off for the
-# kernels of positions as tensors (bound by the positions' work) and wherever not named.
+# the plain, key-mask and packed kernels of the shipped priors at 3.9's defaults), and off for
+# the kernels of positions as tensors (bound by the positions' work) and wherever not named.
 # docs/performance.md, "The dQ kernel's steady run".
 DQ_STEADY_AT = frozenset({("light", "sm_80", 64), ("light", "sm_90", 64), ("light", "sm_90", 128),
                           ("table", "sm_90", 64), ("general", "sm_90", 64)})
-
-
-def dq_splits_steady(kind: str, arch: str | None, head_dim: int) -> bool:
-    """Whether the dQ kernel of a tile kind splits off its steady run on a GPU family at a
-    (padded) head dim (DQ_STEADY_AT, by the head dim's bucket). arch None: the interpreter's
-    small tiles, which split wherever some family does (so the tests run both loops of the
-    kinds that split, and one loop, as every GPU does, for those that never do: T5, FIRE, the
-    kernels of positions as tensors)."""
-    if arch is None:
-        return any(kind == split_kind for split_kind, _, _ in DQ_STEADY_AT)
-    return (kind, arch, head_dim_bucket(head_dim)) in DQ_STEADY_AT
 
 
 # The dK/dV kernel's steady run (SPLIT_STEADY of backward._attn_bwd_dkdv): the query tiles whose
@@ -316,12 +305,18 @@ def dq_splits_steady(kind: str, arch: str | None, head_dim: int) -> bool:
 DKDV_STEADY_AT: frozenset = frozenset()
 
 
-def dkdv_splits_steady(kind: str, arch: str | None, head_dim: int) -> bool:
-    """Whether the dK/dV kernel of a tile kind splits off its steady run on a GPU family at a
-    (padded) head dim (DKDV_STEADY_AT; arch None: the interpreter's tiles, as for dQ)."""
+STEADY_AT = {"bwd_dq": DQ_STEADY_AT, "bwd_dkdv": DKDV_STEADY_AT}
+
+
+def splits_steady(kernel: str, kind: str, arch: str | None, head_dim: int) -> bool:
+    """Whether a backward kernel ("bwd_dq", "bwd_dkdv") of a tile kind splits off its steady
+    run on a GPU family at a (padded) head dim (STEADY_AT, by the head dim's bucket). arch None:
+    the interpreter's small tiles, which split wherever some family does (so the tests run both
+    loops of the kinds that split, and one loop, as every GPU does, for those that never do: T5,
+    FIRE, the kernels of positions as tensors)."""
     if arch is None:
-        return any(kind == split_kind for split_kind, _, _ in DKDV_STEADY_AT)
-    return (kind, arch, head_dim_bucket(head_dim)) in DKDV_STEADY_AT
+        return any(kind == split_kind for split_kind, _, _ in STEADY_AT[kernel])
+    return (kind, arch, head_dim_bucket(head_dim)) in STEADY_AT[kernel]
 
 
 def fwd_table_gather(arch: str, head_dim: int) -> str:
