@@ -254,6 +254,42 @@ def test_the_dq_loop_splits_off_its_steady_run():
     assert issue <= 1.15 * tensor, (issue, tensor)
 
 
+SCALED_SCORE_SCRIPT = r"""
+import collections, json, sys
+from bamgen.aot import compile_module, disassemble, loop_model, mma_loops
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior
+out = []
+for name in sys.argv[1:]:
+    for dim in (64, 128):
+        for k in compile_module(load_prior(shipped_prior(name)), arch="sm_90", head_dim=dim,
+                                only=("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")):
+            loops = mma_loops(disassemble(k.cubin))
+            steady = min(loops, key=len)
+            ops = collections.Counter(op.split(".")[0] for _, op, _ in steady)
+            cycles = loop_model(k.main_loop, "sm_90", k.num_warps)["cycles"]
+            out.append([name, dim, k.name, list(k.block), k.num_warps, k.registers, k.stack_bytes,
+                        k.block[0] * k.block[1] // (32 * k.num_warps),
+                        {op: ops[op] for op in ("FFMA", "FMUL", "FADD", "UTMALDG", "LDGSTS", "LDG")},
+                        cycles])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_nope_computes_p_in_one_ffma():
+    """NoPE's logit is q.k * scale alone: every kernel computes P = exp2(fma(q.k, scale, -m)),
+    one FFMA a score where a multiply and a subtraction were two (helpers.py, "P of a scaled
+    score"), in the steady loops of the forward, dK/dV and dQ at head dims 64 and 128 on sm_90."""
+    res = run_script_aot(SCALED_SCORE_SCRIPT, "uniform")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(name, dim, kernel): rest for name, dim, kernel, *rest in json.loads(res.stdout)}
+    assert len(rows) == 6, sorted(rows)
+    for (name, dim, kernel), (block, warps, registers, stack, scores, ops, cycles) in rows.items():
+        assert stack == 0, (name, dim, kernel, registers)
+        assert ops["FFMA"] >= scores, (dim, kernel, scores, ops)
+
+
 @pytest.mark.slow
 def test_inspect_saves_cubins(tmp_path):
     report = _inspect(PRIOR_DIR / "laplace.yaml", "sm_80", 64, "--save", str(tmp_path / "cubins"))

@@ -45,8 +45,8 @@ from .helpers import (
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
     _steady_keys, _table_load, _table_logit2, _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SKIP, TABLE, TABLE_POSITIONS, prior_ramp,
-    prior_scalars)
+    HAS_BIAS, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SCORE_IS_S, SKIP, TABLE, TABLE_POSITIONS,
+    prior_ramp, prior_scalars)
 
 
 @triton.jit
@@ -94,6 +94,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     # tile, at most a tile past the last key) falls inside the table's TABLE_PAD entries.
     # (Positions from tensors: the keys' positions come with their tile, so those read directly.)
     PREFETCH: tl.constexpr = TABLE and TABLE_GATHER == "prefetch" and not TABLE_POSITIONS
+    # the logit is q.k * qk_scale alone (NoPE): z holds q.k, the max is taken on it and scaled
+    # once per row, and P is one FFMA a score (see helpers.py, "P of a scaled score")
+    SCALED_SCORE: tl.constexpr = SCORE_IS_S and not HAS_BIAS and not TABLE and not RAMP
     if PREFETCH:
         last_n = n_lo + tl.maximum(n_hi - n_lo - 1, 0) // BLOCK_N * BLOCK_N
         tab_next = _table_load(tab_rows + (n_lo + k_offset + tl.arange(0, BLOCK_N))[None, :])
@@ -118,7 +121,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
             tab_at = tab_rows + pos_j.to(tl.int32)
         else:
             tab_at = tab_rows + offs_n_abs[None, :]
-        if RAMP:
+        if SCALED_SCORE:
+            z = qk
+        elif RAMP:
             if CAUSAL:   # (a hidden score, d < 0, is off the line: the mask below drops it)
                 z = qk * qk_scale + (ramp_slope * (ramp_ref - offs_n_abs).to(tl.float32))[None, :]
             elif RAMP_SYMMETRIC:
@@ -147,9 +152,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
             z = tl.where(visible, z, -float("inf"))
         if HAS_KEY_MASK:
             z = tl.where(kept[None, :], z, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(z, 1))
+        if SCALED_SCORE:
+            m_new = tl.maximum(m_i, tl.max(z, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp2(z - m_safe[:, None])
+        if SCALED_SCORE:   # (inline: a call here reorders other priors' SASS)
+            p = tl.exp2(tl.fma(z, qk_scale, -m_safe[:, None]))
+        else:
+            p = tl.exp2(z - m_safe[:, None])
         correction = tl.exp2(m_i - m_safe)
         l_i = l_i * correction + tl.sum(p, 1)
         if HAS_KEY_MASK:   # a padding key's v reads as 0: P is 0 there, and 0 * NaN is NaN

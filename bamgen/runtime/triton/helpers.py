@@ -545,6 +545,14 @@ def _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_v, sc)
         return logit * 1.4426950408889634  # log2(e)
 
 
+# P of a scaled score. Where the logit is q.k * qk_scale alone (SCORE_IS_S without a bias, a
+# table or a ramp: NoPE), every kernel computes P = exp2(fma(q.k, qk_scale, -m)): one FFMA a
+# score, rounded once where the product and the difference were rounded each (Triton's
+# tutorial computes it so), and the same expression in the forward, decode, dK/dV and dQ
+# kernels, so the backward rebuilds the forward's bits. The forward takes the row's max on q.k
+# and scales it once: max(q.k) * qk_scale is bit for bit the max of the rounded products
+# (rounding is monotone, and qk_scale > 0: checks.py refuses any other scale). Written inline
+# in each kernel: called as a function it reordered the other priors' SASS.
 @triton.jit
 def _logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_ptrs, sc):
     """log2(e) * logit for a tile of raw q.k products: the softmax runs in base 2 (exp2).
