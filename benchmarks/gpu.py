@@ -34,7 +34,8 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       (how the forward and decode kernels read a table prior's entries:
                       tiles.fwd_table_gather and FWD_TABLE_GATHER), ``dq_split=on|off`` and
                       ``dkdv_split=on|off`` (whether the dQ or dK/dV kernel splits off its
-                      steady run: tiles.DQ_STEADY_AT, DKDV_STEADY_AT), e.g.
+                      steady run: tiles.DQ_STEADY_AT, DKDV_STEADY_AT) and ``kv=pointers|tma``
+                      (how the forward reads K and V: tiles.FWD_TMA_AT, launch.kv_tma), e.g.
                       ``bamgen-ggd@fwd=128x64x8x3`` or ``bamgen-ggd@gather=direct``; the calls
                       run inside ``bamgen.runtime.triton.launch.pinned``, the output is held to
                       ``bamgen-<prior>``'s, and the JSON keeps the pins (``variants``) for
@@ -387,26 +388,31 @@ def bamgen_peer(prior: str, backend: str, cfg, qkv, dout, strategy: str | None =
 @dataclass(frozen=True)
 class Variant:
     """The pins of a ``bamgen-<prior>@<pins>`` peer: tile configs per kernel, the forward's
-    table gather and whether the dQ and dK/dV kernels split off their steady runs (None: the
-    default)."""
+    table gather, whether the dQ and dK/dV kernels split off their steady runs and how the
+    forward reads K and V (None: the default)."""
     tiles: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     gather: str | None = None
     dq_split: bool | None = None
     dkdv_split: bool | None = None
+    kv: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """``fwd=128x64x8x3,gather=direct,dq_split=off,dkdv_split=on`` (ValueError saying what
-        is wrong)."""
+        """``fwd=128x64x8x3,gather=direct,dq_split=off,dkdv_split=on,kv=pointers`` (ValueError
+        saying what is wrong)."""
+        from bamgen.runtime.triton.launch import KV_READS
         from bamgen.runtime.triton.tiles import INTERPRET_TILES, TABLE_GATHERS
-        tiles, gather, splits = {}, None, {}
+        tiles, gather, splits, kv = {}, None, {}, None
         for pin in text.split(","):
             key, _, value = pin.partition("=")
-            if key in tiles or key in splits or (key == "gather" and gather is not None):
-                raise ValueError(f"pin {key!r} given twice: give each kernel's tile, the gather "
-                                 f"and each split once")
+            if (key in tiles or key in splits or (key == "gather" and gather is not None)
+                    or (key == "kv" and kv is not None)):
+                raise ValueError(f"pin {key!r} given twice: give each kernel's tile, the gather, "
+                                 f"each split and kv once")
             if key == "gather" and value in TABLE_GATHERS:
                 gather = value
+            elif key == "kv" and value in KV_READS:
+                kv = value
             elif key in ("dq_split", "dkdv_split") and value in ("on", "off"):
                 splits[key] = value == "on"
             elif key in INTERPRET_TILES and len(value.split("x")) == 4 and all(
@@ -416,17 +422,17 @@ class Variant:
                 raise ValueError(
                     f"pin {pin!r}: write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages> with kernel "
                     f"one of {', '.join(INTERPRET_TILES)}, gather= one of {', '.join(TABLE_GATHERS)}, "
-                    f"or dq_split=on|off, dkdv_split=on|off")
+                    f"or dq_split=on|off, dkdv_split=on|off, kv={'|'.join(KV_READS)}")
         return cls(tuple(sorted(tiles.items())), gather, splits.get("dq_split"),
-                   splits.get("dkdv_split"))
+                   splits.get("dkdv_split"), kv)
 
     def context(self):
         from bamgen.runtime.triton.launch import pinned
-        return pinned(dict(self.tiles), self.gather, self.dq_split, self.dkdv_split)
+        return pinned(dict(self.tiles), self.gather, self.dq_split, self.dkdv_split, self.kv)
 
     def as_json(self) -> dict:
         return {"tiles": {k: list(v) for k, v in self.tiles}, "gather": self.gather,
-                "dq_split": self.dq_split, "dkdv_split": self.dkdv_split}
+                "dq_split": self.dq_split, "dkdv_split": self.dkdv_split, "kv": self.kv}
 
 
 def split_variant(name: str) -> tuple[str, Variant | None]:

@@ -79,9 +79,12 @@ BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode
 # one; since, sm_90 reads the table one tile ahead ("prefetch", chosen by the latency term
 # without a GPU: tiles.py). Open: the read ahead against the direct read, and BAM-SSMax's
 # forward, 3.6-4x GGD's at head dim 128 on both GPUs with the async read: the direct read, the
-# async read it took then, and its inline build, each against the read ahead.
+# async read it took then, and its inline build, each against the read ahead; and NoPE's
+# forward at head dim 64, which reads K and V through TMA over 4 warps since (tiles.FWD_TMA_AT,
+# chosen by the five units against the latency term), against the 8-warp pointer forward it had.
 # A pin that equals the shipped config at one head dim times the shipped kernel twice there.
-VARIANT_PEERS = ("bamgen-uniform", "bamgen-ggd", "bamgen-ggd@fwd=128x64x8x2",
+VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@kv=pointers,fwd=128x64x8x3", "bamgen-ggd",
+                 "bamgen-ggd@fwd=128x64x8x2",
                  "bamgen-ggd@gather=direct", "bamgen-ssmax", "bamgen-ssmax@gather=direct",
                  "bamgen-ssmax@gather=async", "bamgen-ssmax-inline")
 # and the decode kernel's read (at head dim 128 its 16x128 tile has Q's shape): 64 sequences

@@ -135,6 +135,19 @@ def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
     for split_kernel, pin in (("bwd_dq", "dq_split"), ("bwd_dkdv", "dkdv_split")):
         if kernel == split_kernel and pins.get(pin) is not None:
             constexprs["SPLIT_STEADY"] = pins[pin]
+    if kernel == "fwd" and pins.get("kv") is not None:
+        # (a pinned "tma" where the spec's layout or dtype cannot take it keeps pointers, as
+        # launch.kv_tma does)
+        constexprs["KV_TMA"] = pins["kv"] == "tma" and signature["K"] != "*fp32" and (
+            constexprs["HAS_KEY_MASK"], constexprs["ROW_OFFSETS"], constexprs["VARLEN"]) == (
+            False, False, False) and constexprs["D"] % 8 == 0
+    if constexprs.get("KV_TMA"):   # the descriptors' block follows the tile
+        from bamgen.runtime.triton.launch import kv_descriptor_type
+        dtype = signature["Q"].lstrip("*")
+        signature = dict(signature, **{t: kv_descriptor_type(dtype, constexprs["BLOCK_N"],
+                                                             constexprs["HEAD_DIM"]) for t in "KV"})
+    elif kernel == "fwd":
+        signature = dict(signature, K=signature["Q"], V=signature["Q"])
     return name, fn, signature, constexprs, warps, stages
 
 

@@ -277,17 +277,32 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_nope_computes_p_in_one_ffma():
+def test_nope_computes_p_in_one_ffma_and_its_forward_reads_through_tma():
     """NoPE's logit is q.k * scale alone: every kernel computes P = exp2(fma(q.k, scale, -m)),
     one FFMA a score where a multiply and a subtraction were two (helpers.py, "P of a scaled
-    score"), in the steady loops of the forward, dK/dV and dQ at head dims 64 and 128 on sm_90."""
-    res = run_script_aot(SCALED_SCORE_SCRIPT, "uniform")
+    score"), in the steady loops of the forward, dK/dV and dQ at head dims 64 and 128 on sm_90.
+    Its forward at 64 reads K and V through TMA (tiles.FWD_TMA_AT: no per-thread global or
+    asynchronous copies in the loop) over 4 warps without spills, and issues no more than its
+    exponentials take: bound by the MUFU, as Triton's tutorial is (it modelled 1.15x that, and
+    1.26x before the FFMA: docs/performance.md, "Keys and values through TMA"). ALiBi, the
+    light kind too, takes the same tile and copies; GGD keeps pointers."""
+    res = run_script_aot(SCALED_SCORE_SCRIPT, "uniform", "laplace", "generalized_gaussian")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {(name, dim, kernel): rest for name, dim, kernel, *rest in json.loads(res.stdout)}
-    assert len(rows) == 6, sorted(rows)
+    assert len(rows) == 18, sorted(rows)
     for (name, dim, kernel), (block, warps, registers, stack, scores, ops, cycles) in rows.items():
         assert stack == 0, (name, dim, kernel, registers)
-        assert ops["FFMA"] >= scores, (dim, kernel, scores, ops)
+        if name == "uniform":
+            assert ops["FFMA"] >= scores, (dim, kernel, scores, ops)
+    for name in ("uniform", "laplace"):
+        block, warps, registers, stack, scores, ops, cycles = rows[(name, 64, "attn_fwd")]
+        assert (block, warps) == ([128, 64], 4), (name, block, warps)
+        assert ops["UTMALDG"] >= 2 and ops["LDGSTS"] == ops["LDG"] == 0, (name, ops)
+    cycles = rows[("uniform", 64, "attn_fwd")][-1]
+    assert cycles["issue"] <= cycles["mufu"] == max(cycles.values()), cycles
+    for dim in (64, 128):
+        block, warps, registers, stack, scores, ops, cycles = rows[("generalized_gaussian", dim, "attn_fwd")]
+        assert ops["UTMALDG"] == 0 and warps == 8, (dim, ops, warps)
 
 
 @pytest.mark.slow
@@ -376,9 +391,10 @@ for name, reads in ([(n, "fwd") for n in gpu_check.VARIANT_PEERS]
             kernel = spec[0].removeprefix("attn_")
             if kernel in pins["tiles"] or (kernel == reads and pins["gather"]):
                 k = compile_spec(model_check.pinned_spec(spec, kernel, pins), "sm_90")
+                pinned = model_check.pinned_spec(spec, kernel, pins)[3]
                 out.append([name, dim, k.name, k.registers, k.stack_bytes, k.local_bytes,
-                            k.shared_bytes, spec[3].get("TABLE_GATHER"),
-                            model_check.pinned_spec(spec, kernel, pins)[3].get("TABLE_GATHER")])
+                            k.shared_bytes, spec[3].get("TABLE_GATHER"), pinned.get("TABLE_GATHER"),
+                            spec[3].get("KV_TMA"), pinned.get("KV_TMA")])
 print(json.dumps(out))
 """
 
@@ -388,24 +404,28 @@ print(json.dumps(out))
 def test_the_variants_gpu_check_times_compile_without_spills(head_dim):
     """The kernel variants `make gpu-check` times against the shipped ones (gpu_check.py's
     VARIANT_PEERS and VARIANT_DECODE_PEERS: the forward's other stage counts and table reads,
-    BAM-SSMax's included, the decode kernel's other read) pass the tile
+    BAM-SSMax's included, NoPE's forward from pointers over 8 warps where it reads through TMA
+    at head dim 64, the decode kernel's other read) pass the tile
     table's bar on the H100: no spills, within its shared memory (head dim 64, where the table
     forwards measured 3.4-3.9x NoPE with the async read and 2.1x with the direct one, in every
     run; 128 in make test-full)."""
     res = run_script_aot(VARIANTS_SCRIPT, str(head_dim))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout)
+    pointers = "bamgen-uniform@kv=pointers,fwd=128x64x8x3"
     assert {(r[0], r[1], r[2]) for r in rows} == {(n, head_dim, "attn_fwd") for n in (
         "bamgen-ggd@fwd=128x64x8x2", "bamgen-ggd@gather=direct", "bamgen-ssmax@gather=direct",
-        "bamgen-ssmax@gather=async")} | {
+        "bamgen-ssmax@gather=async", pointers)} | {
         ("bamgen-ggd@gather=coalesced", head_dim, "attn_decode")}
     shipped_read = {"attn_fwd": "prefetch", "attn_decode": "async"}
-    for name, dim, kernel, registers, stack, spill, shared, shipped, pinned in rows:
+    for name, dim, kernel, registers, stack, spill, shared, shipped, pinned, tma, pinned_tma in rows:
         assert stack == 0 and spill == 0, (name, dim, kernel, registers)
         assert shared <= SHARED_LIMIT["sm_90"], (name, dim, kernel, shared)
         assert shipped == shipped_read[kernel], (name, dim, kernel, shipped)
         if "gather=" in name:   # the pin's read, whatever the shipped one is
             assert pinned == name.partition("gather=")[2], (name, pinned)
+        if name == pointers:   # NoPE's shipped forward reads through TMA at 64 alone
+            assert (tma, pinned_tma) == (head_dim == 64, False), (name, dim, tma, pinned_tma)
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
     training = json.loads(out.read_text())["results"][0]
     assert training["variants"]["bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off"] == {
         "tiles": {"bwd_dq": [16, 16, 4, 1], "fwd": [16, 16, 4, 1]}, "gather": None,
-        "dq_split": False, "dkdv_split": None}
+        "dq_split": False, "dkdv_split": None, "kv": None}
 
 
 @pytest.mark.parametrize("flag, name, words", [
@@ -150,6 +150,8 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
     ("--peers", "bamgen-ggd@dq_split=yes", "or dq_split=on|off"),
     ("--peers", "bamgen-ggd@dq_split=on,dq_split=off", "pin 'dq_split' given twice"),
     ("--peers", "bamgen-ggd@dkdv_split=1", "or dq_split=on|off, dkdv_split=on|off"),
+    ("--peers", "bamgen-uniform@kv=ptr", "kv=pointers|tma"),
+    ("--peers", "bamgen-uniform@kv=tma,kv=pointers", "pin 'kv' given twice"),
     ("--peers", "bamgen-nope@gather=direct", "'bamgen-nope' is not a peer; choose from:"),
     ("--decode-peers", "bamgen-ggd-forward@gather=direct", "only a bamgen decode peer"),
 ])

@@ -102,8 +102,8 @@ def test_shipped_prior_with_a_gpu_family_s_tiles(name, family, monkeypatch):
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
     families, real = [], launch.candidates
     monkeypatch.setattr(launch, "candidates",
-                        lambda prior, kernel, head_dim, arch, masked=False:
-                        families.append(arch) or real(prior, kernel, head_dim, arch, masked))
+                        lambda prior, kernel, head_dim, arch, masked=False, tma=False:
+                        families.append(arch) or real(prior, kernel, head_dim, arch, masked, tma))
     _check_against_reference(name, "triton")
     assert families and set(families) == {family}
 

@@ -408,10 +408,10 @@ def test_masks_and_documents_with_a_gpu_family_s_tiles(prior, family, monkeypatc
     from bamgen.runtime.triton import launch
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
     tiles, real = [], launch.candidates
-    monkeypatch.setattr(launch, "candidates", lambda prior, kernel, head_dim, arch, masked=False:
+    monkeypatch.setattr(launch, "candidates", lambda prior, kernel, head_dim, arch, masked=False, tma=False:
                         tiles.append((kernel, arch, masked, real(prior, kernel, head_dim, arch, masked)[0],
                                       real(prior, kernel, head_dim, arch, False)[0]))
-                        or real(prior, kernel, head_dim, arch, masked))
+                        or real(prior, kernel, head_dim, arch, masked, tma))
     pad = [[0] * 6 + [1] * 34, [1] * 29 + [0] * 11]
     run_mask_case(MaskCase(prior, "triton", "fp32", 2, 4, 2, 33, 40, 16, True, [3, 0], [0, 5], pad, 7))
     run_packed_case(dict(prior=prior, backend="triton", q_lens=[7, 0, 30], k_lens=[7, 0, 30], Hq=2,

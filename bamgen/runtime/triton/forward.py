@@ -24,7 +24,11 @@ Constexpr flags of the launch:
   TABLE_GATHER "async", "coalesced", "direct" or "prefetch": how a table prior's tile of
                entries is read (tiles.fwd_table_gather; helpers._gather_table; "prefetch" is
                "direct" one tile ahead: _attn_fwd_inner); ignored without a table
-With the three flags off the kernel compiles to what it was without them (the same loops).
+  KV_TMA       K and V are tensor descriptors (launch.kv_descriptors: [B * Hk, Nk, D], a block
+               of [1, BLOCK_N, HEAD_DIM]) and each key tile is one TMA copy of each, which
+               reads zeros past Nk and D (what the pointer loads' masks give); off, pointers.
+               Only where the three flags above are off (launch.kv_tma; tiles.FWD_TMA_AT)
+With the three layout flags off the kernel compiles to what it was without them (the same loops).
 The prior's flags (TABLE, RAMP, ROW_FACTORS, SKIP, ...) are hooks.py's.
 Runtime (never recompiles): Nq, Nk, q_offset, k_offset, sm_scale, strides, Hq, GROUP, the
 key_mask's row stride stride_mb, the per-row key counts NRow (n) and the table strategy's Table,
@@ -67,7 +71,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                     CAUSAL: tl.constexpr, STEADY: tl.constexpr, BLOCK_N: tl.constexpr,
                     D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
                     UPCAST_DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-                    TABLE_GATHER: tl.constexpr):
+                    TABLE_GATHER: tl.constexpr, kv_row=0, KV_TMA: tl.constexpr = False):
     """Online softmax over the key tiles [n_lo, n_hi) of one query tile (base-2 exponent).
 
     STEADY: every key of these tiles exists and is visible to every row of the tile (the
@@ -75,7 +79,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     is a line in d on the causal side (RAMP), a causal logit is s + slope * (ref - j)
     (log2 units): the tile's reference key ramp_ref, a broadcast vector per key tile
     instead of a per-score evaluation. POSITIONS: the rows' positions are pos_rows, the keys'
-    read from PosK (this head's first key at pk_head)."""
+    read from PosK (this head's first key at pk_head). KV_TMA: k_base and v_base are the
+    descriptors, and this (batch, kv head) is their row kv_row."""
     if POSITIONS > 0:
         pos_i = pos_rows
     else:
@@ -107,7 +112,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
             tab_tile = tab_next
             ahead = tl.minimum(start_n + BLOCK_N, last_n) + k_offset + tl.arange(0, BLOCK_N)
             tab_next = _table_load(tab_rows + ahead[None, :])
-        k = _load_kv(k_base, offs_n, stride_kn, offs_d, Nk, not STEADY, D, HEAD_DIM)
+        if KV_TMA:
+            k = k_base.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k = _load_kv(k_base, offs_n, stride_kn, offs_d, Nk, not STEADY, D, HEAD_DIM)
         if HAS_KEY_MASK:   # (a NaN in a padding key's k is hidden by the where() below)
             kept = _kept_keys(km_base, offs_n, Nk)
         qk = _dot(q, tl.trans(k), None, DOT_PREC, UPCAST_DOT)
@@ -165,6 +173,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         l_i = l_i * correction + tl.sum(p, 1)
         if HAS_KEY_MASK:   # a padding key's v reads as 0: P is 0 there, and 0 * NaN is NaN
             v = _load_kept(v_base, offs_n, stride_vn, offs_d, kept, D)
+        elif KV_TMA:
+            v = v_base.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
             v = _load_kv(v_base, offs_n, stride_vn, offs_d, Nk, not STEADY, D, HEAD_DIM)
         acc = _dot(p.to(v.dtype), v, acc * correction[:, None], DOT_PREC, UPCAST_DOT)
@@ -183,7 +193,7 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
               DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, STORE_O32: tl.constexpr,
               HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, VARLEN: tl.constexpr,
-              TABLE_GATHER: tl.constexpr):
+              TABLE_GATHER: tl.constexpr, KV_TMA: tl.constexpr):
     """One program: one query tile of one (batch, head). Writes O and, per row, the running
     max m (base 2) and sum l of the online softmax: the backward rebuilds P as
     exp2(z - m) / l, exact where a rounded log-sum-exp m + log2(l) would cost eps * |z|."""
@@ -210,8 +220,14 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
         pos_rows = 0.0
     d_ok = offs_d < D
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    if KV_TMA:   # K and V are descriptors; this program's keys are their row kv_row
+        kv_row = off_b * (Hq // GROUP) + off_hk
+        k_base = K
+        v_base = V
+    else:
+        kv_row = 0
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     km_base = KeyMask + off_b.to(tl.int64) * stride_mb + k_start
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -259,13 +275,13 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, True, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
-                                    TABLE_GATHER)
+                                    TABLE_GATHER, kv_row, KV_TMA)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, n_full, n_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, False, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
-                                    TABLE_GATHER)
+                                    TABLE_GATHER, kv_row, KV_TMA)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference (what the backward rebuilds)
             row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)

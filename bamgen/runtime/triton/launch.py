@@ -29,7 +29,8 @@ from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
 from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, GRAD_GROUPS_MASKED, INTERPRET_TILES,
-                    TABLE_GATHERS, TILES, fwd_table_gather, head_dim_bucket, splits_steady)
+                    TABLE_GATHERS, TILES, fwd_table_gather, fwd_tma_tile, head_dim_bucket,
+                    splits_steady)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -74,13 +75,17 @@ def interpreted_family():
     return family
 
 
-def candidates(prior, kernel, head_dim, arch, masked=False):
+def candidates(prior, kernel, head_dim, arch, masked=False, tma=False):
     """The tile configs of a kernel; masked (key_mask, per-row offsets or packed documents): each
     with half the tile's scores (_masked_tile). (The kernels of position tensors have tile
-    kinds of their own: tiles.py, positions_light and positions.)"""
+    kinds of their own: tiles.py, positions_light and positions.) tma: a forward that reads K
+    and V through TMA (kv_tma) takes its own tile first (tiles.FWD_TMA_AT), then the table's."""
     table = TILES[prior.traits.tile_kind][arch]
     bucket = head_dim_bucket(head_dim_padded(head_dim))
     configs = table[bucket][kernel]
+    tma_tile = fwd_tma_tile(prior.traits.tile_kind, arch, bucket) if tma and kernel == "fwd" else None
+    if tma_tile is not None:
+        configs = [tma_tile] + [c for c in configs if c != tma_tile]
     if masked and prior.traits.tensor_positions:
         return [positions_masked_tile(kernel, c, arch, bucket) for c in configs]
     if masked and kernel == "fwd" and prior.traits.tile_kind == "heavy":
@@ -142,23 +147,30 @@ class Pins:
     """Launch choices fixed for the calls inside pinned(): a tile config per kernel name
     (KERNELS' keys, "fwd", "bwd_dq", ...), the forward's table gather (TABLE_GATHERS) and
     whether the dQ and dK/dV kernels split off their steady runs (SPLIT_STEADY; None: the
-    tile table's)."""
+    tile table's), and how the forward reads K and V (KV_READS: "tma" where the layout allows
+    it, kv_tma; None: tiles.FWD_TMA_AT's choice)."""
     tiles: dict = field(default_factory=dict)
     gather: str | None = None
     dq_split: bool | None = None
     dkdv_split: bool | None = None
+    kv: str | None = None
+
+
+KV_READS = ("pointers", "tma")
 
 
 _PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
 
 
 @contextlib.contextmanager
-def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None):
+def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None):
     """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
     tiles included), the forward and decode kernels read a table as ``gather`` says, and the
     dQ and dK/dV kernels split off their steady runs or not as ``dq_split`` and ``dkdv_split``
-    (True or False) say (tiles.STEADY_AT otherwise): so that a benchmark times one kernel
+    (True or False) say (tiles.STEADY_AT otherwise), and the forward reads K and V as ``kv``
+    says ("pointers", or "tma" wherever kv_tma allows it; its tile, unless pinned, is then
+    tiles.FWD_TMA_AT's where the prior's kind has one): so that a benchmark times one kernel
     variant against another in the same process (benchmarks/gpu.py's bamgen-<prior>@...
     peers). A block inside another adds to its pins.
 
@@ -184,10 +196,14 @@ def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None):
         if split is not None and not isinstance(split, bool):
             raise ValueError(f"pinned({name}=...): {split!r} is not True or False (or None: the "
                              f"tile table's choice)")
+    if kv is not None and kv not in KV_READS:
+        raise ValueError(f"pinned(kv=...): {kv!r} is not one of {', '.join(KV_READS)} (or None: "
+                         f"the tile table's choice)")
     outer = _PINS.get()
     token = _PINS.set(Pins({**outer.tiles, **{k: tuple(v) for k, v in tiles.items()}},
                            gather or outer.gather, outer.dq_split if dq_split is None else dq_split,
-                           outer.dkdv_split if dkdv_split is None else dkdv_split))
+                           outer.dkdv_split if dkdv_split is None else dkdv_split,
+                           kv or outer.kv))
     try:
         yield
     finally:
@@ -234,7 +250,42 @@ def split_steady(prior, kernel, device, head_dim) -> bool:
     return splits_steady(kernel, prior.traits.tile_kind, family, head_dim)
 
 
-def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False):
+def kv_tma(prior, q, k, v, lay, traced) -> bool:
+    """Whether the forward reads K and V through tensor descriptors (KV_TMA; tiles.FWD_TMA_AT):
+    pinned(kv=...), else where the device's family (under the interpreter: the one
+    BAMGEN_INTERPRET_TILES names, else none), the prior's tile kind and the head dim take it.
+    Either way only where the layout allows: an eager launch (a traced one keeps pointers),
+    no key mask, per-row offsets or packed documents (KernelLayout.masked: a padding key's v
+    must read as 0, and a document's last tile runs into the next document), 16-bit inputs,
+    and rows of K and V that start 16-byte aligned (D a multiple of 8, the tensors' bases
+    aligned), as a descriptor needs."""
+    pin = _PINS.get().kv
+    if pin == "pointers":
+        return False
+    if pin is None:
+        family = interpreted_family() if interpreting() else gpu_family(q.device)
+        if fwd_tma_tile(prior.traits.tile_kind, family, head_dim_padded(q.shape[3])) is None:
+            return False
+    return (not traced and not lay.masked and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] % 8 == 0
+            and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
+
+
+def kv_descriptor_type(dtype: str, block_n: int, head_dim: int) -> str:
+    """The Triton signature type of kv_descriptors' descriptors, for ahead-of-time compiles."""
+    return f"tensordesc<{dtype}[1, {block_n}, {head_dim}]>"
+
+
+def kv_descriptors(k, v, block_n, head_dim):
+    """Tensor descriptors of contiguous K and V [B, Hk, Nk, D] as [B * Hk, Nk, D] with a block
+    of [1, block_n, head_dim] (the padded head dim): a tile past Nk or D reads zeros, as the
+    pointer loads' masks give."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    B, Hk, Nk, D = k.shape
+    return tuple(TensorDescriptor.from_tensor(t.view(B * Hk, Nk, D), [1, block_n, head_dim])
+                 for t in (k, v))
+
+
+def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False, tma=False):
     """run(config) launches `kernel` with a tile config and returns what the caller needs.
 
     The config is a pinned one (pinned(): over everything below), the family's default, the
@@ -253,14 +304,14 @@ def launch(prior, kernel, head_dim, device, key, run, masked=False, traced=False
         family = interpreted_family()
         if family is None:
             return run(INTERPRET_TILES[kernel])
-        return run(candidates(prior, kernel, head_dim, family, masked)[0])
+        return run(candidates(prior, kernel, head_dim, family, masked, tma)[0])
     arch = gpu_family(device)
-    options = candidates(prior, kernel, head_dim, arch, masked)
+    options = candidates(prior, kernel, head_dim, arch, masked, tma)
     if os.environ.get("BAMGEN_AUTOTUNE", "0") != "1" or len(options) == 1:
         return run(options[0])
     if traced:
-        return run(prior.tuned.get((kernel, arch, head_dim, masked) + key, options[0]))
-    tuned_key = (kernel, arch, head_dim, masked) + key
+        return run(prior.tuned.get((kernel, arch, head_dim, masked, tma) + key, options[0]))
+    tuned_key = (kernel, arch, head_dim, masked, tma) + key
     if tuned_key not in prior.tuned:
         prior.tuned[tuned_key] = _autotune(options, run)
     return run(prior.tuned[tuned_key])
@@ -567,11 +618,14 @@ def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, 
         return out, stats, out32
 
     gather = table_gather(q.device, head_dim_padded(D))
+    traced = wrap is not eager_kernel
+    tma = kv_tma(prior, q, k, v, lay, traced)
 
     def run(config):
         block_m, block_n, warps, stages = config
+        k_in, v_in = kv_descriptors(k, v, block_n, head_dim_padded(D)) if tma else (k, v)
         return wrap(kernels["fwd"])[(lay.grid0(0, block_m, Nq), B * Hq)](
-            q, k, v, theta, out, out32, stats[0], stats[1], table, window, counts,
+            q, k_in, v_in, theta, out, out32, stats[0], stats[1], table, window, counts,
             *lay.pointers(0, block_m), lay.pos_q, lay.pos_k,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -580,9 +634,10 @@ def forward_kernels(prior, q, k, v, theta, causal, scale, table, d_top, window, 
             NUM_PARAMS=theta.shape[1], CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
             HEAD_DIM=head_dim_padded(D), D=D, DOT_PREC=dot_precision(q.dtype),
             UPCAST_DOT=upcast_dot(q.dtype), STORE_O32=store_o32, **lay.flags(),
-            TABLE_GATHER=gather, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+            TABLE_GATHER=gather, KV_TMA=tma, num_warps=warps, num_stages=stages,
+            enable_fp_fusion=FP_FUSION)
 
-    launch(prior, "fwd", D, q.device, tune_key(q, Nq, Nk, causal), run, lay.masked, wrap is not eager_kernel)
+    launch(prior, "fwd", D, q.device, tune_key(q, Nq, Nk, causal), run, lay.masked, traced, tma)
     return out, stats, out32
 
 
@@ -846,7 +901,10 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
         ("attn_fwd", kernels["fwd"], "fwd",
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", O=ptr, O32="*fp32", Mrow="*fp32", Lrow="*fp32",
               Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs, **pos_ptrs),
-         dict(STORE_O32=dtype != "fp32", TABLE_GATHER=fwd_table_gather(arch, padded))),
+         dict(STORE_O32=dtype != "fp32", TABLE_GATHER=fwd_table_gather(arch, padded),
+              KV_TMA=fwd_tma_tile(prior.traits.tile_kind, arch, padded) is not None
+              and layout in ("plain", "positions") and dtype in ("bf16", "fp16")
+              and head_dim % 8 == 0)),
         ("bwd_preprocess", kernels["preprocess"], None,
          dict(O=ptr if dtype == "fp32" else "*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32",
               Delta="*fp32", RowM="*fp32", RowInvL="*fp32", Theta="*fp32", NRow="*fp32",
@@ -887,7 +945,8 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
         elif extra is None:   # the preprocess kernel: Triton's default launch settings
             block_m, block_n, warps, stages = PREPROCESS[0], None, PREPROCESS[1], 1
         else:
-            options = candidates(prior, config, head_dim, arch, layout not in ("plain", "positions"))
+            options = candidates(prior, config, head_dim, arch, layout not in ("plain", "positions"),
+                                 tma=extra.get("KV_TMA", False))
             block_m, block_n, warps, stages = options[min(candidate, len(options) - 1)]
         constexprs = {"BLOCK_M": block_m, "BLOCK_S": DECODE_COMBINE_SPLITS, "HEAD_DIM": padded,
                       "D": head_dim, "NUM_PARAMS": prior.traits.num_columns}
@@ -896,7 +955,9 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
         constexprs = {key: value for key, value in constexprs.items() if key in fn.arg_names}
         sig = {}
         for arg in fn.arg_names:
-            if arg in pointers:
+            if constexprs.get("KV_TMA") and arg in ("K", "V"):
+                sig[arg] = kv_descriptor_type(dtype, block_n, padded)
+            elif arg in pointers:
                 sig[arg] = pointers[arg]
             elif arg in constexprs:
                 sig[arg] = "constexpr"

@@ -264,6 +264,32 @@ FWD_TABLE_GATHER_AT = {("sm_90", 64): "prefetch", ("sm_90", 128): "prefetch"}
 TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
 
 
+# Where the forward reads its keys and values through the Tensor Memory Accelerator (KV_TMA of
+# _attn_fwd: host tensor descriptors over K and V as [B * Hk, Nk, D], one UTMALDG a tile from one
+# thread, zeros past Nk and D, where pointers give every thread a 64-bit address and a bounds
+# compare a vector), and the forward's tile there. The copy itself models no faster: the loop
+# issues what it did, 8 warps 78 against 76 (NoPE, head dim 64, sm_90, five units per 1000
+# scores). What it frees is registers: NoPE's 128x64 tile over 4 warps takes 207 a thread where
+# pointers take 255, and 4 warps issue the row statistics and loop control once per 128 rows
+# where 8 do it twice: 66 against 76, Triton's fused-attention tutorial's 66 (it reads through
+# TMA with this tile; the H200 timed it 1.11x faster than bamgen's 8-warp NoPE). The latency
+# term disagrees (93 against 62; the tutorial's 88), so the 8-warp pointer tile stays the
+# alternate and `make gpu-check`'s variants step times it (gpu_check.VARIANT_PEERS). ALiBi and
+# FoX (the light kind too): 86-88 against 104-106. The table and general kinds keep pointers:
+# with TMA their 8-warp tiles model no better (GGD 113 against 105 at 64) and their 4-warp ones
+# spill. Eager launches on sm_90 without a key mask, per-row offsets or packed documents, with
+# 16-bit inputs whose rows are 16-byte aligned (launch.kv_tma); the masked layouts keep pointers
+# (a padding key's v must read as 0; a document's last tile runs into the next), and so do
+# traced launches (torch.compile), which no GPU has run with descriptors yet. docs/performance.md,
+# "Keys and values through TMA".
+FWD_TMA_AT = {("light", "sm_90", 64): (128, 64, 4, 2)}
+
+
+def fwd_tma_tile(kind: str, arch: str | None, head_dim: int):
+    """The forward's tile where it reads K and V through TMA (FWD_TMA_AT), else None."""
+    return FWD_TMA_AT.get((kind, arch, head_dim_bucket(head_dim)))
+
+
 HEAD_DIM_BUCKETS = (64, 128, 256)   # the head dims of the tables above: a smaller one takes the next
 
 

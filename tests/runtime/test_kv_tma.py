@@ -1,0 +1,159 @@
+"""The forward's keys and values through TMA (KV_TMA of the forward kernel: host tensor
+descriptors over K and V, launch.kv_tma and kv_descriptors; tiles.FWD_TMA_AT). Under the
+interpreter, from the user's side: the inputs a user brings (GQA, ragged lengths, a head dim
+that is padded, a continuation after cached keys, bidirectional, fp16 and bf16) give the same
+bits read through descriptors as through pointers, for the output and every gradient; a GPU
+family's choice is what the launch takes (NoPE's 4-warp tile on sm_90 at head dim 64, through
+descriptors), and what a descriptor cannot read, or a layout that must not, keeps pointers."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from bamgen.runtime.triton import launch
+from bamgen.runtime.triton.launch import pinned
+from bamgen.runtime.triton.tiles import FWD_TMA_AT
+
+MODULES = {name: importlib.import_module(f"generated.{name}")
+           for name in ("uniform", "laplace", "generalized_gaussian", "bam_ssmax")}
+
+
+def _call(module, dtype, batch, hq, hk, nq, nk, d, seed=0, **kw):
+    """One Triton-path call with the module's default parameters: output and every gradient."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, nq, d, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(batch, hk, nk, d, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    params = {n: t.clone().requires_grad_() for n, t in module.default_params(hq).items()}
+    out = module.attention(q, k, v, backend="triton", **kw, **params)
+    grads = torch.autograd.grad(out, [q, k, v, *params.values()],
+                                torch.randn(out.shape, generator=g).to(dtype), allow_unused=True)
+    return [out.detach(), *(t for t in grads if t is not None)]
+
+
+@pytest.fixture
+def descriptors(monkeypatch):
+    """The (block_n, head_dim) of each kv_descriptors call, and the forward's launch configs."""
+    seen = {"descriptors": [], "configs": []}
+    real_descriptors, real_launch = launch.kv_descriptors, launch.launch
+
+    def spy_descriptors(k, v, block_n, head_dim):
+        seen["descriptors"].append((block_n, head_dim))
+        return real_descriptors(k, v, block_n, head_dim)
+
+    def spy_launch(prior, kernel, head_dim, device, key, run, *args):
+        if kernel != "fwd":
+            return real_launch(prior, kernel, head_dim, device, key, run, *args)
+        return real_launch(prior, kernel, head_dim, device, key,
+                           lambda config: seen["configs"].append(config) or run(config), *args)
+
+    monkeypatch.setattr(launch, "kv_descriptors", spy_descriptors)
+    monkeypatch.setattr(launch, "launch", spy_launch)
+    return seen
+
+
+CASES = {   # (batch, query heads, kv heads, Nq, Nk, head dim, call keywords)
+    "gqa-ragged": (2, 4, 2, 17, 17, 64, dict(causal=True)),
+    "one-token": (1, 2, 1, 1, 1, 64, dict(causal=True)),
+    "long-ragged": (1, 2, 1, 123, 123, 64, dict(causal=True)),
+    "padded-head-dim": (1, 2, 2, 37, 37, 40, dict(causal=True)),
+    "bidirectional": (2, 2, 1, 29, 45, 32, dict(causal=False)),
+    "continuation": (1, 2, 1, 33, 100, 64, dict(causal=True, q_offset=67)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_descriptors_read_what_pointers_read(name, dtype, case, descriptors):
+    """Pinned to TMA, the forward reads every key tile through descriptors (zeros past Nk and
+    past the real head dim, where the pointer loads mask) and gives the pointer forward's bits;
+    the backward, which reads P from the forward's statistics, gives its gradients."""
+    batch, hq, hk, nq, nk, d, kw = CASES[case]
+    with pinned(kv="pointers"):
+        want = _call(MODULES[name], dtype, batch, hq, hk, nq, nk, d, **kw)
+    assert descriptors["descriptors"] == []
+    with pinned(kv="tma"):
+        got = _call(MODULES[name], dtype, batch, hq, hk, nq, nk, d, **kw)
+    padded = max(16, 1 << (d - 1).bit_length())
+    assert descriptors["descriptors"] and {h for _, h in descriptors["descriptors"]} == {padded}
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_sm90_reads_nope_through_descriptors_over_four_warps(descriptors, monkeypatch):
+    """With sm_90's tiles (BAMGEN_INTERPRET_TILES), NoPE's forward at head dim 64 takes
+    FWD_TMA_AT's tile through descriptors of its key tile, and gives the bits of the 8-warp
+    pointer forward it replaced (the variant `make gpu-check` times against it)."""
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_90")
+    tile = FWD_TMA_AT[("light", "sm_90", 64)]
+    got = _call(MODULES["uniform"], torch.bfloat16, 1, 2, 1, 150, 150, 64, causal=True)
+    assert descriptors["configs"] == [tile]
+    assert descriptors["descriptors"] == [(tile[1], 64)]
+    with pinned(kv="pointers", tiles={"fwd": (128, 64, 8, 3)}):
+        want = _call(MODULES["uniform"], torch.bfloat16, 1, 2, 1, 150, 150, 64, causal=True)
+    assert descriptors["configs"][1:] == [(128, 64, 8, 3)] and len(descriptors["descriptors"]) == 1
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def _tma_for(module, monkeypatch, family="sm_90", dtype=torch.bfloat16, d=64, traced=False,
+             offset=0, **layout):
+    """launch.kv_tma for a call of these inputs (what the forward launch decides)."""
+    if family is None:
+        monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
+    else:
+        monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
+    q = torch.zeros(1, 2, 20, d, dtype=dtype)
+    k, v = (torch.zeros(1 * 2 * 20 * d + offset, dtype=dtype)[offset:].view(1, 2, 20, d)
+            for _ in range(2))
+    lay = launch.KernelLayout(q, layout.get("q_offset", 0), 0, layout.get("key_mask"),
+                              layout.get("cu"), layout.get("cu"))
+    return launch.kv_tma(MODULES[module]._prior, q, k, v, lay, traced)
+
+
+def test_where_the_forward_reads_through_descriptors(monkeypatch):
+    """Only where FWD_TMA_AT names the family, kind and head dim, for inputs a descriptor reads
+    (16-bit, rows 16-byte aligned) in a layout that may: a key mask (a padding key's v must read
+    as 0), per-row offsets and packed documents keep pointers, and so do traced launches."""
+    assert _tma_for("uniform", monkeypatch)
+    assert _tma_for("laplace", monkeypatch, dtype=torch.float16)
+    assert not _tma_for("uniform", monkeypatch, family=None)        # the interpreter's own tiles
+    assert not _tma_for("uniform", monkeypatch, family="sm_80")
+    assert not _tma_for("uniform", monkeypatch, d=128)
+    assert not _tma_for("generalized_gaussian", monkeypatch)        # the table kind
+    assert not _tma_for("uniform", monkeypatch, dtype=torch.float32)
+    assert not _tma_for("uniform", monkeypatch, d=36)               # rows of 72 bytes
+    assert not _tma_for("uniform", monkeypatch, offset=1)           # a base 2 bytes off
+    assert not _tma_for("uniform", monkeypatch, traced=True)
+    assert not _tma_for("uniform", monkeypatch, key_mask=torch.ones(1, 20, dtype=torch.bool))
+    assert not _tma_for("uniform", monkeypatch, q_offset=torch.tensor([3]))
+    assert not _tma_for("uniform", monkeypatch, cu=torch.tensor([0, 7, 20], dtype=torch.int32))
+    with pinned(kv="pointers"):
+        assert not _tma_for("uniform", monkeypatch)
+    with pinned(kv="tma"):   # any family and kind, where the inputs and layout allow
+        assert _tma_for("generalized_gaussian", monkeypatch, family=None)
+        assert not _tma_for("uniform", monkeypatch, dtype=torch.float32)
+        assert not _tma_for("uniform", monkeypatch, key_mask=torch.ones(1, 20, dtype=torch.bool))
+
+
+def test_a_masked_or_packed_call_pinned_to_descriptors_keeps_pointers(descriptors):
+    """pinned(kv="tma") asks where the layout allows: a key mask and packed documents run the
+    pointer forward, and compute what it computes."""
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[0, :4] = False
+    cu = torch.tensor([0, 11, 30], dtype=torch.int32)
+    for kw, batch in ((dict(key_mask=mask), 2), (dict(cu_seqlens_q=cu, cu_seqlens_k=cu), 1)):
+        with pinned(kv="tma"):
+            got = _call(MODULES["uniform"], torch.bfloat16, batch, 2, 1, 30, 30, 64, **kw)
+        want = _call(MODULES["uniform"], torch.bfloat16, batch, 2, 1, 30, 30, 64, **kw)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    assert descriptors["descriptors"] == []
+
+
+def test_a_bad_kv_pin_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"pinned\(kv=...\): 'tmx' is not one of pointers, tma"):
+        with pinned(kv="tmx"):
+            pass
