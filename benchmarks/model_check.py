@@ -120,13 +120,27 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
     return out
 
 
-def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
-    """A kernel spec (triton_kernel_specs) with a variant's pinned tile, table gather and
-    splits, as bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's name
-    of it ("fwd", "bwd_dkdv", "bwd_dq", "decode")."""
+def pinned_spec(spec: tuple, kernel: str | None, pins: dict, tile_for=None) -> tuple:
+    """A kernel spec (triton_kernel_specs) with a variant's pinned tile, table gather, splits
+    and K/V reads, as bamgen.runtime.triton.launch.pinned launches it; kernel: the tile table's
+    name of it ("fwd", "bwd_dkdv", "bwd_dq", "decode"). tile_for(tma): the forward's default
+    tile for a read (launch.candidates' first), which a kv pin that changes the read without a
+    pinned tile launches with."""
     name, fn, signature, constexprs, warps, stages = spec
     constexprs = dict(constexprs)
     tile = pins.get("tiles", {}).get(kernel)
+    if kernel == "fwd" and pins.get("kv") is not None:
+        # (a pinned "tma" where the spec's layout or dtype cannot take it keeps pointers, as
+        # launch.kv_tma does)
+        tma = pins["kv"] == "tma" and signature["Q"] != "*fp32" and (
+            constexprs["HAS_KEY_MASK"], constexprs["ROW_OFFSETS"], constexprs["VARLEN"]) == (
+            False, False, False) and constexprs["D"] % 8 == 0
+        if tma != constexprs.get("KV_TMA", False) and not tile:
+            if tile_for is None:
+                raise ValueError(f"{name}: kv={pins['kv']} changes the forward's tile; pin it "
+                                 f"(fwd=BMxBNxWARPSxSTAGES) or give tile_for")
+            tile = tile_for(tma)
+        constexprs["KV_TMA"] = tma
     if tile:
         constexprs.update(BLOCK_M=tile[0], BLOCK_N=tile[1])
         warps, stages = tile[2], tile[3]
@@ -135,20 +149,22 @@ def pinned_spec(spec: tuple, kernel: str | None, pins: dict) -> tuple:
     for split_kernel, pin in (("bwd_dq", "dq_split"), ("bwd_dkdv", "dkdv_split")):
         if kernel == split_kernel and pins.get(pin) is not None:
             constexprs["SPLIT_STEADY"] = pins[pin]
-    if kernel == "fwd" and pins.get("kv") is not None:
-        # (a pinned "tma" where the spec's layout or dtype cannot take it keeps pointers, as
-        # launch.kv_tma does)
-        constexprs["KV_TMA"] = pins["kv"] == "tma" and signature["K"] != "*fp32" and (
-            constexprs["HAS_KEY_MASK"], constexprs["ROW_OFFSETS"], constexprs["VARLEN"]) == (
-            False, False, False) and constexprs["D"] % 8 == 0
     if constexprs.get("KV_TMA"):   # the descriptors' block follows the tile
         from bamgen.runtime.triton.launch import kv_descriptor_type
         dtype = signature["Q"].lstrip("*")
         signature = dict(signature, **{t: kv_descriptor_type(dtype, constexprs["BLOCK_N"],
                                                              constexprs["HEAD_DIM"]) for t in "KV"})
-    elif kernel == "fwd":
+    elif spec[3].get("KV_TMA"):   # descriptors the pin turned into pointers
         signature = dict(signature, K=signature["Q"], V=signature["Q"])
     return name, fn, signature, constexprs, warps, stages
+
+
+def forward_tile(module, head_dim: int, arch: str, layout: str, tma: bool) -> tuple:
+    """The forward's default tile a launch of this AOT layout takes with K and V read through
+    TMA or pointers (launch.candidates)."""
+    from bamgen.runtime.triton.launch import candidates
+    return candidates(module._prior, "fwd", head_dim, arch, layout not in ("plain", "positions"),
+                      tma)[0]
 
 
 def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None = None,
@@ -168,7 +184,9 @@ def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None
     for spec in module.triton_kernel_specs(dtype, head_dim, True, arch=arch, **kwargs):
         if spec[0] not in wanted:
             continue
-        k = compile_spec(pinned_spec(spec, spec[0].removeprefix("attn_"), pins or {}), arch)
+        k = compile_spec(pinned_spec(spec, spec[0].removeprefix("attn_"), pins or {},
+                                     lambda tma: forward_tile(module, head_dim, arch, layout, tma)),
+                         arch)
         model = loop_model(k.main_loop, arch, k.num_warps)
         scale = 1000 / (k.block[0] * k.block[1]) * (
             dq_launches(module) if k.name == "attn_bwd_dq" else 1)

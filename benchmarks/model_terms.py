@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.02   # recompiled units within 2% of the file's: the same kernel
 GATHERS = ("async", "coalesced", "direct", "prefetch")  # a variant's table reads (pins)
 TILE_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")  # a variant's pinned tiles
+KV_READS = ("pointers", "tma")   # the forward's K and V reads (launch.KV_READS)
 
 
 def _this_checkout(name: str, path: str):
@@ -64,8 +65,9 @@ UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")   # model_check.UNITS (checke
 
 
 def pins_of(prior: str) -> dict:
-    """A variant's pins from its name: "ggd@fwd=128x64x8x3,gather=async" ->
-    {"tiles": {"fwd": [128, 64, 8, 3]}, "gather": "async"}."""
+    """A variant's pins from its name, as benchmarks/gpu.py's Variant.as_json gives them:
+    "ggd@fwd=128x64x8x3,gather=async,dq_split=off" -> {"tiles": {"fwd": [128, 64, 8, 3]},
+    "gather": "async", "dq_split": False}; kv=pointers|tma the forward's K and V reads."""
     pins: dict = {}
     for part in filter(None, prior.partition("@")[2].split(",")):
         key, _, value = part.partition("=")
@@ -73,9 +75,14 @@ def pins_of(prior: str) -> dict:
             pins["gather"] = value
         elif key in TILE_KERNELS and re.fullmatch(r"\d+x\d+x\d+x\d+", value):
             pins.setdefault("tiles", {})[key] = [int(x) for x in value.split("x")]
+        elif key in ("dq_split", "dkdv_split") and value in ("on", "off"):
+            pins[key] = value == "on"
+        elif key == "kv" and value in KV_READS:
+            pins["kv"] = value
         else:
-            raise ValueError(f"{prior!r}: {part!r} is not gather=async|coalesced|direct|prefetch or "
-                             f"<kernel>=BMxBNxWARPSxSTAGES ({', '.join(TILE_KERNELS)})")
+            raise ValueError(f"{prior!r}: {part!r} is not gather=async|coalesced|direct|prefetch, "
+                             f"<kernel>=BMxBNxWARPSxSTAGES ({', '.join(TILE_KERNELS)}), "
+                             f"dq_split=on|off, dkdv_split=on|off or kv={'|'.join(KV_READS)}")
     return pins
 
 

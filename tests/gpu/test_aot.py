@@ -319,21 +319,26 @@ import json, sys
 from bamgen.aot import compile_module
 from bamgen.driver.loader import load_prior
 from bamgen.resources import shipped_priors
-from bamgen.runtime.triton.tiles import TILES
+from bamgen.runtime.triton.launch import candidates
+from bamgen.runtime.triton.tiles import TILES, fwd_tma_tile
 out = []
 for path in shipped_priors():
     if path.stem not in sys.argv[1:]:
         continue
     module = load_prior(path)
-    for arch, by_dim in TILES[module.TRAITS.tile_kind].items():   # the table of the prior's kind
+    kind = module.TRAITS.tile_kind
+    for arch, by_dim in TILES[kind].items():   # the table of the prior's kind
         for dim in (64, 128):
-            longest = max(len(v) for v in by_dim[dim].values())
-            for candidate in range(1, longest):
+            # the candidates a launch tries (a forward through TMA: its own tile first)
+            counts = {kernel: len(candidates(module._prior, kernel, dim, arch, tma=kernel == "fwd"
+                                             and fwd_tma_tile(kind, arch, dim) is not None))
+                      for kernel in by_dim[dim]}
+            for candidate in range(1, max(counts.values())):
                 # only the kernels that have this alternate: a shorter list falls back to its
                 # default, which test_kernels_compile_for_gpu checks (and a spill there would
                 # be reported here as if an alternate spilled)
-                only = tuple("attn_" + kernel for kernel, tiles in by_dim[dim].items()
-                             if len(tiles) > candidate)
+                only = tuple("attn_" + kernel for kernel, count in counts.items()
+                             if count > candidate)
                 for k in compile_module(module, arch=arch, head_dim=dim, candidate=candidate,
                                         only=only):
                     out.append([path.stem, arch, dim, candidate, k.name, k.stack_bytes,

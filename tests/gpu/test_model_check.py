@@ -7,6 +7,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, load_script
 
 SCRIPT = ROOT / "benchmarks" / "model_check.py"
@@ -141,6 +143,28 @@ def test_the_latency_term_is_fitted_where_every_point_carries_it():
     assert max(abs(e) for e in check.leave_one_out_fit(pts)) > 0.15
     older = pts[:-1] + [replace(pts[-1], units=tuple(u for u in pts[-1].units if u[0] != "latency"))]
     assert "latency" not in check.table(older)[0]
+
+
+def test_a_kv_pin_takes_the_tile_its_read_launches_with():
+    """kv=pointers on NoPE's forward at head dim 64 on sm_90 (shipped through TMA over 4 warps)
+    models the pointer forward a launch pinned so takes: the tile table's 8-warp tile, pointer
+    arguments; a pinned tile wins; without the table's tile to hand it is refused by name."""
+    check = load_script(SCRIPT, "model_check")
+    from bamgen.driver.loader import load_prior
+    from bamgen.resources import shipped_prior
+    module = load_prior(shipped_prior("uniform"))
+    spec = next(s for s in module.triton_kernel_specs("bf16", 64, True, arch="sm_90")
+                if s[0] == "attn_fwd")
+    assert spec[3]["KV_TMA"] and spec[2]["K"].startswith("tensordesc") and spec[4] == 4
+    tile_for = lambda tma: check.forward_tile(module, 64, "sm_90", "plain", tma)  # noqa: E731
+    _, _, sig, constexprs, warps, stages = check.pinned_spec(spec, "fwd", {"kv": "pointers"}, tile_for)
+    assert not constexprs["KV_TMA"] and (sig["K"], sig["V"]) == ("*bf16", "*bf16")
+    assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], warps, stages) == (128, 64, 8, 3)
+    pinned = check.pinned_spec(spec, "fwd", {"kv": "pointers", "tiles": {"fwd": [64, 64, 4, 2]}})
+    assert (pinned[3]["BLOCK_N"], pinned[4]) == (64, 4) and pinned[2]["K"] == "*bf16"
+    assert check.pinned_spec(spec, "fwd", {"kv": "tma"}) == spec
+    with pytest.raises(ValueError, match="kv=pointers changes the forward's tile"):
+        check.pinned_spec(spec, "fwd", {"kv": "pointers"})
 
 
 def test_a_variant_is_compiled_as_its_pins_say():

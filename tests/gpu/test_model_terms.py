@@ -25,6 +25,9 @@ def test_a_variant_s_pins_come_from_its_name():
     assert terms.pins_of("ggd@gather=async") == {"gather": "async"}
     assert terms.pins_of("uniform@fwd=128x64x8x3,gather=coalesced") == {
         "tiles": {"fwd": [128, 64, 8, 3]}, "gather": "coalesced"}
+    # (what make gpu-check's variants step names: gpu_check.VARIANT_PEERS)
+    assert terms.pins_of("uniform@kv=pointers,fwd=128x64x8x3,dq_split=off,dkdv_split=on") == {
+        "tiles": {"fwd": [128, 64, 8, 3]}, "kv": "pointers", "dq_split": False, "dkdv_split": True}
 
 
 def test_the_terms_join_the_point_s_units():
@@ -94,6 +97,8 @@ def test_a_bad_argument_is_named_before_anything_compiles(tmp_path, case):
 def test_pins_name_what_they_pin():
     with pytest.raises(ValueError, match="'fwd=128x64'"):
         terms.pins_of("ggd@fwd=128x64")
+    with pytest.raises(ValueError, match=r"'kv=ptr' is not .* kv=pointers\|tma"):
+        terms.pins_of("uniform@kv=ptr")
 
 
 def test_add_latency_writes_the_term_into_the_matched_points_only(tmp_path):

@@ -4,7 +4,9 @@ interpreter, from the user's side: the inputs a user brings (GQA, ragged lengths
 that is padded, a continuation after cached keys, bidirectional, fp16 and bf16) give the same
 bits read through descriptors as through pointers, for the output and every gradient; a GPU
 family's choice is what the launch takes (NoPE's 4-warp tile on sm_90 at head dim 64, through
-descriptors), and what a descriptor cannot read, or a layout that must not, keeps pointers."""
+descriptors), and what a descriptor cannot read, or a layout that must not, keeps pointers.
+And NoPE's P in one FFMA (helpers.py, "P of a scaled score"): a logit past float32's range still
+makes its row NaN."""
 from __future__ import annotations
 
 import importlib
@@ -84,8 +86,9 @@ def test_descriptors_read_what_pointers_read(name, dtype, case, descriptors):
 
 def test_sm90_reads_nope_through_descriptors_over_four_warps(descriptors, monkeypatch):
     """With sm_90's tiles (BAMGEN_INTERPRET_TILES), NoPE's forward at head dim 64 takes
-    FWD_TMA_AT's tile through descriptors of its key tile, and gives the bits of the 8-warp
-    pointer forward it replaced (the variant `make gpu-check` times against it)."""
+    FWD_TMA_AT's tile through descriptors of its key tile, and gives the bits of the pointer
+    forward pinned to the 8-warp tile it replaced (the variant `make gpu-check` times against
+    it; the interpreter runs no warps: what it checks is the 128x64 blocks and the reads)."""
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_90")
     tile = FWD_TMA_AT[("light", "sm_90", 64)]
     got = _call(MODULES["uniform"], torch.bfloat16, 1, 2, 1, 150, 150, 64, causal=True)
@@ -157,3 +160,20 @@ def test_a_bad_kv_pin_is_refused_by_name():
     with pytest.raises(ValueError, match=r"pinned\(kv=...\): 'tmx' is not one of pointers, tma"):
         with pinned(kv="tmx"):
             pass
+
+
+def test_a_logit_past_float32_s_range_makes_its_row_nan():
+    """q.k = 2**126 is a float32, its logit q.k * scale * log2(e) is not: NoPE's forward, whose
+    P is one FFMA against the row's max (inf here), gives the row NaN as exp2(inf - inf) did,
+    not a silent 0; the rows it does not reach stay finite. In the forward kernel with one key
+    tile (4 rows with a backward to follow; with more tiles a later tile's rescaling by
+    exp2(inf - inf) makes the NaN too) and with two (20 rows), and in a decode step (4 rows: the
+    split-KV kernels, whose merge weighs the split by its max)."""
+    for n, grad in ((4, True), (20, True), (4, False)):
+        q = torch.zeros(1, 1, n, 16)
+        k, v = torch.zeros(1, 1, n, 16), torch.randn(1, 1, n, 16)
+        q[0, 0, 2, 0] = k[0, 0, 1, 0] = 2.0 ** 63
+        out = MODULES["uniform"].attention(q.requires_grad_(grad), k, v, causal=True, scale=3.0,
+                                           backend="triton").detach()
+        assert out[0, 0, 2].isnan().all(), (n, grad)
+        assert out[0, 0, [0, 1, 3]].isfinite().all(), (n, grad)

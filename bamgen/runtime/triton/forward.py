@@ -165,6 +165,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         else:
             m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet
+        if SCALED_SCORE:   # a logit past float32's range: the row is NaN, as exp2(inf - inf) made
+            m_safe = tl.where(m_new == float("inf"), float("nan"), m_safe)   # it, not a silent 0
         if SCALED_SCORE:   # (inline: a call here reorders other priors' SASS)
             p = tl.exp2(tl.fma(z, qk_scale, -m_safe[:, None]))
         else:
@@ -220,6 +222,8 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
         pos_rows = 0.0
     d_ok = offs_d < D
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+    # (a descriptor reads no key mask's zeros and no document's start: launch.kv_tma)
+    tl.static_assert(not (KV_TMA and (HAS_KEY_MASK or VARLEN)))
     if KV_TMA:   # K and V are descriptors; this program's keys are their row kv_row
         kv_row = off_b * (Hq // GROUP) + off_hk
         k_base = K
