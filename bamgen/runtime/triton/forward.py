@@ -165,8 +165,6 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         else:
             m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet
-        if SCALED_SCORE:   # a logit past float32's range: the row is NaN, as exp2(inf - inf) made
-            m_safe = tl.where(m_new == float("inf"), float("nan"), m_safe)   # it, not a silent 0
         if SCALED_SCORE:   # (inline: a call here reorders other priors' SASS)
             p = tl.exp2(tl.fma(z, qk_scale, -m_safe[:, None]))
         else:
@@ -294,6 +292,11 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
         elif RAMP_SYMMETRIC:   # measured from each row's nearest key (_ramp_logit2)
             near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
             m_i += _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
+    if SCORE_IS_S and not HAS_BIAS and not TABLE and not RAMP:
+        # a logit past float32's range (q.k finite, q.k * qk_scale not): m is inf, and P, one
+        # FFMA against it (_attn_fwd_inner), is 0 where exp2(inf - inf) was NaN; the row is NaN
+        # as it was (a row that a NaN reached, for the backward), not a silent 0
+        l_i = tl.where(m_i == float("inf"), float("nan"), l_i)
     empty = l_i == 0.0  # no visible key: output 0 (m stays -inf, l 0)
     # where(): exactly 0 even when a hidden key's V holds inf or NaN (P @ V is 0 * inf there)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
