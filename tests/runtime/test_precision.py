@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from bamgen.runtime.triton.helpers import _lowp
 from tests.tolerance import atol_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +56,31 @@ def test_an_inline_prior_far_from_position_zero_on_triton(case):
     for name, err in errors.values.items():
         floor = atol_for(torch.float32, torch.tensor(errors.magnitudes[name]))
         assert err <= floor, f"{name}: {err:.2e} > {floor:.2e} ({case.name})"
+
+
+@triton.jit
+def _bf16_cast(X, Y, N: tl.constexpr):
+    at = tl.arange(0, N)
+    tl.store(Y + at, _lowp(tl.load(X + at), tl.bfloat16))
+
+
+def test_the_kernels_bfloat16_casts_round_to_nearest_even_as_a_gpu_does():
+    """helpers._lowp, through which the kernels cast float32 to bfloat16 (P and dS for their
+    products, the stored outputs): under the interpreter, whose own cast truncates, the bits of
+    torch's round-to-nearest-even cast, which a GPU's cvt.rn gives (docs/reliability.md,
+    "Interpreter rounding"): values across float32's range, ties either way, the largest finite
+    values (which round to infinity), infinities, NaN, zeros and subnormals, and 1 - 6e-8 (the
+    row max's P in one FFMA, which truncation made 0.996)."""
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.3895e38, -3.3895e38,
+                            1 - 6e-8, 0.0, -0.0, 1e-40, -1e-40, 1 + 2 ** -8, 1 + 3 * 2 ** -8,
+                            1 + 2 ** -8 + 2 ** -20, -(1 + 2 ** -8)])
+    spread = torch.randn(4096 - special.numel(), generator=g) * torch.logspace(
+        -38, 38, 4096 - special.numel())
+    x = torch.cat([special, spread]).float()
+    y = torch.empty(4096, dtype=torch.bfloat16)
+    _bf16_cast[(1,)](x, y, N=4096)
+    want = x.to(torch.bfloat16)
+    same = (y.view(torch.int16) == want.view(torch.int16)) | (y.isnan() & want.isnan())
+    assert bool(same.all()), (x[~same][:4], y[~same][:4], want[~same][:4])
+    assert y[5] == 1.0   # 1 - 6e-8

@@ -444,16 +444,30 @@ def test_a_dead_row_gives_no_parameter_gradient_from_a_non_finite_value(poison):
         assert torch.equal(t, r) and torch.equal(t, torch.zeros_like(t)), (name, t, r)
 
 
-@pytest.mark.xfail(strict=True, reason="open: the dK/dV kernel's dS multiplies delta's rounding by "
-                   "SSMax's row factor (docs/reliability.md, 'A one-hot row times a huge row factor')")
-def test_a_one_hot_row_times_a_huge_row_factor_the_fuzz_found():
-    """BAM-SSMax with ssmax = 1e30 (tb = 0: a constant log-prior), fp16: each row's softmax is
-    one-hot, so dS = P (dP - delta) is exactly 0 and so are dk and dq in exact arithmetic. The
-    kernel's delta comes from the fp16-rounded O, dP - delta at the chosen key is a rounding
-    residue, and times the row factor ssmax * log(n) = 2.8e30 it overflows fp16's dS: dk is inf
-    on 2 keys where the reference has 0."""
-    case = Case(prior="bam_ssmax", backend="triton", dtype="fp16", B=1, Hq=1, Hk=1, Nq=2, Nk=17,
-                D=8, causal=False, q_offset=15, k_offset=0, layouts=("bnhd", "contiguous", "transposed"),
-                params={"ta": [0.5588449450441093], "tb": [0.0], "tm": [1.1869301434951718],
-                        "ssmax": [1e30]}, poison=None, seed=238, use_module=False)
+ONE_HOT_HUGE_FACTOR = [
+    # two rows over 17 keys, tb = 0 (a constant log-prior): dk inf on 2 keys
+    Case(prior="bam_ssmax", backend="triton", dtype="fp16", B=1, Hq=1, Hk=1, Nq=2, Nk=17,
+         D=8, causal=False, q_offset=15, k_offset=0, layouts=("bnhd", "contiguous", "transposed"),
+         params={"ta": [0.5588449450441093], "tb": [0.0], "tm": [1.1869301434951718],
+                 "ssmax": [1e30]}, poison=None, seed=238, use_module=False),
+    # one row over 40 keys (found again, 2026-11-27): the second head's dq is inf where the
+    # reference has 0 (its first head is NaN from the NaN in its v, as the reference's is)
+    Case(prior="bam_ssmax", backend="triton", dtype="fp16", B=1, Hq=2, Hk=2, Nq=1, Nk=40, D=80,
+         causal=False, q_offset=39, k_offset=0, layouts=("strided_slice", "bnhd", "transposed"),
+         params={"ta": [1.62353689388375, 1.5318296801308529],
+                 "tb": [1.6664729694683709, 2.508951644105415],
+                 "tm": [-3.054560248550799, -3.054560248550799], "ssmax": [1e30, 1e30]},
+         poison=("v", 1, float("nan")), seed=533, use_module=False),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="open: the backward kernels' dS multiplies delta's rounding "
+                   "by SSMax's row factor (docs/reliability.md, 'A one-hot row times a huge row factor')")
+@pytest.mark.parametrize("case", ONE_HOT_HUGE_FACTOR, ids=["dk", "dq"])
+def test_a_one_hot_row_times_a_huge_row_factor_the_fuzz_found(case):
+    """BAM-SSMax with ssmax = 1e30, fp16: each row's softmax is one-hot, so dS = P (dP - delta)
+    is exactly 0 and so are dk and dq in exact arithmetic. The kernels' delta comes from the
+    rounded O, dP - delta at the chosen key is a rounding residue, and times the row factor
+    ssmax * log(n) = 2.8e30-3.7e30 it overflows fp16: dk (the dK/dV kernel's dS, cast for its
+    product) or dq (the dQ kernel's sum, stored in fp16) is inf where the reference has 0."""
     assert run_case(case) == "checked"

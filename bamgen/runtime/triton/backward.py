@@ -59,7 +59,7 @@ import triton.language as tl
 from .helpers import (
     TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _distance, _dot, _factored_logit2, _fp32_scalars,
     _kept_keys, _load_kv,
-    _logit2, _logit_grads, _logit_row2, _position, _position_diff, _position_reduce,
+    _logit2, _logit_grads, _logit_row2, _lowp, _position, _position_diff, _position_reduce,
     _position_terms, _store_positions, _tensor_positions, _zero_tiles, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _steady_keys, _steady_query_tiles, _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
@@ -313,7 +313,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
                     pT = tl.exp2(zT - m_row[None, :]) * inv_l[None, :]
                 if not STEADY:
                     pT = tl.where(visible, pT, 0.0)
-                dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
+                dv = _dot(_lowp(pT, do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
                 dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
                 # dS only where P is not 0: a masked score, one its prior hides (z = -inf) and one
                 # whose P is 0 have dS = 0 even where dP is infinite (an infinite value in the key's
@@ -346,7 +346,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
                     # where(): d logit / d s may be infinite where P is 0 (SSMax's log(n) of a row
                     # that sees no key), and 0 * inf would be NaN
                     dsT = tl.where(pT > 0.0, dsT * dlogit_ds, 0.0)
-                dk = _dot(dsT.to(q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
+                dk = _dot(_lowp(dsT, q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
         if POS_GRADS:
             _store_positions(DPosK, off_bh.to(tl.int64) * keys_all + k_start, offs_n, key_ok,
                              _position_reduce(dpos_k, 1))
@@ -360,9 +360,9 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
         dk = tl.where(kept[:, None], dk, 0.0)
         dv = tl.where(kept[:, None], dv, 0.0)
     key_rows = off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dkn
-    tl.store(DK + key_rows + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + key_rows + offs_n[:, None] * stride_dkn + offs_d[None, :], _lowp(dk, DK.dtype.element_ty),
              mask=kv_mask)
-    tl.store(DV + key_rows + offs_n[:, None] * stride_dkn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + key_rows + offs_n[:, None] * stride_dkn + offs_d[None, :], _lowp(dv, DV.dtype.element_ty),
              mask=kv_mask)
 
 
@@ -719,7 +719,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
             if WRITE_DQ:
                 if not SCORE_IS_S and not ROW_FACTORS:
                     ds = tl.where(p > 0.0, ds * dlogit_ds, 0.0)   # (see the dK/dV kernel)
-                dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST_DOT)
+                dq = _dot(_lowp(ds, k.dtype), k, dq, DOT_PREC, UPCAST_DOT)
     if WRITE_DQ:
         if ROW_FACTORS:
             dq = dq * (sm_scale * ds_row)[:, None]   # d logit / d s, the row's alone
@@ -729,7 +729,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         # hidden key whose V holds inf makes dP infinite there, and 0 * inf is NaN
         dq = tl.where((inv_l == 0.0)[:, None], 0.0, dq)
         tl.store(DQ + q_head + offs_m[:, None] * stride_qm + offs_d[None, :],
-                 dq.to(DQ.dtype.element_ty), mask=qd_mask)
+                 _lowp(dq, DQ.dtype.element_ty), mask=qd_mask)
         if POS_GRADS:
             dpos_q = _position_reduce(dpos_q, 1)
             pos_means = _position_reduce(pos_means, 1)

@@ -29,7 +29,7 @@ import triton.language as tl
 from .forward import _attn_fwd_inner
 from .helpers import (
     TABLE_ROW_ARGS, _fp32_scalars, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term,
-    _row_offsets, _steady_keys, _window_keys)
+    _lowp, _row_offsets, _steady_keys, _window_keys)
 from .hooks import RAMP, RAMP_SYMMETRIC, SKIP, prior_ramp, prior_scalars  # noqa: F401 (variant.py)
 
 
@@ -146,6 +146,6 @@ def _decode_combine(PartO, PartM, PartL, O, Mrow, Lrow, stride_ob, stride_oh, st
                   other=0.0)
     out = tl.where(l == 0.0, 0.0, tl.sum(acc * weight[:, None], 0) / tl.where(l == 0.0, 1.0, l))
     tl.store(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + row * stride_om
-             + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
+             + offs_d, _lowp(out, O.dtype.element_ty), mask=offs_d < D)
     tl.store(Mrow + pid_bh.to(tl.int64) * Nq + row, m)
     tl.store(Lrow + pid_bh.to(tl.int64) * Nq + row, l)

@@ -45,7 +45,7 @@ import triton.language as tl
 from .helpers import (
     TABLE_ROW_ARGS, _as_cols, _as_rows, _distance, _dot, _factored_logit2, _fp32_scalars, _kept_keys,
     _load_kept,
-    _gather_table, _load_kv, _logit2, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
+    _gather_table, _load_kv, _logit2, _lowp, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
     _steady_keys, _table_load, _table_logit2, _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
@@ -177,7 +177,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
             v = v_base.load([kv_row, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
             v = _load_kv(v_base, offs_n, stride_vn, offs_d, Nk, not STEADY, D, HEAD_DIM)
-        acc = _dot(p.to(v.dtype), v, acc * correction[:, None], DOT_PREC, UPCAST_DOT)
+        acc = _dot(_lowp(p, v.dtype), v, acc * correction[:, None], DOT_PREC, UPCAST_DOT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -305,6 +305,6 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
         tl.store(O32 + o_head + offs_m[:, None] * stride_om + offs_d[None, :], out,
                  mask=row_ok[:, None] & d_ok[None, :])
     tl.store(O + o_head + offs_m[:, None] * stride_om + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+             _lowp(out, O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(Mrow + pid_bh.to(tl.int64) * rows_all + q_start + offs_m, m_i, mask=row_ok)
     tl.store(Lrow + pid_bh.to(tl.int64) * rows_all + q_start + offs_m, l_i, mask=row_ok)

@@ -30,6 +30,9 @@ _TABLE_PTX = tl.constexpr(not interpreting())
 # Row sums of products through one FFMA per element (see _row_dot) when compiling for a GPU;
 # the interpreter runs a custom tl.reduce combine element by element and takes tl.sum.
 _ROW_DOT_FMA = tl.constexpr(not interpreting())
+# Round float32 to bfloat16 to nearest even by hand (see _lowp) under the interpreter, whose
+# cast truncates where a GPU's rounds.
+_BF16_RN_BY_HAND = tl.constexpr(interpreting())
 
 # Never let a launcher specialise d_top. A query's table row starts at d_top - i, which falls as
 # i rises; some Triton releases (3.6 among them) call `x - arange` contiguous (AxisInfo of
@@ -292,6 +295,23 @@ def _table_load4(ptrs):
                                          is_pure=True, pack=1)
     else:
         return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
+
+@triton.jit
+def _lowp(x, dtype: tl.constexpr):
+    """x (float32) in the inputs' dtype, rounded to nearest even as a GPU rounds it (cvt.rn).
+    The Triton 3.9 interpreter truncates a float32 -> bfloat16 cast (its cast_impl passes no
+    rounding mode; float16 goes through numpy and rounds): with P in one FFMA the row max's P
+    is 1 - 6e-8, which it cut to 0.996 for the P @ V product, 0.4% off O where a GPU has 1
+    (docs/reliability.md, "Interpreter rounding"). So under the interpreter a bfloat16 result
+    is rounded here: the upper half of the bits, plus half an ulp and the tie to even (a NaN is
+    cast as it is); on a GPU this is the plain cast."""
+    if _BF16_RN_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        return tl.where(x != x, x.to(dtype), rounded.to(tl.bfloat16, bitcast=True))
+    else:
+        return x.to(dtype)
+
 
 @triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr):
