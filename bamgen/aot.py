@@ -53,6 +53,7 @@ class CompiledKernel:
     main_loop: dict | None = None   # instruction mix of the innermost loop holding the MMAs
     block: tuple[int, ...] = ()     # the tile: (BLOCK_M, BLOCK_N), or (BLOCK_M,) for the preprocess
     loops: tuple[dict, ...] = ()    # instruction mix of every MMA loop (mma_loops), in program order
+    num_stages: int = 2             # the software pipeline's stages it was compiled with
 
     @property
     def spills(self) -> bool:
@@ -266,7 +267,8 @@ def compile_kernel(name: str, fn, signature: dict, constexprs: dict, attrs: dict
                           block=tuple(constexprs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK")
                                       if b in constexprs),
                           main_loop=instruction_mix(main_loop(instructions)),
-                          loops=tuple(instruction_mix(loop) for loop in mma_loops(instructions)))
+                          loops=tuple(instruction_mix(loop) for loop in mma_loops(instructions)),
+                          num_stages=stages)
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ control bits (Volta and later: the top 21 bits of the 128-bit word):
 
 `warp_cycles` walks a loop as one warp would, passes after pass, with a fixed latency per kind
 of variable-latency instruction (LATENCY) and the copy groups of `cp.async` (LDGSTS committed
-by LDGDEPBAR, waited for by DEPBAR.LE with a count: the software pipeline's depth) and of
+by LDGDEPBAR, waited for by DEPBAR.LE with a count: the software pipeline's depth), the TMA
+copies (UTMALDG, each waited for on its mbarrier by a SYNCS.PHASECHK...TRYWAIT: the oldest copy
+in flight, since a pipelined loop waits for its tiles in the order it issued them) and of
 warpgroup MMA (HGMMA, waited for by WARPGROUP.DEPBAR). Its steady pass is the warp's critical
 path; a loop whose path is longer than its busiest unit is latency-bound unless other CTAs on
 the SM (`resident_ctas`) fill the gaps. benchmarks/model_terms.py tests these terms against
@@ -34,8 +36,10 @@ _INSTRUCTION = re.compile(
 # Latencies (cycles) of the variable-latency instructions on Hopper, from published
 # microbenchmarks: shared memory ~30, L2 hits ~250 (a global load: the tables and the
 # per-row statistics are L2-resident in steady state), a cp.async group of K/V tiles ~500
-# (L2 or DRAM). Anything else that sets a scoreboard: LATENCY_OTHER.
-LATENCY = {"LDS": 30, "LDSM": 30, "LDG": 250, "LDGSTS": 500, "LDL": 250, "MUFU": 20, "LDC": 30,
+# (L2 or DRAM), and so a TMA copy of one (UTMALDG). Anything else that sets a scoreboard:
+# LATENCY_OTHER.
+LATENCY = {"LDS": 30, "LDSM": 30, "LDG": 250, "LDGSTS": 500, "UTMALDG": 500, "LDL": 250,
+           "MUFU": 20, "LDC": 30,
            "S2R": 20, "S2UR": 20, "SHFL": 25, "I2F": 15, "F2I": 15, "F2F": 15, "HMMA": 32,
            "ATOMS": 50, "RED": 250, "ATOMG": 300}
 LATENCY_OTHER = 20
@@ -107,7 +111,8 @@ def _count(operands: str) -> int:
 
 
 def warp_cycles(loop: list[Scheduled], num_warps: int, arch: str = "sm_90",
-                latency: dict | None = None, warm_up: int = 6, passes: int = 12) -> float:
+                latency: dict | None = None, warm_up: int = 6, passes: int = 12,
+                stages: int = 2) -> float:
     """Cycles one warp takes for one pass of ``loop`` in steady state: the mean of ``passes``
     passes after ``warm_up`` (a pipeline of k groups repeats every k passes; 12 is a whole
     number of periods for one to four).
@@ -120,12 +125,16 @@ def warp_cycles(loop: list[Scheduled], num_warps: int, arch: str = "sm_90",
     on the tensor cores, shared by the CTA's warpgroups; one marked gsb0 closes a group and
     WARPGROUP.DEPBAR.LE gsb0, n waits until at most n groups are in flight. Branches inside the
     loop are taken as falling through (the steady loop of a bamgen kernel has none that skip
-    work)."""
+    work). A TMA copy's wait carries no count: the loop enters with the copies of its first
+    stages - 1 tiles in flight (issued before it, arrived by the steady state), so each wait
+    takes the copy issued stages - 1 passes before."""
     from .aot import _mma_flops
     latency = {**LATENCY, **(latency or {})}
     share = TENSOR_RATE[arch] / max(1, num_warps // 4)   # one warpgroup's MMA flops per clock
     pending: dict[int, list[float]] = {b: [] for b in range(6)}
     copies: list[float] = []       # the cp.async copies not yet committed
+    per_pass = sum(ins.op.startswith("UTMALDG") for ins in loop)
+    tma = [0.0] * (max(stages, 1) - 1) * per_pass   # TMA copies not yet waited for, oldest first
     mma_groups: list[float] = []   # the warpgroup MMA groups in flight
     mma_done = 0.0
     t = start = 0.0
@@ -143,10 +152,14 @@ def warp_cycles(loop: list[Scheduled], num_warps: int, arch: str = "sm_90",
             elif ins.op.startswith("WARPGROUP.DEPBAR"):
                 groups = mma_groups or [mma_done]   # (no gsb0 seen: every MMA so far)
                 ready.append(_wait_for(groups, _count(ins.operands)) or t)
+            elif ins.op.startswith("SYNCS.PHASECHK") and tma:   # (the loop's first waits: none)
+                ready.append(tma.pop(0))
             t = max(ready)
             arrives = t + latency.get(base, LATENCY_OTHER)
             if base == "LDGSTS":
                 copies.append(t + latency["LDGSTS"])
+            elif base == "UTMALDG":
+                tma.append(t + latency["UTMALDG"])
             elif base == "LDGDEPBAR":
                 arrives = max(copies, default=t)
                 copies = []

@@ -200,7 +200,8 @@ def latency_per_tile(k) -> float:
     steady pass through the main loop, from the SASS scoreboards (bamgen.scoreboard), over the
     CTAs an SM holds, in cycles per tile."""
     from bamgen.scoreboard import main_loop, resident_ctas, scheduled, warp_cycles
-    path = warp_cycles(main_loop(scheduled(k.cubin)), k.num_warps, k.arch)
+    path = warp_cycles(main_loop(scheduled(k.cubin)), k.num_warps, k.arch,
+                       stages=getattr(k, "num_stages", 2))
     return path / resident_ctas(k.registers, k.shared_bytes, k.num_warps, k.arch)
 
 

@@ -114,7 +114,9 @@ def kernel_terms(points: list[dict]) -> list[dict]:
                 loop = board.main_loop(board.scheduled(k.cubin))
                 cache[key][kernel] = {
                     "units": units[kernel], "scale": units[kernel]["tensor"] / raw["tensor"],
-                    "path": board.warp_cycles(loop, k.num_warps, key[2]),
+                    # (a worktree before TMA copies knows no stages: its loops hold none)
+                    "path": board.warp_cycles(loop, k.num_warps, key[2], **(
+                        {"stages": k.num_stages} if hasattr(k, "num_stages") else {})),
                     "ctas": board.resident_ctas(k.registers, k.shared_bytes, k.num_warps, key[2])}
         out.append(cache[key][p["kernel"]])
     return out

@@ -58,6 +58,22 @@ def test_a_deeper_copy_pipeline_waits_less():
     assert warp_cycles(loop(2, work=60), 4) == 3 + 600   # enough work hides the copy entirely
 
 
+def test_a_tma_copy_is_waited_for_stages_minus_one_passes_later():
+    """UTMALDG copies, each waited for on its mbarrier (SYNCS.PHASECHK...TRYWAIT) in the order
+    they were issued; the loop enters with stages - 1 passes' copies in flight, so two stages
+    wait for the copy the previous pass issued, three for the one before it."""
+    def loop(work=10):
+        return [_ins("SYNCS.PHASECHK.TRANS64.TRYWAIT"), *[_ins("FFMA", stall=10)] * work,
+                _ins("UTMALDG.3D")]
+    two, three = (warp_cycles(loop(), 4, stages=s) for s in (2, 3))
+    # two stages: the copy issued at a pass's end (500 cycles), then the pass's work (101
+    # issue cycles), every pass; three: one copy's 500 cycles and two passes' work, over two
+    assert two == pytest.approx(500 + 101, abs=1)
+    assert three == pytest.approx((500 + 101) / 2, abs=1)
+    assert warp_cycles(loop(work=60), 4, stages=3) == pytest.approx(602, abs=1)   # hidden
+    assert warp_cycles(loop(), 4, stages=3, latency={"UTMALDG": 5000}) > 2000
+
+
 def test_warpgroup_mma_is_waited_for_and_shares_the_tensor_cores():
     loop = [_ins("WARPGROUP.ARRIVE"), *[_ins("HGMMA.64x64x16.F32.BF16")] * 4,
             _ins("WARPGROUP.DEPBAR.LE", operands=" gsb0, 0x0")]
@@ -89,10 +105,11 @@ def test_resident_ctas_from_registers_shared_memory_and_warps():
 
 @pytest.mark.slow
 def test_a_compiled_kernel_s_main_loop(monkeypatch):
-    """NoPE's forward for sm_90: every instruction decoded, the loop the model's, and its path
-    made of what its control bits say: it waits for the K/V copies (a slower copy, a longer
-    pass) and for the warpgroup MMAs (two warpgroups sharing the tensor cores, a longer pass),
-    but not for a load kind it does not hold."""
+    """NoPE's forward for sm_90 (head dim 64: K and V through TMA): every instruction decoded,
+    the loop the model's, and its path made of what its control bits say: it waits for the K/V
+    copies (a slower copy, a longer pass; fewer stages, a longer pass) and for the warpgroup
+    MMAs (two warpgroups sharing the tensor cores, a longer pass), but not for a load kind it
+    does not hold."""
     monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
     res = run_script_aot("""
 from bamgen.aot import compile_module, disassemble
@@ -104,10 +121,12 @@ every = scheduled(k.cubin)
 assert [(i.address, i.op) for i in every] == [(a, op) for a, op, _ in disassemble(k.cubin)]
 loop = main_loop(every)
 assert len(loop) == k.main_loop["total"]
-path = warp_cycles(loop, k.num_warps)
-assert warp_cycles(loop, k.num_warps, latency={"LDGSTS": 5000}) > path + 1000
-assert warp_cycles(loop, 2 * k.num_warps) > path
-assert warp_cycles(loop, k.num_warps, latency={"LDL": 5000}) == path   # (no local loads)
+assert k.num_stages == 3
+path = warp_cycles(loop, k.num_warps, stages=k.num_stages)
+assert warp_cycles(loop, k.num_warps, stages=k.num_stages, latency={"UTMALDG": 5000}) > path + 1000
+assert warp_cycles(loop, k.num_warps, stages=2) > path
+assert warp_cycles(loop, 2 * k.num_warps, stages=k.num_stages) > path
+assert warp_cycles(loop, k.num_warps, stages=k.num_stages, latency={"LDL": 5000, "LDGSTS": 5000}) == path
 print("ok", len(loop), path)
 """)
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stdout + res.stderr

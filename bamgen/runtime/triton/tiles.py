@@ -272,17 +272,20 @@ TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
 # scores). What it frees is registers: NoPE's 128x64 tile over 4 warps takes 207 a thread where
 # pointers take 255, and 4 warps issue the row statistics and loop control once per 128 rows
 # where 8 do it twice: 66 against 76, Triton's fused-attention tutorial's 66 (it reads through
-# TMA with this tile; the H200 timed it 1.11x faster than bamgen's 8-warp NoPE). The latency
-# term disagrees (93 against 62; the tutorial's 88), so the 8-warp pointer tile stays the
-# alternate and `make gpu-check`'s variants step times it (gpu_check.VARIANT_PEERS). ALiBi and
-# FoX (the light kind too): 86-88 against 104-106. The table and general kinds keep pointers:
+# TMA with this tile; the H200 timed it 1.11x faster than bamgen's 8-warp NoPE), with 3 stages:
+# Triton issues a tile's copies at the loop's bottom, so with 2 each pass waits out a copy
+# (latency term 115 against 92 with 3; the tutorial's 112 and 89). The latency term still
+# disagrees (92 against 62), so the 8-warp pointer tile stays the alternate and `make
+# gpu-check`'s variants step times it (gpu_check.VARIANT_PEERS). ALiBi (the light kind too): 86
+# against 104 (latency 99 against 129); FoX's kernels are positional (a tile kind of their own)
+# and keep pointers. The table and general kinds keep pointers:
 # with TMA their 8-warp tiles model no better (GGD 113 against 105 at 64) and their 4-warp ones
 # spill. Eager launches on sm_90 without a key mask, per-row offsets or packed documents, with
 # 16-bit inputs whose rows are 16-byte aligned (launch.kv_tma); the masked layouts keep pointers
 # (a padding key's v must read as 0; a document's last tile runs into the next), and so do
 # traced launches (torch.compile), which no GPU has run with descriptors yet. docs/performance.md,
 # "Keys and values through TMA".
-FWD_TMA_AT = {("light", "sm_90", 64): (128, 64, 4, 2)}
+FWD_TMA_AT = {("light", "sm_90", 64): (128, 64, 4, 3)}
 
 
 def fwd_tma_tile(kind: str, arch: str | None, head_dim: int):
