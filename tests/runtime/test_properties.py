@@ -519,16 +519,13 @@ def test_fp32_torch_dmu_next_to_a_tiny_mu_the_property_test_found():
     assert dmu.tight_err <= 1.25 * dmu.bound, str(dmu)
 
 
-@pytest.mark.xfail(strict=True, reason="open: the Triton dK/dV kernel's dS of one row is 1.1% off "
-                   "in bf16 (docs/reliability.md, 'An open bf16 case')")
 def test_bf16_dk_of_a_two_row_case_the_property_test_found():
-    """Found by the property test (the same numbers on the code before this wave's positions):
-    GGD, bf16, two query rows against 81 keys at head dim 128, causal. The Triton dk of key 0
-    is 2 bf16 ulps from the float64 answer (3.1e-2 at 2.31) where the bound allows 3.0e-2; the
-    torch path passes. The error lies along row 1's q: that row's dS for key 0 (-9.5) is 1.1%
-    off. delta = rowsum(dO * O) from O = bf16(P) @ V explains 0.007 of the 0.031 (float64
-    simulation), so the rest is open. Strict: this fails once the kernel is right, and then
-    belongs with the passing cases."""
+    """Found by the property test: GGD, bf16, two query rows against 81 keys at head dim 128,
+    causal. The Triton dk of key 0 was 2 bf16 ulps from the float64 answer (3.1e-2 at 2.31)
+    where the bound allows 3.0e-2, row 1's dS for key 0 (-9.5) 1.1% off: the interpreter's
+    float32 -> bfloat16 casts truncated P and dS where a GPU rounds them to nearest
+    (docs/reliability.md, "A bf16 case that was the interpreter's"); rounded as a GPU's
+    (helpers._lowp), it is within its bound."""
     run_case(Case(prior="generalized_gaussian", backend="triton", dtype="bf16", B=2, Hq=4, Hk=4,
                   Nq=2, Nk=81, D=128, causal=True, q_offset=0, k_offset=0,
                   params={"alpha": [16.0, 4.948937892913818, 1.0, 11.112985610961914],
