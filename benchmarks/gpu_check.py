@@ -87,9 +87,9 @@ VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@kv=pointers,fwd=128x64x8x3", 
                  "bamgen-ggd@fwd=128x64x8x2",
                  "bamgen-ggd@gather=direct", "bamgen-ssmax", "bamgen-ssmax@gather=direct",
                  "bamgen-ssmax@gather=async", "bamgen-ssmax-inline")
-# and the decode kernel's read (at head dim 128 its 16x128 tile has Q's shape): 64 sequences
-# against 4096 cached keys
-VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced")
+# and the decode kernel's table read (at head dim 128 its 16x128 tile has Q's shape) and its K and
+# V through TMA against pointers (tiles.DECODE_TMA_AT): 64 sequences against 4096 cached keys
+VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced", "bamgen-ggd@kv=pointers")
 VARIANT_ARGS = ("--n 8192 --head-dim 64 128 --repeats 5 --warmup 1 --forward-only --kernels "
                 "--decode-n 4096 --decode-batch 64 --peers " + " ".join(VARIANT_PEERS)
                 + " --decode-peers " + " ".join(VARIANT_DECODE_PEERS))

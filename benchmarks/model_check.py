@@ -129,13 +129,13 @@ def pinned_spec(spec: tuple, kernel: str | None, pins: dict, tile_for=None) -> t
     name, fn, signature, constexprs, warps, stages = spec
     constexprs = dict(constexprs)
     tile = pins.get("tiles", {}).get(kernel)
-    if kernel == "fwd" and pins.get("kv") is not None:
+    if kernel in ("fwd", "decode") and pins.get("kv") is not None:
         # (a pinned "tma" where the spec's layout or dtype cannot take it keeps pointers, as
-        # launch.kv_tma does)
-        tma = pins["kv"] == "tma" and signature["Q"] != "*fp32" and (
-            constexprs["HAS_KEY_MASK"], constexprs["ROW_OFFSETS"], constexprs["VARLEN"]) == (
-            False, False, False) and constexprs["D"] % 8 == 0
-        if tma != constexprs.get("KV_TMA", False) and not tile:
+        # launch.kv_tma does; the decode kernel's tile is the same either way)
+        tma = pins["kv"] == "tma" and signature["Q"] != "*fp32" and not any(
+            constexprs.get(flag) for flag in ("HAS_KEY_MASK", "ROW_OFFSETS", "VARLEN")
+        ) and constexprs["D"] % 8 == 0
+        if kernel == "fwd" and tma != constexprs.get("KV_TMA", False) and not tile:
             if tile_for is None:
                 raise ValueError(f"{name}: kv={pins['kv']} changes the forward's tile; pin it "
                                  f"(fwd=BMxBNxWARPSxSTAGES) or give tile_for")

@@ -305,6 +305,52 @@ def test_nope_computes_p_in_one_ffma_and_its_forward_reads_through_tma():
         assert ops["UTMALDG"] == 0 and warps == 8, (dim, ops, warps)
 
 
+DECODE_TMA_SCRIPT = r"""
+import collections, json, sys
+sys.path.insert(0, "benchmarks")
+from bamgen.aot import compile_spec, disassemble, loop_model, main_loop
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior
+import model_check
+out = []
+for name in sys.argv[1:]:
+    for dim in (64, 128):
+        [spec] = [s for s in load_prior(shipped_prior(name)).triton_kernel_specs("bf16", dim, True, arch="sm_90")
+                  if s[0] == "attn_decode"]
+        for kv in ("tma", "pointers"):
+            k = compile_spec(model_check.pinned_spec(spec, "decode", {"kv": kv}), "sm_90")
+            ops = collections.Counter(op.split(".")[0] for _, op, _ in main_loop(disassemble(k.cubin)))
+            cycles = loop_model(k.main_loop, "sm_90", k.num_warps)["cycles"]
+            out.append([name, dim, kv, spec[3]["KV_TMA"], k.registers, k.stack_bytes,
+                        {op: ops[op] for op in ("UTMALDG", "LDGSTS")}, cycles["lsu"],
+                        model_check.latency_per_tile(k)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_decode_kernel_reads_its_keys_through_tma():
+    """sm_90's decode kernel (a generation step: 16 rows by 128 keys, bound by its load/store
+    unit) reads K and V through TMA for every kind at head dims 64 and 128
+    (tiles.DECODE_TMA_AT): no per-thread copies of them in its loop, no stack, and the load/store
+    unit's cycles and the latency term both at most 0.7x the pointer kernel's for NoPE and GGD
+    (docs/performance.md, "Keys and values through TMA")."""
+    res = run_script_aot(DECODE_TMA_SCRIPT, "uniform", "generalized_gaussian")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(name, dim, kv): rest for name, dim, kv, *rest in json.loads(res.stdout)}
+    assert len(rows) == 8, sorted(rows)
+    for (name, dim, kv), (shipped, registers, stack, ops, lsu, latency) in rows.items():
+        assert shipped and stack == 0, (name, dim, kv, shipped, registers)
+        if kv == "tma":   # (GGD's table entries are still copied asynchronously: the decode
+            # kernel's read, tiles.FWD_TABLE_GATHER)
+            pointers = rows[(name, dim, "pointers")]
+            assert ops["UTMALDG"] >= 2 and ops["LDGSTS"] < pointers[3]["LDGSTS"], (name, dim, ops)
+            assert name != "uniform" or ops["LDGSTS"] == 0, (name, dim, ops)
+            assert lsu <= 0.7 * pointers[4], (name, dim, lsu, pointers[4])
+            if name == "uniform":
+                assert latency <= 0.7 * pointers[5], (name, dim, latency, pointers[5])
+
+
 @pytest.mark.slow
 def test_inspect_saves_cubins(tmp_path):
     report = _inspect(PRIOR_DIR / "laplace.yaml", "sm_80", 64, "--save", str(tmp_path / "cubins"))
@@ -394,7 +440,7 @@ for name, reads in ([(n, "fwd") for n in gpu_check.VARIANT_PEERS]
     for dim in map(int, sys.argv[1:]):
         for spec in load_prior(shipped_prior(prior)).triton_kernel_specs("bf16", dim, True, arch="sm_90"):
             kernel = spec[0].removeprefix("attn_")
-            if kernel in pins["tiles"] or (kernel == reads and pins["gather"]):
+            if kernel in pins["tiles"] or (kernel == reads and (pins["gather"] or pins["kv"])):
                 k = compile_spec(model_check.pinned_spec(spec, kernel, pins), "sm_90")
                 pinned = model_check.pinned_spec(spec, kernel, pins)[3]
                 out.append([name, dim, k.name, k.registers, k.stack_bytes, k.local_bytes,
@@ -410,7 +456,7 @@ def test_the_variants_gpu_check_times_compile_without_spills(head_dim):
     """The kernel variants `make gpu-check` times against the shipped ones (gpu_check.py's
     VARIANT_PEERS and VARIANT_DECODE_PEERS: the forward's other stage counts and table reads,
     BAM-SSMax's included, NoPE's forward from pointers over 8 warps where it reads through TMA
-    at head dim 64, the decode kernel's other read) pass the tile
+    at head dim 64, the decode kernel's other read and its pointer K/V reads) pass the tile
     table's bar on the H100: no spills, within its shared memory (head dim 64, where the table
     forwards measured 3.4-3.9x NoPE with the async read and 2.1x with the direct one, in every
     run; 128 in make test-full)."""
@@ -421,7 +467,8 @@ def test_the_variants_gpu_check_times_compile_without_spills(head_dim):
     assert {(r[0], r[1], r[2]) for r in rows} == {(n, head_dim, "attn_fwd") for n in (
         "bamgen-ggd@fwd=128x64x8x2", "bamgen-ggd@gather=direct", "bamgen-ssmax@gather=direct",
         "bamgen-ssmax@gather=async", pointers)} | {
-        ("bamgen-ggd@gather=coalesced", head_dim, "attn_decode")}
+        ("bamgen-ggd@gather=coalesced", head_dim, "attn_decode"),
+        ("bamgen-ggd@kv=pointers", head_dim, "attn_decode")}
     shipped_read = {"attn_fwd": "prefetch", "attn_decode": "async"}
     for name, dim, kernel, registers, stack, spill, shared, shipped, pinned, tma, pinned_tma in rows:
         assert stack == 0 and spill == 0, (name, dim, kernel, registers)
@@ -431,6 +478,8 @@ def test_the_variants_gpu_check_times_compile_without_spills(head_dim):
             assert pinned == name.partition("gather=")[2], (name, pinned)
         if name == pointers:   # NoPE's shipped forward reads through TMA at 64 alone
             assert (tma, pinned_tma) == (head_dim == 64, False), (name, dim, tma, pinned_tma)
+        if kernel == "attn_decode":   # GGD's decode kernel through TMA, but where pinned
+            assert (tma, pinned_tma) == (True, "kv=pointers" not in name), (name, tma, pinned_tma)
 
 
 @pytest.mark.slow

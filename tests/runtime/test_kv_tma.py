@@ -4,7 +4,8 @@ interpreter, from the user's side: the inputs a user brings (GQA, ragged lengths
 that is padded, a continuation after cached keys, bidirectional, fp16 and bf16) give the same
 bits read through descriptors as through pointers, for the output and every gradient; a GPU
 family's choice is what the launch takes (NoPE's 4-warp tile on sm_90 at head dim 64, through
-descriptors), and what a descriptor cannot read, or a layout that must not, keeps pointers.
+descriptors; every kind's decode kernel), and what a descriptor cannot read, or a layout that
+must not, keeps pointers.
 And NoPE's P in one FFMA (helpers.py, "P of a scaled score"): a logit past float32's range still
 makes its row NaN."""
 from __future__ import annotations
@@ -20,6 +21,7 @@ from bamgen.runtime.triton.tiles import FWD_TMA_AT
 
 MODULES = {name: importlib.import_module(f"generated.{name}")
            for name in ("uniform", "laplace", "generalized_gaussian", "bam_ssmax")}
+FIRE = importlib.import_module("generated.fire")
 
 
 def _call(module, dtype, batch, hq, hk, nq, nk, d, seed=0, **kw):
@@ -101,8 +103,56 @@ def test_sm90_reads_nope_through_descriptors_over_four_warps(descriptors, monkey
         assert torch.equal(g, w)
 
 
+DECODE_CASES = {   # (batch, query heads, kv heads, Nq, Nk, head dim, call keywords)
+    "one-row-over-splits": (2, 4, 2, 1, 300, 64, dict(causal=True, q_offset=299)),
+    "speculative-rows": (1, 2, 1, 5, 77, 40, dict(causal=True, q_offset=72)),
+    "bidirectional": (1, 2, 2, 16, 16, 64, dict(causal=False)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_a_decode_step_reads_through_descriptors_what_pointers_read(name, case, descriptors):
+    """A generation step (at most 16 rows, no backward: the split-KV decode kernel) pinned to
+    TMA reads its splits' key tiles through descriptors and gives the pointer kernel's bits:
+    one row against 300 cached keys (several splits, a ragged last tile), speculative rows with
+    a padded head dim, a bidirectional block; GQA."""
+    batch, hq, hk, nq, nk, d, kw = DECODE_CASES[case]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(batch, h, n, d, generator=g).to(torch.bfloat16)
+               for h, n in ((hq, nq), (hk, nk), (hk, nk)))
+    params = MODULES[name].default_params(hq)
+    with torch.no_grad():
+        with pinned(kv="pointers"):
+            want = MODULES[name].attention(q, k, v, backend="triton", **kw, **params)
+        assert descriptors["descriptors"] == []
+        with pinned(kv="tma"):
+            got = MODULES[name].attention(q, k, v, backend="triton", **kw, **params)
+    assert descriptors["descriptors"] and descriptors["configs"] == []   # (no forward kernel)
+    assert torch.equal(got, want)
+
+
+def test_sm90_reads_every_kind_s_decode_through_descriptors(descriptors, monkeypatch):
+    """With sm_90's tiles every kind's decode kernel but heavy's reads K and V through
+    descriptors of its 16x128 tile's keys (tiles.DECODE_TMA_AT), at head dims 64 and 128; a
+    key mask keeps pointers."""
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_90")
+    g = torch.Generator().manual_seed(4)
+    for name, d in (("uniform", 64), ("generalized_gaussian", 128), ("bam_ssmax", 64)):
+        q = torch.randn(1, 2, 1, d, generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(1, 1, 40, d, generator=g).to(torch.bfloat16) for _ in range(2))
+        params = MODULES[name].default_params(2)
+        with torch.no_grad():
+            MODULES[name].attention(q, k, v, backend="triton", q_offset=39, **params)
+            assert descriptors["descriptors"][-1] == (128, d)
+            count = len(descriptors["descriptors"])
+            MODULES[name].attention(q, k, v, backend="triton", q_offset=39,
+                                    key_mask=torch.ones(1, 40, dtype=torch.bool), **params)
+            assert len(descriptors["descriptors"]) == count
+
+
 def _tma_for(module, monkeypatch, family="sm_90", dtype=torch.bfloat16, d=64, traced=False,
-             offset=0, **layout):
+             offset=0, kernel="fwd", **layout):
     """launch.kv_tma for a call of these inputs (what the forward launch decides)."""
     if family is None:
         monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
@@ -113,7 +163,8 @@ def _tma_for(module, monkeypatch, family="sm_90", dtype=torch.bfloat16, d=64, tr
             for _ in range(2))
     lay = launch.KernelLayout(q, layout.get("q_offset", 0), 0, layout.get("key_mask"),
                               layout.get("cu"), layout.get("cu"))
-    return launch.kv_tma(MODULES[module]._prior, q, k, v, lay, traced)
+    module = FIRE if module == "fire" else MODULES[module]
+    return launch.kv_tma(module._prior, q, k, v, lay, traced, kernel)
 
 
 def test_where_the_forward_reads_through_descriptors(monkeypatch):
@@ -133,8 +184,17 @@ def test_where_the_forward_reads_through_descriptors(monkeypatch):
     assert not _tma_for("uniform", monkeypatch, key_mask=torch.ones(1, 20, dtype=torch.bool))
     assert not _tma_for("uniform", monkeypatch, q_offset=torch.tensor([3]))
     assert not _tma_for("uniform", monkeypatch, cu=torch.tensor([0, 7, 20], dtype=torch.int32))
+    # the decode kernel: every kind at head dims 64 and 128 on sm_90, the same layouts
+    assert _tma_for("generalized_gaussian", monkeypatch, kernel="decode")
+    assert _tma_for("bam_ssmax", monkeypatch, d=128, kernel="decode")
+    assert not _tma_for("generalized_gaussian", monkeypatch, d=256, kernel="decode")
+    assert not _tma_for("uniform", monkeypatch, family="sm_80", kernel="decode")
+    assert not _tma_for("fire", monkeypatch, d=128, kernel="decode")   # (heavy: pointers)
+    assert not _tma_for("uniform", monkeypatch, kernel="decode",
+                        key_mask=torch.ones(1, 20, dtype=torch.bool))
     with pinned(kv="pointers"):
         assert not _tma_for("uniform", monkeypatch)
+        assert not _tma_for("uniform", monkeypatch, kernel="decode")
     with pinned(kv="tma"):   # any family and kind, where the inputs and layout allow
         assert _tma_for("generalized_gaussian", monkeypatch, family=None)
         assert not _tma_for("uniform", monkeypatch, dtype=torch.float32)

@@ -42,9 +42,11 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
                  NUM_PARAMS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, TABLE_GATHER: tl.constexpr):
+                 HAS_KEY_MASK: tl.constexpr, ROW_OFFSETS: tl.constexpr, TABLE_GATHER: tl.constexpr,
+                 KV_TMA: tl.constexpr):
     """One program: the keys of one split for every query row of one (batch, head). Writes
-    the split's unnormalised output and its row statistics (base 2) to the partials."""
+    the split's unnormalised output and its row statistics (base 2) to the partials. KV_TMA:
+    K and V are tensor descriptors, as the forward's (forward.py; launch.kv_tma)."""
     sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -58,8 +60,16 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
     row_ok = offs_m < Nq
     d_ok = offs_d < D
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    # (a descriptor reads no key mask's zeros: launch.kv_tma)
+    tl.static_assert(not (KV_TMA and HAS_KEY_MASK))
+    if KV_TMA:   # K and V are descriptors; this program's keys are their row kv_row
+        kv_row = off_b * (Hq // GROUP) + off_hk
+        k_base = K
+        v_base = V
+    else:
+        kv_row = 0
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
     km_base = KeyMask + off_b.to(tl.int64) * stride_mb
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -101,13 +111,13 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, True, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
-                                    TABLE_GATHER)
+                                    TABLE_GATHER, kv_row, KV_TMA)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, s_full, s_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
                                     ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, False, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
-                                    TABLE_GATHER)
+                                    TABLE_GATHER, kv_row, KV_TMA)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference, as the forward's statistics are
             row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)

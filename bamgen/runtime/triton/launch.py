@@ -30,7 +30,7 @@ from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
 from .tiles import (FWD_TABLE_GATHER, GRAD_GROUPS, GRAD_GROUPS_MASKED, INTERPRET_TILES,
                     TABLE_GATHERS, TILES, fwd_table_gather, fwd_tma_tile, head_dim_bucket,
-                    splits_steady)
+                    reads_kv_through_tma, splits_steady)
 
 PREPROCESS = (32, 4)  # rows per program and warps of the backward's rowsum(dO * O)
 # No implicit FMA contraction in the attention kernels. The backward rebuilds P = exp2(z - m) / l
@@ -250,10 +250,11 @@ def split_steady(prior, kernel, device, head_dim) -> bool:
     return splits_steady(kernel, prior.traits.tile_kind, family, head_dim)
 
 
-def kv_tma(prior, q, k, v, lay, traced) -> bool:
-    """Whether the forward reads K and V through tensor descriptors (KV_TMA; tiles.FWD_TMA_AT):
-    pinned(kv=...), else where the device's family (under the interpreter: the one
-    BAMGEN_INTERPRET_TILES names, else none), the prior's tile kind and the head dim take it.
+def kv_tma(prior, q, k, v, lay, traced, kernel="fwd") -> bool:
+    """Whether the forward or decode kernel reads K and V through tensor descriptors (KV_TMA;
+    tiles.FWD_TMA_AT, DECODE_TMA_AT): pinned(kv=...), else where the device's family (under the
+    interpreter: the one BAMGEN_INTERPRET_TILES names, else none), the prior's tile kind and the
+    head dim take it.
     Either way only where the layout allows: an eager launch (a traced one keeps pointers),
     no key mask, per-row offsets or packed documents (KernelLayout.masked: a padding key's v
     must read as 0, and a document's last tile runs into the next document), 16-bit inputs,
@@ -264,7 +265,8 @@ def kv_tma(prior, q, k, v, lay, traced) -> bool:
         return False
     if pin is None:
         family = interpreted_family() if interpreting() else gpu_family(q.device)
-        if fwd_tma_tile(prior.traits.tile_kind, family, head_dim_padded(q.shape[3])) is None:
+        if not reads_kv_through_tma(kernel, prior.traits.tile_kind, family,
+                                    head_dim_padded(q.shape[3])):
             return False
     return (not traced and not lay.masked and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] % 8 == 0
             and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
@@ -668,9 +670,12 @@ def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab
     head_dim = head_dim_padded(D)
     sms = None if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
     gather = table_gather()
+    traced = wrap is not eager_kernel
+    tma = kv_tma(prior, q, k, v, lay, traced, "decode")
 
     def run(config):
         block_m, block_n, warps, stages = config
+        k_in, v_in = kv_descriptors(k, v, block_n, head_dim) if tma else (k, v)
         keys, splits = decode_splits(Nk, B * Hq, block_n, sms)
         # (a traced call: the merge's width is fixed, not a guard on the number of splits)
         block_s = triton.next_power_of_2(splits) if isinstance(splits, int) else DECODE_MAX_SPLITS
@@ -678,7 +683,7 @@ def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab
         part_m = torch.empty(splits, B * Hq, Nq, device=q.device, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
         compiled = wrap(kernels["decode"])[(splits, B * Hq)](
-            q, k, v, theta, part_o, part_m, part_l, table, window, counts, lay.key_mask,
+            q, k_in, v_in, theta, part_o, part_m, part_l, table, window, counts, lay.key_mask,
             lay.q_off, lay.k_off,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -687,14 +692,14 @@ def decode(prior, q, k, v, theta, causal, scale, out, stats, table, d_top_b, tab
             NUM_PARAMS=theta.shape[1], CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
             HEAD_DIM=head_dim, D=D, DOT_PREC=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
             HAS_KEY_MASK=lay.has_key_mask, ROW_OFFSETS=lay.row_offsets, TABLE_GATHER=gather,
-            num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
+            KV_TMA=tma, num_warps=warps, num_stages=stages, enable_fp_fusion=FP_FUSION)
         wrap(kernels["combine"])[(Nq, B * Hq)](
             part_o, part_m, part_l, out, stats[0], stats[1], out.stride(0), out.stride(1),
             out.stride(2), Hq, Nq, splits, BLOCK_S=block_s,
             HEAD_DIM=head_dim, D=D, num_warps=COMBINE_WARPS, num_stages=1)
         return compiled
 
-    launch(prior, "decode", D, q.device, tune_key(q, Nq, Nk, causal), run, lay.masked, wrap is not eager_kernel)
+    launch(prior, "decode", D, q.device, tune_key(q, Nq, Nk, causal), run, lay.masked, traced, tma)
 
 
 def backward(prior, dout, q, k, v, out, stats, out32, table, theta, causal, scale, q_offset,
@@ -932,7 +937,9 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
             ("attn_decode", kernels["decode"], "decode",
              dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", PartO="*fp32", PartM="*fp32", PartL="*fp32",
                   Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs),
-             dict(TABLE_GATHER=FWD_TABLE_GATHER)),
+             dict(TABLE_GATHER=FWD_TABLE_GATHER,
+                  KV_TMA=reads_kv_through_tma("decode", prior.traits.tile_kind, arch, padded)
+                  and layout == "plain" and dtype in ("bf16", "fp16") and head_dim % 8 == 0)),
             ("decode_combine", kernels["combine"], None,
              dict(PartO="*fp32", PartM="*fp32", PartL="*fp32", O=ptr, Mrow="*fp32", Lrow="*fp32"),
              None),

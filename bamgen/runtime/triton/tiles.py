@@ -288,9 +288,31 @@ TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
 FWD_TMA_AT = {("light", "sm_90", 64): (128, 64, 4, 3)}
 
 
+# Where the decode kernel reads K and V through TMA, for every kind (its tile, 16 rows by 128
+# keys, is the same for all). Its loop is bound by the load/store unit: the cp.async copies of
+# 128 keys' K and V and the MMA operands read back from shared memory. Through descriptors the
+# copies leave the loop: NoPE at head dim 64 on sm_90 models 324 -> 191 cycles per 1000 keys
+# and rows (latency term 236 -> 151), at 128 559 -> 301 (411 -> 267); GGD 387 -> 268 (372 ->
+# 255) and 621 -> 377 (428 -> 415); both models agree. Every kind but heavy (FIRE's decode
+# through descriptors took 168 registers and 16 bytes of stack at head dim 128; its loop is
+# bound by its MLP's FP32 work, not the copies). The same layouts as the forward's
+# (launch.kv_tma): a key mask, per-row offsets and traced launches keep pointers.
+# docs/performance.md, "Keys and values through TMA".
+DECODE_TMA_AT = frozenset((kind, "sm_90", dim) for kind in ("light", "table", "dist", "general")
+                          for dim in (64, 128))
+
+
 def fwd_tma_tile(kind: str, arch: str | None, head_dim: int):
     """The forward's tile where it reads K and V through TMA (FWD_TMA_AT), else None."""
     return FWD_TMA_AT.get((kind, arch, head_dim_bucket(head_dim)))
+
+
+def reads_kv_through_tma(kernel: str, kind: str, arch: str | None, head_dim: int) -> bool:
+    """Whether a kernel ("fwd" or "decode") of a tile kind reads K and V through TMA on a GPU
+    family at a (padded) head dim, where the layout allows (FWD_TMA_AT, DECODE_TMA_AT)."""
+    if kernel == "decode":
+        return (kind, arch, head_dim_bucket(head_dim)) in DECODE_TMA_AT
+    return fwd_tma_tile(kind, arch, head_dim) is not None
 
 
 HEAD_DIM_BUCKETS = (64, 128, 256)   # the head dims of the tables above: a smaller one takes the next
