@@ -29,7 +29,7 @@ import triton.language as tl
 from .forward import _attn_fwd_inner
 from .helpers import (
     TABLE_ROW_ARGS, _fp32_scalars, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term,
-    _lowp, _row_offsets, _steady_keys, _window_keys)
+    _kv_bases, _lowp, _row_offsets, _steady_keys, _window_keys)
 from .hooks import RAMP, RAMP_SYMMETRIC, SKIP, prior_ramp, prior_scalars  # noqa: F401 (variant.py)
 
 
@@ -62,14 +62,8 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     # (a descriptor reads no key mask's zeros: launch.kv_tma)
     tl.static_assert(not (KV_TMA and HAS_KEY_MASK))
-    if KV_TMA:   # K and V are descriptors; this program's keys are their row kv_row
-        kv_row = off_b * (Hq // GROUP) + off_hk
-        k_base = K
-        v_base = V
-    else:
-        kv_row = 0
-        k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-        v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    k_base, v_base, kv_row = _kv_bases(K, V, off_b, off_hk, 0, stride_kb, stride_kh, stride_kn,
+                                       stride_vb, stride_vh, stride_vn, Hq, GROUP, KV_TMA)
     km_base = KeyMask + off_b.to(tl.int64) * stride_mb
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)

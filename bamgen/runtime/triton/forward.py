@@ -45,7 +45,7 @@ import triton.language as tl
 from .helpers import (
     TABLE_ROW_ARGS, _as_cols, _as_rows, _distance, _dot, _factored_logit2, _fp32_scalars, _kept_keys,
     _load_kept,
-    _gather_table, _load_kv, _logit2, _lowp, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
+    _gather_table, _kv_bases, _load_kv, _logit2, _lowp, _logit_row2, _position, _position_diff, _program_span, _ramp_logit2,
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
     _steady_keys, _table_load, _table_logit2, _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
@@ -222,14 +222,8 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
     # (a descriptor reads no key mask's zeros and no document's start: launch.kv_tma)
     tl.static_assert(not (KV_TMA and (HAS_KEY_MASK or VARLEN)))
-    if KV_TMA:   # K and V are descriptors; this program's keys are their row kv_row
-        kv_row = off_b * (Hq // GROUP) + off_hk
-        k_base = K
-        v_base = V
-    else:
-        kv_row = 0
-        k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-        v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    k_base, v_base, kv_row = _kv_bases(K, V, off_b, off_hk, k_start, stride_kb, stride_kh, stride_kn,
+                                       stride_vb, stride_vh, stride_vn, Hq, GROUP, KV_TMA)
     km_base = KeyMask + off_b.to(tl.int64) * stride_mb + k_start
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)

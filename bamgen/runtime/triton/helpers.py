@@ -362,6 +362,22 @@ def _ramp_logit2(qk, qk_scale, slope, rows_abs, keys_abs, row_ref):
 
 
 @triton.jit
+def _kv_bases(K, V, off_b, off_hk, k_start, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+              stride_vn, Hq, GROUP, KV_TMA: tl.constexpr):
+    """(k_base, v_base, kv_row): where this program's keys and values start (its batch row, KV
+    head and first key k_start), for _load_kv; with KV_TMA, K and V are tensor descriptors
+    over [B * Hk, Nk, D] (launch.kv_descriptors), returned as they are, and kv_row is the
+    program's row of them (its keys start at 0: launch.kv_tma takes no packed documents)."""
+    if KV_TMA:
+        return K, V, off_b * (Hq // GROUP) + off_hk
+    else:
+        k_base = (K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+                  + tl.cast(k_start, tl.int64) * stride_kn)
+        v_base = (V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+                  + tl.cast(k_start, tl.int64) * stride_vn)
+        return k_base, v_base, 0
+
+@triton.jit
 def _load_kv(base, offs_n, stride_n, offs_d, Nk, MASK_KEYS: tl.constexpr, D: tl.constexpr,
              HEAD_DIM: tl.constexpr):
     """A [BLOCK_N, HEAD_DIM] tile of K or V, contiguous along the head dim (vector loads);
