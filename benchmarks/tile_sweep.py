@@ -29,7 +29,7 @@ def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple,
     """Compile `kernel` of `module` (its `layout`'s kernels: bamgen inspect --layout) with
     `config` for `arch`; its resources and model."""
     from bamgen import aot
-    from bamgen.runtime.triton.tiles import TILES
+    from bamgen.runtime.triton.tiles import FWD_TMA_AT, TILES
     positional = layout in ("positions", "positions_packed")
     traits = module.POSITIONAL_TRAITS if positional else module.TRAITS
     if layout.startswith("positions_table"):   # a table prior at integer positions
@@ -38,11 +38,18 @@ def compile_one(module, kernel: str, arch: str, head_dim: int, config: tuple,
     bucket = min(b for b in table if b >= head_dim)
     saved = table[bucket][kernel]
     table[bucket][kernel] = [config]
+    # a forward that reads K and V through TMA takes FWD_TMA_AT's tile first: the swept one there
+    tma_key = (traits.tile_kind, arch, bucket)
+    tma_saved = FWD_TMA_AT.get(tma_key) if kernel == "fwd" else None
+    if tma_saved is not None:
+        FWD_TMA_AT[tma_key] = config
     try:
         (k,) = aot.compile_module(module, arch=arch, head_dim=head_dim, layout=layout,
                                   only=(KERNEL_NAMES[kernel],))
     finally:
         table[bucket][kernel] = saved
+        if tma_saved is not None:
+            FWD_TMA_AT[tma_key] = tma_saved
     model = aot.loop_model(k.main_loop, arch, k.num_warps)
     # the decode kernel's useful work is one row per key (a generation step): per 1000 keys
     scores = config[1] if kernel == "decode" else config[0] * config[1]

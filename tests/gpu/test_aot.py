@@ -351,6 +351,33 @@ def test_the_decode_kernel_reads_its_keys_through_tma():
                 assert latency <= 0.7 * pointers[5], (name, dim, latency, pointers[5])
 
 
+TILE_SWEEP_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "benchmarks")
+import tile_sweep
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior
+from bamgen.runtime.triton.tiles import FWD_TMA_AT
+before = dict(FWD_TMA_AT)
+module = load_prior(shipped_prior("uniform"))
+out = {str(c): tile_sweep.compile_one(module, "fwd", "sm_90", 64, c)["registers"]
+       for c in ((128, 64, 8, 3), (128, 64, 4, 3))}
+print(json.dumps([out, FWD_TMA_AT == before]))
+"""
+
+
+@pytest.mark.slow
+def test_the_tile_sweep_compiles_the_forward_it_is_given_where_it_reads_through_tma():
+    """benchmarks/tile_sweep.py on the light kind's forward at head dim 64 on sm_90, whose
+    launches take tiles.FWD_TMA_AT's tile first: each swept config is what compiles (8 warps
+    take fewer registers a thread than 4), and the TMA tile is put back after."""
+    res = run_script_aot(TILE_SWEEP_SCRIPT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    registers, restored = json.loads(res.stdout)
+    assert registers["(128, 64, 8, 3)"] < registers["(128, 64, 4, 3)"], registers
+    assert restored
+
+
 @pytest.mark.slow
 def test_inspect_saves_cubins(tmp_path):
     report = _inspect(PRIOR_DIR / "laplace.yaml", "sm_80", 64, "--save", str(tmp_path / "cubins"))
