@@ -64,8 +64,8 @@ from .helpers import (
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _steady_keys, _steady_query_tiles, _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    CENTER_GRADS, GRAD_MODES, HAS_BIAS, POSITION_GRADS, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, ROWS_READY,
-    SCORE_IS_S, SKIP, TABLE, TABLE_POSITIONS, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
+    CENTER_GRADS, GRAD_MODES, POSITION_GRADS, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_CACHE, ROW_FACTORS, ROWS_READY,
+    SCALED_SCORE, SCORE_IS_S, SKIP, TABLE, TABLE_POSITIONS, TABLE_WIDTH, TILE_ROW_SUMS, prior_grads, prior_position_grads, prior_ramp,
     prior_scalars, prior_score_factors)
 
 GRAD_TABLE = tl.constexpr(1)          # (bamgen.runtime.traits: GRAD_TABLE, GRAD_LOGIT_FACTOR)
@@ -306,7 +306,7 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
                 if not RAMP and not DS_ON_P:
                     # (dS selected on the mask) a score its prior hides, z = -inf, counts as masked
                     visible = visible & (zT != -float("inf"))
-                if SCORE_IS_S and not HAS_BIAS and not TABLE and not RAMP:
+                if SCALED_SCORE:
                     # one FFMA (helpers.py, "P of a scaled score")
                     pT = tl.exp2(tl.fma(qkT, qk_scale, -m_row[None, :])) * inv_l[None, :]
                 else:
@@ -650,7 +650,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                     dlogit_ds = out[1]
                     dlogit = out[2:]
                     z = out[0] * 1.4426950408889634  # log2(e)
-            if SCORE_IS_S and not HAS_BIAS and not TABLE and not RAMP:
+            if SCALED_SCORE:
                 # one FFMA (helpers.py, "P of a scaled score")
                 p = tl.exp2(tl.fma(qk, qk_scale, -m_row[:, None])) * inv_l[:, None]
             else:

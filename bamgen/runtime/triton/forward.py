@@ -49,7 +49,7 @@ from .helpers import (
     _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference, _ramp_row_term, _row_offsets,
     _steady_keys, _table_load, _table_logit2, _tensor_positions, _value_entries, _window_keys)
 from .hooks import (  # noqa: F401 (each prior's kernels get its own: variant.py)
-    HAS_BIAS, POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SCORE_IS_S, SKIP, TABLE, TABLE_POSITIONS,
+    POSITIONS, RAMP, RAMP_SYMMETRIC, ROW_FACTORS, SCALED_SCORE, SKIP, TABLE, TABLE_POSITIONS,
     prior_ramp, prior_scalars)
 
 
@@ -99,9 +99,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     # tile, at most a tile past the last key) falls inside the table's TABLE_PAD entries.
     # (Positions from tensors: the keys' positions come with their tile, so those read directly.)
     PREFETCH: tl.constexpr = TABLE and TABLE_GATHER == "prefetch" and not TABLE_POSITIONS
-    # the logit is q.k * qk_scale alone (NoPE): z holds q.k, the max is taken on it and scaled
-    # once per row, and P is one FFMA a score (see helpers.py, "P of a scaled score")
-    SCALED_SCORE: tl.constexpr = SCORE_IS_S and not HAS_BIAS and not TABLE and not RAMP
+    # SCALED_SCORE (NoPE): z holds q.k, the max is taken on it and scaled once per row, and P is
+    # one FFMA a score (see helpers.py, "P of a scaled score")
     if PREFETCH:
         last_n = n_lo + tl.maximum(n_hi - n_lo - 1, 0) // BLOCK_N * BLOCK_N
         tab_next = _table_load(tab_rows + (n_lo + k_offset + tl.arange(0, BLOCK_N))[None, :])
@@ -286,7 +285,7 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
         elif RAMP_SYMMETRIC:   # measured from each row's nearest key (_ramp_logit2)
             near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
             m_i += _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
-    if SCORE_IS_S and not HAS_BIAS and not TABLE and not RAMP:
+    if SCALED_SCORE:
         # a logit past float32's range (q.k finite, q.k * qk_scale not): m is inf, and P, one
         # FFMA against it (_attn_fwd_inner), is 0 where exp2(inf - inf) was NaN; the row is NaN
         # as it was (a row that a NaN reached, for the backward), not a silent 0

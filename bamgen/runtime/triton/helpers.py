@@ -581,8 +581,8 @@ def _table_logit2(qk, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n, tab_v, sc)
         return logit * 1.4426950408889634  # log2(e)
 
 
-# P of a scaled score. Where the logit is q.k * qk_scale alone (SCORE_IS_S without a bias, a
-# table or a ramp: NoPE), every kernel computes P = exp2(fma(q.k, qk_scale, -m)): one FFMA a
+# P of a scaled score. Where the logit is q.k * qk_scale alone (SCALED_SCORE, hooks.py:
+# SCORE_IS_S without a bias, a table or a ramp: NoPE), every kernel computes P = exp2(fma(q.k, qk_scale, -m)): one FFMA a
 # score, rounded once where the product and the difference were rounded each (Triton's
 # tutorial computes it so), and the same expression in the forward, decode, dK/dV and dQ
 # kernels, so the backward rebuilds the forward's bits. The forward takes the row's max on q.k

@@ -57,6 +57,9 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
   POSITION_GRADS  (traits.position_grads) some derivative of the logit by a position is not 0;
                   off (NoPE), the backward kernels of POSITIONS sum no positions' gradients
                   (DPosQ, DPosK keep the zeros they were made with)
+  SCALED_SCORE    (derived: SCORE_IS_S without a bias, a table or a ramp: NoPE) the logit is
+                  q.k * qk_scale alone, and every kernel computes P in one FFMA against the row's
+                  max (helpers.py, "P of a scaled score")
 
 Hooks (@triton.jit functions printed by the compiler; `sc` is prior_scalars' tuple, `tab` the
 tile's table entries (tab_v, then the tabulated derivatives; () without a table), positions
@@ -99,10 +102,12 @@ POSITIONS = tl.constexpr(0)
 TABLE_POSITIONS = tl.constexpr(False)
 ROWS_READY = tl.constexpr(True)
 POSITION_GRADS = tl.constexpr(True)
+SCALED_SCORE = tl.constexpr(True)
 
 FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP", "RAMP_SYMMETRIC",
          "ROW_FACTORS", "ROW_CACHE", "LOGIT_FMA", "SKIP", "GRAD_MODES", "TILE_ROW_SUMS", "CENTER_GRADS",
-         "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS", "ROWS_READY", "POSITION_GRADS")
+         "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS", "ROWS_READY", "POSITION_GRADS",
+         "SCALED_SCORE")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
          "prior_score_factors", "prior_logit_row", "prior_logit_score", "prior_position_grads")
 

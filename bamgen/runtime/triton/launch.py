@@ -893,6 +893,11 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
     precision = "ieee" if dtype == "fp32" else "tf32"
 
     specs = []
+    # K and V through TMA where a launch of this layout would read them so (kv_tma: no mask
+    # of any kind, 16-bit inputs, rows a multiple of 16 bytes)
+    tma = lambda kernel: (reads_kv_through_tma(kernel, prior.traits.tile_kind, arch, padded)  # noqa: E731
+                          and layout in ("plain", "positions") and dtype in ("bf16", "fp16")
+                          and head_dim % 8 == 0)
     flags = {"plain": (False, False, False), "padded": (True, True, False),
              "packed": (True, False, True), "positions": (False, False, False),
              "positions_packed": (True, False, True)}[layout]
@@ -907,9 +912,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
          dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", O=ptr, O32="*fp32", Mrow="*fp32", Lrow="*fp32",
               Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs, **pos_ptrs),
          dict(STORE_O32=dtype != "fp32", TABLE_GATHER=fwd_table_gather(arch, padded),
-              KV_TMA=fwd_tma_tile(prior.traits.tile_kind, arch, padded) is not None
-              and layout in ("plain", "positions") and dtype in ("bf16", "fp16")
-              and head_dim % 8 == 0)),
+              KV_TMA=tma("fwd"))),
         ("bwd_preprocess", kernels["preprocess"], None,
          dict(O=ptr if dtype == "fp32" else "*fp32", DO=ptr, Mrow="*fp32", Lrow="*fp32",
               Delta="*fp32", RowM="*fp32", RowInvL="*fp32", Theta="*fp32", NRow="*fp32",
@@ -937,9 +940,7 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
             ("attn_decode", kernels["decode"], "decode",
              dict(Q=ptr, K=ptr, V=ptr, Theta="*fp32", PartO="*fp32", PartM="*fp32", PartL="*fp32",
                   Table="*fp32", Window="*i32", NRow="*fp32", **layout_ptrs),
-             dict(TABLE_GATHER=FWD_TABLE_GATHER,
-                  KV_TMA=reads_kv_through_tma("decode", prior.traits.tile_kind, arch, padded)
-                  and layout == "plain" and dtype in ("bf16", "fp16") and head_dim % 8 == 0)),
+             dict(TABLE_GATHER=FWD_TABLE_GATHER, KV_TMA=tma("decode"))),
             ("decode_combine", kernels["combine"], None,
              dict(PartO="*fp32", PartM="*fp32", PartL="*fp32", O=ptr, Mrow="*fp32", Lrow="*fp32"),
              None),

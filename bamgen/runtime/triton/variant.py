@@ -35,7 +35,8 @@ def flags(traits: PriorTraits) -> dict:
         CENTER_GRADS=traits.center_grads, CLAMP_POSITIONS=traits.clamp_positions,
         POSITIONS=traits.channels if traits.tensor_positions else 0,
         TABLE_POSITIONS=traits.table_positions, ROWS_READY=traits.rows_ready,
-        POSITION_GRADS=traits.position_grads)
+        POSITION_GRADS=traits.position_grads,
+        SCALED_SCORE=traits.score_is_s and not (traits.has_bias or traits.table or traits.ramp))
     assert set(values) == set(hooks.FLAGS)
     return {name: tl.constexpr(value) for name, value in values.items()}
 
