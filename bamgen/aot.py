@@ -139,9 +139,36 @@ def mma_loops(instructions) -> list[list]:
 
 
 def main_loop(instructions) -> list:
-    """The innermost loop that contains tensor-core instructions (the shortest, where a kernel
-    has several: a bamgen kernel's unmasked loop)."""
-    return min(mma_loops(instructions), key=len, default=[])
+    """The shortest pass (shortest_pass) through the innermost loop that contains tensor-core
+    instructions (the shortest, where a kernel has several: a bamgen kernel's unmasked loop)."""
+    return min((shortest_pass(loop) for loop in mma_loops(instructions)), key=len, default=[])
+
+
+def shortest_pass(body: list) -> list:
+    """The instructions of the shortest way through one pass of a loop body (mma_loops'): a
+    branch forward to an instruction of the body skips a block that only some passes run, and
+    the model takes the passes that skip it, the steady state, as it takes a kernel's unmasked
+    loop for its masked ones. (The dK/dV kernel's SPLIT_STEADY applies its mask under such a
+    branch, on the diagonal's and the ragged end's query tiles alone.) The disassembly drops
+    branch guards, so each such branch counts as conditional: a path through an unconditional
+    one's fall-through holds both blocks of an if/else, never the shorter. A branch out of the
+    body (a stub placed after the loop: a TMA barrier's retry) falls through, as before."""
+    at = {ins[0]: i for i, ins in enumerate(body)}
+    steps = [0] + [len(body) + 1] * len(body)   # fewest instructions before each one (and the end)
+    came_from = [-1] * (len(body) + 1)
+    for i, (addr, op, rest) in enumerate(body):
+        successors = [i + 1]
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and i + 1 < len(body) and int(target.group(1), 16) > addr:
+            successors += [at[int(target.group(1), 16)]] if int(target.group(1), 16) in at else []
+        for j in successors:
+            if steps[i] + 1 < steps[j]:
+                steps[j], came_from[j] = steps[i] + 1, i
+    path, i = [], len(body)
+    while came_from[i] >= 0:
+        i = came_from[i]
+        path.append(body[i])
+    return path[::-1]
 
 
 def _mma_flops(op: str) -> int:

@@ -254,6 +254,55 @@ def test_the_dq_loop_splits_off_its_steady_run():
     assert issue <= 1.15 * tensor, (issue, tensor)
 
 
+DKDV_STEADY_SCRIPT = r"""
+import json, sys
+from bamgen.aot import compile_spec, disassemble, loop_model, mma_loops
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior
+from bamgen.scoreboard import main_loop, resident_ctas, scheduled, warp_cycles
+out = []
+for name in sys.argv[1:]:
+    spec = next(s for s in load_prior(shipped_prior(name)).triton_kernel_specs(
+        "bf16", 64, True, arch="sm_90") if s[0] == "attn_bwd_dkdv")
+    fn_name, fn, signature, constexprs, warps, stages = spec
+    # the shipped kernel, and the one it replaced: no split, two stages
+    for split, st in ((constexprs["SPLIT_STEADY"], stages), (False, 2)):
+        k = compile_spec((fn_name, fn, signature, dict(constexprs, SPLIT_STEADY=split), warps, st),
+                         "sm_90")
+        per_1k = 1000 / (k.block[0] * k.block[1])
+        five = max(loop_model(k.main_loop, "sm_90", k.num_warps)["cycles"].values()) * per_1k
+        path = warp_cycles(main_loop(scheduled(k.cubin)), k.num_warps, "sm_90", stages=st)
+        latency = path / resident_ctas(k.registers, k.shared_bytes, k.num_warps, "sm_90") * per_1k
+        loops = mma_loops(disassemble(k.cubin))
+        out.append([name, split, st, k.registers, k.stack_bytes, len(loops), len(loops[0]),
+                    k.main_loop["total"], five, latency])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_dkdv_kernel_skips_its_mask_on_steady_tiles_where_both_models_say_it_pays():
+    """The light and table kinds' dK/dV kernel at head dim 64 on sm_90 (NoPE, ALiBi, GGD) skips its mask's
+    selects on the steady query tiles by a branch in its one loop (tiles.DKDV_STEADY_AT; three
+    loops took 255 registers), with one stage: NoPE's modelled pass (bamgen.aot.shortest_pass)
+    leaves the masked block out, and both the five units and the latency term put each below
+    the unsplit two-stage kernel it replaced (docs/performance.md, "The dK/dV kernel's steady
+    tiles"), with no stack and registers for three CTAs an SM (168 a thread)."""
+    res = run_script_aot(DKDV_STEADY_SCRIPT, "uniform", "laplace", "generalized_gaussian")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(name, split): rest for name, split, *rest in json.loads(res.stdout)}
+    assert len(rows) == 6, rows
+    for name in ("uniform", "laplace", "generalized_gaussian"):
+        stages, regs, stack, loops, body, modelled, five, latency = rows[(name, True)]
+        old = rows[(name, False)]
+        assert stages == 1 and stack == 0 and regs <= 168 and loops == 1, (name, rows[(name, True)])
+        assert five < 0.95 * old[6] and latency < old[7], (name, rows[(name, True)], old)
+    # NoPE's pass skips the mask's block; ALiBi's selects dS on the mask, which it computes
+    # either way, and ptxas predicates the small block it would skip: its gain is the one stage
+    stages, regs, stack, loops, body, modelled, five, latency = rows[("uniform", True)]
+    assert modelled < body - 32 and five < 0.8 * rows[("uniform", False)][6], rows
+
+
 SCALED_SCORE_SCRIPT = r"""
 import collections, json, sys
 from bamgen.aot import compile_module, disassemble, loop_model, mma_loops

@@ -1,7 +1,8 @@
 """The backward kernels' steady runs (SPLIT_STEADY): the dQ kernel's key tiles that every row of
-a whole query tile sees whole (tiles.splits_steady), and the dK/dV kernel's query tiles whose
-rows all exist and see every key of its tile (tiles.splits_steady, a variant no GPU takes
-yet), go through a loop with no causal or bounds mask. Under the interpreter, from the user's
+a whole query tile sees whole (tiles.splits_steady), go through a loop with no causal or
+bounds mask; the dK/dV kernel's query tiles whose rows all exist and see every key of its tile
+(tiles.splits_steady: the light and table kinds at head dim 64 on sm_90) skip its mask by a
+branch. Under the interpreter, from the user's
 side: every layout a user brings (causal and bidirectional, a continuation after cached keys,
 per-row offsets with left padding, a key mask, packed documents, position tensors, a sliding
 window) gives the same bits with a split as without it, for the output and every gradient; each
@@ -127,10 +128,10 @@ class _Spy:
         return run
 
 
-def _spy_dq(module, monkeypatch):
+def _spy_dq(module, monkeypatch, kernel="bwd_dq"):
     seen = []
     kernels = module._prior.kernels().kernels
-    monkeypatch.setitem(kernels, "bwd_dq", _Spy(kernels["bwd_dq"], seen))
+    monkeypatch.setitem(kernels, kernel, _Spy(kernels[kernel], seen))
     return seen
 
 
@@ -164,7 +165,12 @@ def test_the_interpreter_splits_the_kinds_some_gpu_splits(monkeypatch):
         _call(MODULES[name], "causal", n=20)
         assert seen == [split], name
     kinds = {kind for kind, _, _ in DQ_STEADY_AT}
-    assert kinds == {"light", "table", "general"} and not DKDV_STEADY_AT
+    assert kinds == {"light", "table", "general"}
+    assert DKDV_STEADY_AT == {("light", "sm_90", 64), ("table", "sm_90", 64)}
+    for name, split in (("uniform", True), ("generalized_gaussian", True), ("bam_ssmax", False)):
+        seen = _spy_dq(MODULES[name], monkeypatch, "bwd_dkdv")
+        _call(MODULES[name], "causal", n=20)
+        assert seen == [split], name
     positional = MODULES["forget_gate"]._prior.positional.traits.tile_kind
     assert positional.startswith("positions") and not splits_steady("bwd_dq", positional, None, 64)
     assert not any(splits_steady("bwd_dq", positional, arch, d) for arch in ("sm_80", "sm_90")
@@ -272,3 +278,26 @@ def test_the_steady_query_tiles_are_those_that_see_the_key_tile_whole(block_m, b
         assert all(steady(t) for t in range(lo, hi, block_m)), case
         assert not any(steady(t) for t in range(m_start, lo, block_m)), case
         assert not any(steady(t) for t in range(hi, m_end, block_m)), case
+
+
+@pytest.mark.parametrize("family", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("name", ["uniform", "laplace", "generalized_gaussian", "bam_ssmax"])
+def test_each_dkdv_launch_takes_its_family_s_flag(name, family, monkeypatch):
+    """Under a GPU family's tiles the dK/dV launch skips the mask on its steady query tiles
+    where DKDV_STEADY_AT names its kind, family and head dim (the light and table kinds at 64 on
+    sm_90: NoPE, ALiBi, GGD; their tile there takes one stage; not BAM-SSMax, general), and
+    computes the bits of the masked loop
+    either way. 160 rows: the family's 32-row query tiles past the 64-key diagonal are steady,
+    the last one ragged."""
+    module = MODULES[name]
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", family)
+    seen = _spy_dq(module, monkeypatch, "bwd_dkdv")
+    got = _call(module, "causal", n=160)
+    want_flag = splits_steady("bwd_dkdv", module._prior.traits.tile_kind, family, 16)
+    assert want_flag == ((module._prior.traits.tile_kind, family, 64) in DKDV_STEADY_AT)
+    assert want_flag == (family == "sm_90" and name != "bam_ssmax")
+    assert seen and all(flag == want_flag for flag in seen), (seen, want_flag)
+    with pinned(dkdv_split=not want_flag):
+        other = _call(module, "causal", n=160)
+    for g, w in zip(got, other, strict=True):
+        assert torch.equal(g, w)

@@ -30,9 +30,9 @@ Constexpr flags of the launch:
                sees whole run first through a loop with no causal or bounds mask (the
                forward's steady state); off, one masked loop walks every tile (fewer
                registers: the split spills where the loop is near 255). (dK/dV:
-               tiles.splits_steady, a variant no GPU family takes yet) the query tiles
-               whose rows all exist and see every key of the tile run between the diagonal's
-               and the ragged end's, with no mask
+               tiles.splits_steady) on the query tiles whose rows all exist and see every key
+               of the tile, between the diagonal's and the ragged end's, a uniform branch in
+               the one loop skips the mask's select on P
 The prior's flags (hooks.py) decide the rest: with ROWS_READY the dK/dV kernel reads each row's
 m and 1/l as _bwd_preprocess made them (RowM, RowL), else the forward's m and l there; with
 ROW_FACTORS dQ sums the per-score parts of
@@ -213,140 +213,136 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
             col0 = pid_n * BLOCK_N + k_offset - q_offset
             m_end = tl.minimum(Nq, tl.maximum(col0 + BLOCK_N + hi, 0))
             m_start = tl.maximum(m_lo, tl.minimum(tl.maximum(col0 + lo, 0), m_end) // BLOCK_M * BLOCK_M)
-        # Three runs of query tiles (SPLIT_STEADY; else the last alone): the diagonal, the steady
-        # ones (every row exists and sees every key of this tile: no causal or bounds mask),
-        # then the ragged end; the where()s the steady run leaves out select every score there
+        # SPLIT_STEADY: the query tiles [m_mid_lo, m_mid_hi) hold rows that all exist and see
+        # every key of this tile (between the diagonal and the ragged end): the where()s that
+        # apply the mask select every score there, so a branch on the tile skips them (the same
+        # bits). One loop with a branch, not three loops: ptxas gave three 255 registers a
+        # thread (two CTAs an SM), one 160 (docs/performance.md, "The dK/dV kernel's steady
+        # tiles").
         m_mid_lo = m_start
         m_mid_hi = m_start
         if SPLIT_STEADY:
             m_mid_lo, m_mid_hi = _steady_query_tiles(pid_n * BLOCK_N, Nq, Nk, q_offset, k_offset,
                                                      m_start, m_end, CAUSAL, BLOCK_M, BLOCK_N)
-        for run in tl.static_range(0 if SPLIT_STEADY else 2, 3):
-            STEADY = run == 1   # (a constexpr: static_range unrolls the runs)
-            if run == 0:
-                runs_lo = m_start
-                runs_hi = m_mid_lo
-            elif run == 1:
-                runs_lo = m_mid_lo
-                runs_hi = m_mid_hi
+        for start_m in range(m_start, m_end, BLOCK_M):
+            if SPLIT_STEADY:   # (a uniform branch below; unsplit, a constexpr)
+                masked = (start_m < m_mid_lo) | (start_m >= m_mid_hi)
             else:
-                runs_lo = m_mid_hi
-                runs_hi = m_end
-            for start_m in range(runs_lo, runs_hi, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < Nq
-                qd_mask = row_ok[:, None] & d_ok[None, :]
-                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=qd_mask, other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd_mask, other=0.0)
-                # the rows' m, 1/l and delta as _bwd_row_stats makes them (a row that a NaN reached
-                # included): made once per row by _bwd_preprocess, or here (ROWS_READY, above)
-                if ROWS_READY:
-                    m_row = tl.load(RowM + row_base + offs_m, mask=row_ok, other=0.0)
-                    inv_l = tl.load(RowL + row_base + offs_m, mask=row_ok, other=0.0)
-                    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+                masked = True
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < Nq
+            qd_mask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=qd_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd_mask, other=0.0)
+            # the rows' m, 1/l and delta as _bwd_row_stats makes them (a row that a NaN reached
+            # included): made once per row by _bwd_preprocess, or here (ROWS_READY, above)
+            if ROWS_READY:
+                m_row = tl.load(RowM + row_base + offs_m, mask=row_ok, other=0.0)
+                inv_l = tl.load(RowL + row_base + offs_m, mask=row_ok, other=0.0)
+                delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+            else:
+                m_row, inv_l = _softmax_stats(RowM, RowL, row_base + offs_m, row_ok)
+                delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+                m_row, inv_l, delta = _bwd_row_stats(m_row, inv_l, delta)
+            offs_m_abs = offs_m + q_offset
+            # Transposed tiles [BLOCK_N, BLOCK_M]: keys along rows, queries along columns.
+            qkT = _dot(k, tl.trans(q), None, DOT_PREC, UPCAST_DOT)
+            if POSITIONS > 0:
+                pos_i = _as_cols(_tensor_positions(PosQ, row_base, offs_m, row_ok))
+                pos_d = _position_diff(pos_i, pos_j)
+            else:
+                pos_i = _position(offs_m_abs)[None, :]
+                pos_d = _distance(offs_m_abs[None, :], offs_n_abs[:, None])
+            if TABLE_POSITIONS:
+                tab_at = tab_cols - pos_i.to(tl.int32)
+            else:
+                tab_at = tab_cols - offs_m_abs[None, :]
+            visible = key_ok[:, None] & row_ok[None, :]
+            n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
+            pos_n = n_rows[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n_abs[:, None] <= offs_m_abs[None, :])
+            if RAMP:
+                if CAUSAL:   # scores and statistics from each row's reference (see the forward)
+                    row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
+                    zT = qkT * qk_scale + ramp_slope * (row_ref[None, :] - offs_n_abs[:, None]).to(tl.float32)
+                    m_row -= _ramp_row_term(offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
+                elif RAMP_SYMMETRIC:
+                    # from each row's nearest key (_ramp_logit2), as the forward's statistics are
+                    near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
+                    zT = _ramp_logit2(qkT, qk_scale, ramp_slope, offs_m_abs[None, :],
+                                      offs_n_abs[:, None], near[None, :])
+                    m_row -= _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
                 else:
-                    m_row, inv_l = _softmax_stats(RowM, RowL, row_base + offs_m, row_ok)
-                    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-                    m_row, inv_l, delta = _bwd_row_stats(m_row, inv_l, delta)
-                offs_m_abs = offs_m + q_offset
-                # Transposed tiles [BLOCK_N, BLOCK_M]: keys along rows, queries along columns.
-                qkT = _dot(k, tl.trans(q), None, DOT_PREC, UPCAST_DOT)
-                if POSITIONS > 0:
-                    pos_i = _as_cols(_tensor_positions(PosQ, row_base, offs_m, row_ok))
-                    pos_d = _position_diff(pos_i, pos_j)
-                else:
-                    pos_i = _position(offs_m_abs)[None, :]
-                    pos_d = _distance(offs_m_abs[None, :], offs_n_abs[:, None])
-                if TABLE_POSITIONS:
-                    tab_at = tab_cols - pos_i.to(tl.int32)
-                else:
-                    tab_at = tab_cols - offs_m_abs[None, :]
-                visible = key_ok[:, None] & row_ok[None, :]
-                n_rows = tl.load(NRow + off_b.to(tl.int64) * stride_nb + q_start + offs_m, mask=row_ok, other=0.0)
-                pos_n = n_rows[None, :]
-                if CAUSAL and not STEADY:
-                    visible = visible & (offs_n_abs[:, None] <= offs_m_abs[None, :])
-                if RAMP:
-                    if CAUSAL:   # scores and statistics from each row's reference (see the forward)
-                        row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
-                        zT = qkT * qk_scale + ramp_slope * (row_ref[None, :] - offs_n_abs[:, None]).to(tl.float32)
-                        m_row -= _ramp_row_term(offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
-                    elif RAMP_SYMMETRIC:
-                        # from each row's nearest key (_ramp_logit2), as the forward's statistics are
-                        near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
-                        zT = _ramp_logit2(qkT, qk_scale, ramp_slope, offs_m_abs[None, :],
-                                          offs_n_abs[:, None], near[None, :])
-                        m_row -= _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
-                    else:
-                        zT = _logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
-                                     tab_at, sc)
-                elif SCORE_IS_S and TABLE:
-                    zT = _table_logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
-                                       _table_load(tab_at), sc)
-                elif SCORE_IS_S:
                     zT = _logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
                                  tab_at, sc)
+            elif SCORE_IS_S and TABLE:
+                zT = _table_logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                                   _table_load(tab_at), sc)
+            elif SCORE_IS_S:
+                zT = _logit2(qkT, qk_scale, sm_scale, pos_d, pos_i, pos_j, pos_n,
+                             tab_at, sc)
+            else:
+                if TABLE:   # (derivative tables are not read here)
+                    tab = _value_entries(_table_load(tab_at))
                 else:
-                    if TABLE:   # (derivative tables are not read here)
-                        tab = _value_entries(_table_load(tab_at))
-                    else:
-                        tab = ()
-                    if ROW_FACTORS:
-                        if ROW_CACHE:
-                            # the rows' factors, from _bwd_preprocess (bit for bit the forward's)
-                            logit_r2 = tl.load(RowF + (row_base + offs_m) * 2, mask=row_ok, other=0.0)[None, :]
-                        else:
-                            logit_r2 = _logit_row2(_position(offs_m_abs), n_rows, sc)[None, :]
-                        zT = _factored_logit2(qkT, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
-                    else:
-                        # (the parameter derivatives are unused here; the compiler drops them)
-                        grads = _logit_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
-                        dlogit_ds = grads[1]
-                        zT = grads[0] * 1.4426950408889634  # log2(e)
-                if not RAMP and not DS_ON_P:
-                    # (dS selected on the mask) a score its prior hides, z = -inf, counts as masked
-                    visible = visible & (zT != -float("inf"))
-                if SCALED_SCORE:
-                    # one FFMA (helpers.py, "P of a scaled score")
-                    pT = tl.exp2(tl.fma(qkT, qk_scale, -m_row[None, :])) * inv_l[None, :]
-                else:
-                    pT = tl.exp2(zT - m_row[None, :]) * inv_l[None, :]
-                if not STEADY:
-                    pT = tl.where(visible, pT, 0.0)
-                dv = _dot(_lowp(pT, do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
-                dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
-                # dS only where P is not 0: a masked score, one its prior hides (z = -inf) and one
-                # whose P is 0 have dS = 0 even where dP is infinite (an infinite value in the key's
-                # v: P (dP - delta) would be 0 * inf) or delta is NaN, as autograd through a mask
-                # gives. Selecting on P, which the score needs anyway, keeps no mask alive across
-                # the dP product: the mask held there cost NoPE's loop at head dim 64 on sm_90 a
-                # fifth of its issue slots in predicate spills. A ramp (ALiBi, FoX) selects on the
-                # mask: its logit is finite, so only a masked score has P = 0 but for underflow, and
-                # selecting on P put 8-16 bytes of ALiBi's or FoX's kernel on sm_80 on the stack; so
-                # do the positional kernels (not ROWS_READY), where a score its prior hides counts as
-                # masked (the compare above).
+                    tab = ()
                 if ROW_FACTORS:
-                    # d logit / d s is the row's alone (ROW_FACTORS): dS = P (dP - delta) * ds_row is
-                    # P * fma(dP, ds_row, -delta * ds_row), the row's two factors made once per tile
                     if ROW_CACHE:
-                        ds_row = tl.load(RowF + (row_base + offs_m) * 2 + 1, mask=row_ok, other=0.0)
+                        # the rows' factors, from _bwd_preprocess (bit for bit the forward's)
+                        logit_r2 = tl.load(RowF + (row_base + offs_m) * 2, mask=row_ok, other=0.0)[None, :]
                     else:
-                        ds_row = _row_factors(_position(offs_m_abs), n_rows, sc)[0]
-                    dp_term = tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :])
+                        logit_r2 = _logit_row2(_position(offs_m_abs), n_rows, sc)[None, :]
+                    zT = _factored_logit2(qkT, sm_scale, logit_r2, pos_d, pos_i, pos_j, pos_n, tab, sc)[0]
                 else:
-                    dp_term = dpT - delta[None, :]
-                if DS_ON_P:
-                    dsT = tl.where(pT != 0.0, pT * dp_term, 0.0)
+                    # (the parameter derivatives are unused here; the compiler drops them)
+                    grads = _logit_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, tab, sc)
+                    dlogit_ds = grads[1]
+                    zT = grads[0] * 1.4426950408889634  # log2(e)
+            if not RAMP and not DS_ON_P:
+                # (dS selected on the mask) a score its prior hides, z = -inf, counts as masked
+                visible = visible & (zT != -float("inf"))
+            if SCALED_SCORE:
+                # one FFMA (helpers.py, "P of a scaled score")
+                pT = tl.exp2(tl.fma(qkT, qk_scale, -m_row[None, :])) * inv_l[None, :]
+            else:
+                pT = tl.exp2(zT - m_row[None, :]) * inv_l[None, :]
+            if masked:
+                pT = tl.where(visible, pT, 0.0)
+            dv = _dot(_lowp(pT, do.dtype), do, dv, DOT_PREC, UPCAST_DOT)
+            dpT = _dot(v, tl.trans(do), None, DOT_PREC, UPCAST_DOT)
+            # dS only where P is not 0: a masked score, one its prior hides (z = -inf) and one
+            # whose P is 0 have dS = 0 even where dP is infinite (an infinite value in the key's
+            # v: P (dP - delta) would be 0 * inf) or delta is NaN, as autograd through a mask
+            # gives. Selecting on P, which the score needs anyway, keeps no mask alive across
+            # the dP product: the mask held there cost NoPE's loop at head dim 64 on sm_90 a
+            # fifth of its issue slots in predicate spills. A ramp (ALiBi, FoX) selects on the
+            # mask: its logit is finite, so only a masked score has P = 0 but for underflow, and
+            # selecting on P put 8-16 bytes of ALiBi's or FoX's kernel on sm_80 on the stack; so
+            # do the positional kernels (not ROWS_READY), where a score its prior hides counts as
+            # masked (the compare above).
+            if ROW_FACTORS:
+                # d logit / d s is the row's alone (ROW_FACTORS): dS = P (dP - delta) * ds_row is
+                # P * fma(dP, ds_row, -delta * ds_row), the row's two factors made once per tile
+                if ROW_CACHE:
+                    ds_row = tl.load(RowF + (row_base + offs_m) * 2 + 1, mask=row_ok, other=0.0)
                 else:
-                    dsT = tl.where(visible, pT * dp_term, 0.0)
-                if POS_GRADS:   # column sums of dS * d logit / d j_c (dS: d loss / d logit)
-                    pos_grads = prior_position_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
-                    dpos_k = _position_terms(dpos_k, dsT, pT, pos_grads, POSITIONS)
-                if not SCORE_IS_S and not ROW_FACTORS:
-                    # where(): d logit / d s may be infinite where P is 0 (SSMax's log(n) of a row
-                    # that sees no key), and 0 * inf would be NaN
-                    dsT = tl.where(pT > 0.0, dsT * dlogit_ds, 0.0)
-                dk = _dot(_lowp(dsT, q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
+                    ds_row = _row_factors(_position(offs_m_abs), n_rows, sc)[0]
+                dp_term = tl.fma(dpT, ds_row[None, :], -(delta * ds_row)[None, :])
+            else:
+                dp_term = dpT - delta[None, :]
+            if DS_ON_P:
+                dsT = tl.where(pT != 0.0, pT * dp_term, 0.0)
+            else:
+                dsT = tl.where(visible, pT * dp_term, 0.0)
+            if POS_GRADS:   # column sums of dS * d logit / d j_c (dS: d loss / d logit)
+                pos_grads = prior_position_grads(qkT * sm_scale, pos_d, pos_i, pos_j, pos_n, sc)
+                dpos_k = _position_terms(dpos_k, dsT, pT, pos_grads, POSITIONS)
+            if not SCORE_IS_S and not ROW_FACTORS:
+                # where(): d logit / d s may be infinite where P is 0 (SSMax's log(n) of a row
+                # that sees no key), and 0 * inf would be NaN
+                dsT = tl.where(pT > 0.0, dsT * dlogit_ds, 0.0)
+            dk = _dot(_lowp(dsT, q.dtype), q, dk, DOT_PREC, UPCAST_DOT)
         if POS_GRADS:
             _store_positions(DPosK, off_bh.to(tl.int64) * keys_all + k_start, offs_n, key_ok,
                              _position_reduce(dpos_k, 1))

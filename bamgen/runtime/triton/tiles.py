@@ -18,9 +18,11 @@ Every entry compiles with no register spills and within the family's shared memo
 shipped prior of that kind, for bf16 and head dims 64 and 128 (tests/gpu/test_aot.py checks the
 defaults and the alternates; ``python benchmarks/tile_sweep.py`` is the sweep that chose them,
 and docs/performance.md has its figures). Among the spill-free tiles the default is the one the
-model ranks best with num_stages >= 2 (software pipelining hides load latency, which the model
-does not see), one stage where no two-stage tile is spill-free (the light kind's dK/dV at head
-dim 128 on sm_80). Head dim 256 is outside that guarantee.
+model ranks best with num_stages >= 2 (software pipelining hides load latency, which the
+five throughput units do not see), one stage where no two-stage tile is spill-free (the light
+kind's dK/dV at head dim 128 on sm_80) or where the latency term, which sees the pipeline, puts
+one stage below two as well (the light and table kinds' dK/dV at head dim 64 on sm_90). Head
+dim 256 is outside that guarantee.
 """
 from __future__ import annotations
 
@@ -32,7 +34,12 @@ TILES = {
         # timed at 0.89x (head dim 64) and 0.88x (128) of two for NoPE (kernel times;
         # docs/performance.md, "Third GPU session"); two stages stay the alternate
         "sm_90": {
-            64: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2)]},
+            # dK/dV: one stage, with its steady tiles (DKDV_STEADY_AT), where both models put
+            # it below two: NoPE 127 against 143 five-unit cycles / 1k scores, latency term 178
+            # against 203 (unsplit, two stages: 171, 207; docs/performance.md, "The dK/dV
+            # kernel's steady tiles")
+            64: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 1), (32, 64, 4, 2)],
+                 "bwd_dq": [(64, 32, 4, 2)]},
             # dK/dV: 32 keys are too few for the warpgroup MMA, so 64x32 re-reads its operands
             # through shared memory (modelled LSU-bound at 691 cycles / 1k scores, 32x64: 318)
             128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2), (64, 32, 4, 2)],
@@ -55,7 +62,10 @@ TILES = {
         # forward on sm_90: three stages (GGD, kernel times: the H200 at head dim 128, 0.90x of
         # two; the H100 at 64 with the table read directly, FWD_TABLE_GATHER_AT, 0.87x)
         "sm_90": {
-            64: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
+            # dK/dV at 64: one stage with its steady tiles, as the light kind's (GGD 160 and 258
+            # against 193 and 382)
+            64: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 1), (32, 64, 4, 2)],
+                 "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
             128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 2)], "bwd_dq": [(64, 32, 4, 2), (64, 16, 4, 2)]},
             256: _HEAD_256,
         },
@@ -342,18 +352,25 @@ DQ_STEADY_AT = frozenset({("light", "sm_80", 64), ("light", "sm_90", 64), ("ligh
                           ("table", "sm_90", 64), ("general", "sm_90", 64)})
 
 
-# The dK/dV kernel's steady run (SPLIT_STEADY of backward._attn_bwd_dkdv): the query tiles whose
-# rows all exist and see every key of the program's key tile, between the diagonal's and the
-# ragged end's, with no mask. No family takes it yet: the two models disagree. At head dim 64 on
-# sm_90 (Triton 3.9) it compiles spill-free for every shipped prior of the light, table and
-# general kinds in the plain, key-mask and packed layouts, and the five throughput units put
-# NoPE's dK/dV at 141 cycles per 1000 scores against 179 (GGD 167 against 193, ALiBi 214
-# against 273, BAM-SSMax 208 against 233); but NoPE's kernel takes 255 registers where it took
-# 149 (two CTAs an SM where it had three), and the latency term puts it at 304 against 210
-# (BAM-SSMax 993 against 433; GGD 361 against 382, ALiBi 343 against 390). At head dim 128 it
-# spills (NoPE 336 bytes). benchmarks/gpu.py's bamgen-<prior>@dkdv_split=on peers time it
-# (docs/performance.md, "The dK/dV kernel's steady run, for a GPU to time").
-DKDV_STEADY_AT: frozenset = frozenset()
+# The dK/dV kernel's steady tiles (SPLIT_STEADY of backward._attn_bwd_dkdv): the query tiles
+# whose rows all exist and see every key of the program's key tile (between the diagonal's and
+# the ragged end's) skip the mask's where() through a uniform branch in the one loop. Its first
+# form, three loops (the diagonal, the steady run, the ragged end), took 255 registers for
+# NoPE's 149 at head dim 64 on sm_90 (two CTAs an SM for three), and the two models disagreed
+# (five units 141 against 179, latency term 304 against 210). With the branch, 160 registers,
+# and the model takes the pass that skips the mask (bamgen.aot.shortest_pass). On for the light
+# and table kinds at head dim 64 on sm_90, with one stage (TILES), where both models put every
+# prior of the two kinds below the unsplit two-stage kernel (five units; latency term): NoPE 127
+# and 178 against 171 and 207, ALiBi 245 and 221 against 273 and 390 (its dS is selected on the
+# mask, which it computes anyway: its gain is the one stage), FoX 212 and 222 against 244 and
+# 230, every table prior 160 and 258 against 193 and 382 (the key-mask and packed layouts'
+# 16x64: 188 and 242 against 247 and 758, 230 and 667 against 259 and 1009); spill-free in the
+# plain, key-mask and packed layouts with Triton 3.9. Not BAM-SSMax's (general: latency term
+# 934 against 433); at head dim 128 NoPE's is tensor-bound (250) either way; sm_80 not tried
+# yet. benchmarks/gpu.py's
+# bamgen-<prior>@dkdv_split=on|off peers time it (docs/performance.md, "The dK/dV kernel's
+# steady tiles").
+DKDV_STEADY_AT = frozenset({("light", "sm_90", 64), ("table", "sm_90", 64)})
 
 
 STEADY_AT = {"bwd_dq": DQ_STEADY_AT, "bwd_dkdv": DKDV_STEADY_AT}
