@@ -77,7 +77,13 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)(.*?);")
-_BRANCH = re.compile(r"BRA\s+(?:`\()?[^0-9]*?(0x[0-9a-f]+)")
+_ADDRESS = re.compile(r"0x([0-9a-f]+)")
+
+
+def _branch_target(op: str, operands: str) -> int | None:
+    """The address a BRA jumps to (its guard, if any, dropped by the disassembly), else None."""
+    found = _ADDRESS.search(operands) if op.startswith("BRA") else None
+    return int(found.group(1), 16) if found else None
 
 
 def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
@@ -123,12 +129,9 @@ def mma_loops(instructions) -> list[list]:
     spans no loop of its own and is left out."""
     loops = []
     for addr, op, rest in instructions:
-        if not op.startswith("BRA"):
+        lo = _branch_target(op, rest)
+        if lo is None or lo >= addr:
             continue
-        match = re.search(r"0x([0-9a-f]+)", rest)
-        if not match or int(match.group(1), 16) >= addr:
-            continue
-        lo = int(match.group(1), 16)
         body = [ins for ins in instructions if lo <= ins[0] <= addr]
         if any(ins[1].split(".")[0] in CATEGORIES["mma"] for ins in body):
             loops.append(body)
@@ -157,11 +160,9 @@ def shortest_pass(body: list) -> list:
     steps = [0] + [len(body) + 1] * len(body)   # fewest instructions before each one (and the end)
     came_from = [-1] * (len(body) + 1)
     for i, (addr, op, rest) in enumerate(body):
-        successors = [i + 1]
-        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target and i + 1 < len(body) and int(target.group(1), 16) > addr:
-            successors += [at[int(target.group(1), 16)]] if int(target.group(1), 16) in at else []
-        for j in successors:
+        target = _branch_target(op, rest) if i + 1 < len(body) else None   # (last: the way back)
+        skip = [at[target]] if target is not None and target > addr and target in at else []
+        for j in [i + 1, *skip]:
             if steps[i] + 1 < steps[j]:
                 steps[j], came_from[j] = steps[i] + 1, i
     path, i = [], len(body)

@@ -214,11 +214,10 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
             m_end = tl.minimum(Nq, tl.maximum(col0 + BLOCK_N + hi, 0))
             m_start = tl.maximum(m_lo, tl.minimum(tl.maximum(col0 + lo, 0), m_end) // BLOCK_M * BLOCK_M)
         # SPLIT_STEADY: the query tiles [m_mid_lo, m_mid_hi) hold rows that all exist and see
-        # every key of this tile (between the diagonal and the ragged end): the where()s that
-        # apply the mask select every score there, so a branch on the tile skips them (the same
-        # bits). One loop with a branch, not three loops: ptxas gave three 255 registers a
-        # thread (two CTAs an SM), one 160 (docs/performance.md, "The dK/dV kernel's steady
-        # tiles").
+        # every key of this tile (between the diagonal and the ragged end): the where() that
+        # masks P selects every score there, so a branch on the tile skips it (the same bits).
+        # One loop with a branch, not three loops: ptxas gave three 255 registers a thread (two
+        # CTAs an SM), one 160 (docs/performance.md, "The dK/dV kernel's steady tiles").
         m_mid_lo = m_start
         m_mid_hi = m_start
         if SPLIT_STEADY:

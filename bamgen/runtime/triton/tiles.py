@@ -367,9 +367,8 @@ DQ_STEADY_AT = frozenset({("light", "sm_80", 64), ("light", "sm_90", 64), ("ligh
 # 16x64: 188 and 242 against 247 and 758, 230 and 667 against 259 and 1009); spill-free in the
 # plain, key-mask and packed layouts with Triton 3.9. Not BAM-SSMax's (general: latency term
 # 934 against 433); at head dim 128 NoPE's is tensor-bound (250) either way; sm_80 not tried
-# yet. benchmarks/gpu.py's
-# bamgen-<prior>@dkdv_split=on|off peers time it (docs/performance.md, "The dK/dV kernel's
-# steady tiles").
+# yet. benchmarks/gpu.py's bamgen-<prior>@dkdv_split=off,bwd_dkdv=32x64x4x2 peers time the
+# kernel it replaced (docs/performance.md, "The dK/dV kernel's steady tiles").
 DKDV_STEADY_AT = frozenset({("light", "sm_90", 64), ("table", "sm_90", 64)})
 
 
