@@ -524,8 +524,8 @@ def test_fp32_torch_output_of_rows_far_from_every_key_the_property_test_found():
     day): ALiBi (Laplace, b = 0.5) in fp32 on the torch path, 123 query rows against 2 keys, not
     causal. Row 122's keys sit at log-priors -244 and -242: the torch path's distance table is
     shifted per head, not per row, so its logits there are ~352 in base 2 and float32 rounds
-    each (and the table's times log2 e) on a grid of 3e-5, where the reference measures each row's prior
-    from its own peak. The output's error grows with the row's distance from the keys (7.6e-7
+    each (and the table's times log2 e) on a grid of 3e-5, where the reference measures each
+    row's prior from its own peak. The output's error grows with the row's distance from the keys (7.6e-7
     in rows 0-9, 2.3e-5 in rows 60-122; the Triton path's ramp, measured from each row's nearest
     key, 3e-7 throughout): 2.324e-5 where the bound allows 2.284e-5 (1.02x) on that day's CI
     machine. Pinned by its ratio, as the case above (docs/reliability.md, "Rows far from every
