@@ -818,7 +818,8 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     timer = Timer(cfg.device)
     unavailable: dict = {}
     peers, first = set_up(names, lambda name: forward_only(make_peer(name, cfg, qkv, dout, args.tutorial),
-                                                           args.forward_only),
+                                                           args.forward_only
+                                                           and name not in args.backward_peers),
                           cfg.device, timer, args.warmup, unavailable)
     times = measure(peers, timer, args.repeats, unavailable)
     errors = agreement(peers)
@@ -1074,6 +1075,9 @@ def parse_args(argv):
     ap.add_argument("--forward-only", action="store_true",
                     help="time (and with --kernels profile) the forwards alone: forward kernel "
                          "variants need no backward, and compile in a fraction of the time")
+    ap.add_argument("--backward-peers", nargs="+", type=peer_name, default=[], metavar="PEER",
+                    help="with --forward-only, peers (of --peers) whose backward is timed and "
+                         "profiled too: backward kernel variants beside the shipped kernel")
     ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; medians reported")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before (compiles)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -1107,6 +1111,13 @@ def parse_args(argv):
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         ap.error(f"--kv-heads {args.kv_heads} must divide the query heads ({args.heads})")
     args.head_dim = args.head_dim or [64, 128]
+    if args.backward_peers and not args.forward_only:
+        ap.error("--backward-peers: without --forward-only every peer's backward is timed; "
+                 "give --forward-only, or leave --backward-peers out")
+    missing = [name for name in args.backward_peers if name not in (args.peers or ())]
+    if missing:
+        ap.error(f"--backward-peers {' '.join(missing)}: not among --peers; name each in --peers "
+                 "too")
     return args
 
 

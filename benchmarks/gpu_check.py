@@ -24,13 +24,14 @@ step has seen fail by then are named, BAMGEN_FAILURES_AT_ONCE in tests/conftest.
    ``BAMGEN_TEST_DEVICE=cuda`` and ``TRITON_DEFAULT_FP_FUSION=0``, which the triton ops need): inductor compiles the triton ops' kernel launches, fullgraph and
    dynamic, a training step over three lengths and decode steps over a growing cache, equal to
    eager with no recompile;
-4. ``variants``: benchmarks/gpu.py on forward kernel variants that the model cannot rank, each
-   timed against the shipped kernel in the same run (VARIANT_ARGS: pinned tiles and the
+4. ``variants``: benchmarks/gpu.py on kernel variants that the model cannot rank or that a
+   GPU should confirm, each timed against the shipped kernel in the same run (VARIANT_ARGS: pinned tiles and the
    forward's table gather, ``bamgen-<prior>@<pins>``, and a build with the other lowering
-   strategy, ``bamgen-ssmax-inline``, which the model step leaves out; forwards alone; N = 8192 at head dims 64
-   and 128, the shape of the points already fitted; and the decode kernel's table read, 64
-   sequences against 4096 cached keys), its table to <device>-<date>-variants.md and its JSON
-   beside it;
+   strategy, ``bamgen-ssmax-inline``, which the model step leaves out; forwards alone, but
+   the backwards of the dK/dV kernel's two variants, VARIANT_BACKWARD_PEERS;
+   N = 8192 at head dims 64 and 128, the shape of the points already fitted; and the decode
+   kernel's table read, 64 sequences against 4096 cached keys), its table to
+   <device>-<date>-variants.md and its JSON beside it;
 5. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
    report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
    the raw results beside it as .json, each kernel's device time included: --kernels);
@@ -83,21 +84,31 @@ BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode
 # forward at head dim 64, which reads K and V through TMA over 4 warps since (tiles.FWD_TMA_AT,
 # chosen by the five units against the latency term), against the 8-warp pointer forward it had.
 # A pin that equals the shipped config at one head dim times the shipped kernel twice there.
+# The dK/dV kernel at head dim 64 on sm_90 skips its mask on steady tiles with one stage since
+# (tiles.DKDV_STEADY_AT, where both models agree), against the unsplit two-stage kernel it
+# replaced (docs/performance.md, "The dK/dV kernel's steady tiles"): both pinned, so that both
+# backwards run on the calling thread (gpu.py's Peer.backward_of), their backwards timed
+# (VARIANT_BACKWARD_PEERS); at head dim 128 the same two kernels, neither of them shipped there.
+DKDV_NOW, DKDV_BEFORE = "dkdv_split=on,bwd_dkdv=32x64x4x1", "dkdv_split=off,bwd_dkdv=32x64x4x2"
+VARIANT_BACKWARD_PEERS = tuple(f"bamgen-{prior}@{pins}" for prior in ("uniform", "ggd")
+                               for pins in (DKDV_NOW, DKDV_BEFORE))
 VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@kv=pointers,fwd=128x64x8x3", "bamgen-ggd",
                  "bamgen-ggd@fwd=128x64x8x2",
                  "bamgen-ggd@gather=direct", "bamgen-ssmax", "bamgen-ssmax@gather=direct",
-                 "bamgen-ssmax@gather=async", "bamgen-ssmax-inline")
+                 "bamgen-ssmax@gather=async", "bamgen-ssmax-inline", *VARIANT_BACKWARD_PEERS)
 # and the decode kernel's table read (at head dim 128 its 16x128 tile has Q's shape) and its K and
 # V through TMA against pointers (tiles.DECODE_TMA_AT): 64 sequences against 4096 cached keys
 VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced", "bamgen-ggd@kv=pointers")
 VARIANT_ARGS = ("--n 8192 --head-dim 64 128 --repeats 5 --warmup 1 --forward-only --kernels "
                 "--decode-n 4096 --decode-batch 64 --peers " + " ".join(VARIANT_PEERS)
-                + " --decode-peers " + " ".join(VARIANT_DECODE_PEERS))
+                + " --decode-peers " + " ".join(VARIANT_DECODE_PEERS)
+                + " --backward-peers " + " ".join(VARIANT_BACKWARD_PEERS))
 PROPERTY_SELECTION = "triton or hard_case or module_init"
 # the property tests took 110 s on 15 workers on an H200 (docs/performance.md); the compile
 # tests take ~60 s on 2 CPU workers under the interpreter, most of it tracing
 TOTAL_S = 570
-LIMITS_S = {"properties": 150, "aot": 60, "compile": 90, "variants": 90, "model": 60}
+# (compile took 36-38 s on an H100 and an H200; variants 35 s before the dK/dV backwards joined)
+LIMITS_S = {"properties": 150, "aot": 60, "compile": 60, "variants": 120, "model": 60}
 
 
 STEP_NAMES = ("properties", "aot", "compile", "variants", "benchmark")

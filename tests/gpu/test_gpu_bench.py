@@ -142,6 +142,40 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
         "dq_split": False, "dkdv_split": None, "kv": None}
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--peers", "bamgen-ggd", "--backward-peers", "bamgen-ggd"], "without --forward-only"),
+    (["--forward-only", "--peers", "bamgen-ggd", "--backward-peers", "bamgen-uniform"],
+     "--backward-peers bamgen-uniform: not among --peers"),
+    (["--forward-only", "--backward-peers", "bamgen-ggd"], "not among --peers"),
+])
+def test_backward_peers_outside_a_forward_only_run_of_those_peers_are_refused(argv, words, capsys):
+    gpu = _load_script()
+    with pytest.raises(SystemExit) as exit_:
+        gpu.parse_args(argv)
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_forward_only_run_times_the_backward_of_its_backward_peers(tmp_path):
+    """--backward-peers (make gpu-check's dK/dV variant): under --forward-only those peers'
+    backwards are timed and held to each other, the rest stay forwards."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = tmp_path / "run.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--n", "32", "--decode-n",
+                          "--forward-only", "--peers", "bamgen-uniform",
+                          "bamgen-uniform@dkdv_split=off,bwd_dkdv=16x32x4x2", "bamgen-ggd",
+                          "--backward-peers", "bamgen-uniform",
+                          "bamgen-uniform@dkdv_split=off,bwd_dkdv=16x32x4x2", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "bamgen-uniform@dkdv_split=off,bwd_dkdv=16x32x4x2 vs bamgen-uniform fwd+grads" in res.stdout
+    import json
+    peers = json.loads(out.read_text())["results"][0]["peers"]
+    assert peers["bamgen-uniform"]["bwd_s"] is not None
+    assert peers["bamgen-uniform@dkdv_split=off,bwd_dkdv=16x32x4x2"]["bwd_s"] is not None
+    assert peers["bamgen-ggd"]["bwd_s"] is None
+
+
 @pytest.mark.parametrize("flag, name, words", [
     ("--peers", "flex-ggd@gather=direct", "only a bamgen peer on the Triton kernels takes pins"),
     ("--peers", "bamgen-ggd-torch@gather=direct", "only a bamgen peer on the Triton kernels"),

@@ -236,6 +236,19 @@ def test_the_variant_peers_are_peers_the_benchmark_takes():
     assert pinned["bamgen-ggd@fwd=128x64x8x2"] == gpu.Variant((("fwd", (128, 64, 8, 2)),), None)
     assert "bamgen-ssmax-inline" in args.peers   # (a build with the other strategy, not a pin)
     assert gpu.split_variant(args.decode_peers[1])[1] == gpu.Variant((), "coalesced")
+    # the dK/dV kernel as shipped at 64 on sm_90 and as it was, both pinned (both backwards on
+    # the calling thread), their backwards timed (the other peers: forwards alone)
+    now = gpu.Variant((("bwd_dkdv", (32, 64, 4, 1)),), None, None, True)
+    before = gpu.Variant((("bwd_dkdv", (32, 64, 4, 2)),), None, None, False)
+    for prior in ("uniform", "ggd"):
+        assert pinned[f"bamgen-{prior}@dkdv_split=on,bwd_dkdv=32x64x4x1"] == now
+        assert pinned[f"bamgen-{prior}@dkdv_split=off,bwd_dkdv=32x64x4x2"] == before
+    from bamgen.runtime.triton.tiles import DKDV_STEADY_AT, TILES   # ("now": what ships)
+    for kind in ("light", "table"):   # (NoPE's and GGD's)
+        assert TILES[kind]["sm_90"][64]["bwd_dkdv"][0] == (32, 64, 4, 1)
+        assert (kind, "sm_90", 64) in DKDV_STEADY_AT
+    assert args.backward_peers == list(gc.VARIANT_BACKWARD_PEERS)
+    assert set(args.backward_peers) == {name for name in args.peers if "dkdv_split" in name}
 
 
 def test_the_model_step_fits_with_every_earlier_run_s_pairs(monkeypatch, tmp_path):
