@@ -532,7 +532,8 @@ def test_the_variants_gpu_check_times_compile_without_spills(head_dim):
     """The kernel variants `make gpu-check` times against the shipped ones (gpu_check.py's
     VARIANT_PEERS and VARIANT_DECODE_PEERS: the forward's other stage counts and table reads,
     BAM-SSMax's included, NoPE's forward from pointers over 8 warps where it reads through TMA
-    at head dim 64, the decode kernel's other read and its pointer K/V reads) pass the tile
+    at head dim 64, the decode kernel's other read and its pointer K/V reads, the dK/dV kernel
+    as shipped at 64 and as it was, both pinned) pass the tile
     table's bar on the H100: no spills, within its shared memory (head dim 64, where the table
     forwards measured 3.4-3.9x NoPE with the async read and 2.1x with the direct one, in every
     run; 128 in make test-full)."""
@@ -544,8 +545,10 @@ def test_the_variants_gpu_check_times_compile_without_spills(head_dim):
         "bamgen-ggd@fwd=128x64x8x2", "bamgen-ggd@gather=direct", "bamgen-ssmax@gather=direct",
         "bamgen-ssmax@gather=async", pointers)} | {
         ("bamgen-ggd@gather=coalesced", head_dim, "attn_decode"),
-        ("bamgen-ggd@kv=pointers", head_dim, "attn_decode")}
-    shipped_read = {"attn_fwd": "prefetch", "attn_decode": "async"}
+        ("bamgen-ggd@kv=pointers", head_dim, "attn_decode")} | {
+        (f"bamgen-{prior}@{pins}", head_dim, "attn_bwd_dkdv") for prior in ("uniform", "ggd")
+        for pins in ("dkdv_split=on,bwd_dkdv=32x64x4x1", "dkdv_split=off,bwd_dkdv=32x64x4x2")}
+    shipped_read = {"attn_fwd": "prefetch", "attn_decode": "async", "attn_bwd_dkdv": None}
     for name, dim, kernel, registers, stack, spill, shared, shipped, pinned, tma, pinned_tma in rows:
         assert stack == 0 and spill == 0, (name, dim, kernel, registers)
         assert shared <= SHARED_LIMIT["sm_90"], (name, dim, kernel, shared)
