@@ -542,10 +542,14 @@ def make_peer(name: str, cfg, qkv, dout, tutorial: str | None = None) -> Peer:
 
 class Timer:
     """Seconds of one call of ``fn``: CUDA events around it after an L2 flush on a GPU,
-    perf_counter on the CPU."""
+    perf_counter on the CPU. ``host_s``: the last call's host seconds, from its start to its
+    return (on a GPU: the launches, queued behind the flush; a call that waits for the device
+    waits here too), which tells a call's host cost from its kernels' (docs/performance.md,
+    "Fifth GPU session": the call against its kernel)."""
 
     def __init__(self, device: str):
         self.cuda = device == "cuda"
+        self.host_s = 0.0
         if self.cuda:
             self.flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
 
@@ -554,11 +558,14 @@ class Timer:
         if not self.cuda:
             t0 = time.perf_counter()
             value = fn()
-            return time.perf_counter() - t0, value
+            self.host_s = time.perf_counter() - t0
+            return self.host_s, value
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.flush.zero_()
         start.record()
+        t0 = time.perf_counter()
         value = fn()
+        self.host_s = time.perf_counter() - t0
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3, value
@@ -628,15 +635,18 @@ def set_up(names, make, device, timer, rounds, unavailable) -> tuple[list[Peer],
 
 
 def measure(peers: list[Peer], timer: Timer, repeats: int, unavailable: dict) -> dict:
-    """Median seconds per (peer name, 'fwd' | 'bwd'), the peers taking turns every round."""
+    """Median seconds per (peer name, 'fwd' | 'bwd'), the peers taking turns every round, and
+    the median host seconds of those calls per (peer name, 'fwd_host' | 'bwd_host')."""
     samples: dict = {}
     live = list(peers)
     for _ in range(repeats):
         for peer in list(live):
             try:
                 samples.setdefault((peer.name, "fwd"), []).append(time_forward(timer, peer))
+                samples.setdefault((peer.name, "fwd_host"), []).append(timer.host_s)
                 if peer.backward:
                     samples.setdefault((peer.name, "bwd"), []).append(time_backward(timer, peer))
+                    samples.setdefault((peer.name, "bwd_host"), []).append(timer.host_s)
             except Exception as err:
                 unavailable[peer.name] = _reason(err)
                 live.remove(peer)
@@ -831,15 +841,16 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
     configs = {p.name: p.configs() for p in peers if p.configs is not None}
     if any(configs.values()):   # what the autotuners kept, for benchmarks/tutorial_model.py
         result["configs"] = {name: kept for name, kept in configs.items() if kept}
-    if args.kernels and cfg.device == "cuda":
-        result["kernels"] = {p.name: kernel_times(p) for p in peers
-                             if p.name.startswith("bamgen-") or p.name == "tutorial"}
+    if args.kernels and cfg.device == "cuda":   # every peer's: SDPA's and flex's kernels too
+        result["kernels"] = {p.name: kernel_times(p) for p in peers}
     for peer in peers:
         fwd, bwd = times.get((peer.name, "fwd")), times.get((peer.name, "bwd"))
         if fwd is None:
             continue
         result["peers"][peer.name] = {
             "fwd_s": fwd, "bwd_s": bwd, "first_s": first[peer.name],
+            "fwd_host_s": times.get((peer.name, "fwd_host")),
+            "bwd_host_s": times.get((peer.name, "bwd_host")),
             "fwd_tflops": cfg.fwd_flops() / fwd / 1e12,
             "bwd_tflops": None if bwd is None else cfg.bwd_flops() / bwd / 1e12}
     return result
@@ -1067,8 +1078,9 @@ def parse_args(argv):
                     help=f"subset of: {' '.join(all_peers())}, and pinned variants "
                          f"bamgen-<prior>@<pins> (default: {' '.join(default_peers(False))})")
     ap.add_argument("--kernels", action="store_true",
-                    help="also record each bamgen (and tutorial) kernel's device time, from "
-                         "torch.profiler, in the JSON (the cost model's fit reads them)")
+                    help="also record each peer's kernels' device times (SDPA's and flex's "
+                         "too), from torch.profiler, in the JSON (the cost model's fit reads "
+                         "bamgen's)")
     ap.add_argument("--tutorial", metavar="PATH",
                     help="a copy of Triton's python/tutorials/06-fused-attention.py, for the "
                          "'tutorial' peer (fp16)")

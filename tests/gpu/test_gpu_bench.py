@@ -174,6 +174,10 @@ def test_a_forward_only_run_times_the_backward_of_its_backward_peers(tmp_path):
     assert peers["bamgen-uniform"]["bwd_s"] is not None
     assert peers["bamgen-uniform@dkdv_split=off,bwd_dkdv=16x32x4x2"]["bwd_s"] is not None
     assert peers["bamgen-ggd"]["bwd_s"] is None
+    # each timed call's host seconds beside it (on the CPU the call is all host: the same)
+    for name, times in peers.items():
+        assert times["fwd_host_s"] == times["fwd_s"] > 0, (name, times)
+        assert times["bwd_host_s"] == times["bwd_s"], (name, times)
 
 
 @pytest.mark.parametrize("flag, name, words", [
