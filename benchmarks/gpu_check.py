@@ -74,31 +74,33 @@ RESULTS = ROOT / "docs" / "results" / "gpu"
 # kernel (GPU, modelled)"); one flex compile each. --kernels keeps each kernel's device time in the
 # JSON: the points the GPU cost model is fit to.
 BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode-batch 1 64 --kernels"
-# The variants (docs/performance.md, "Third GPU session" and "Fourth GPU session"), forwards
+# The variants (docs/performance.md, "Third GPU session" to "Fifth GPU session"), forwards
 # alone, each against the shipped kernel in the same run. An H200 and an H100 chose three
 # stages for the light and table forwards on sm_90 and the direct table read over the async
-# one; since, sm_90 reads the table one tile ahead ("prefetch", chosen by the latency term
-# without a GPU: tiles.py). Open: the read ahead against the direct read, and BAM-SSMax's
-# forward, 3.6-4x GGD's at head dim 128 on both GPUs with the async read: the direct read, the
-# async read it took then, and its inline build, each against the read ahead; and NoPE's
-# forward at head dim 64, which reads K and V through TMA over 4 warps since (tiles.FWD_TMA_AT,
-# chosen by the five units against the latency term), against the 8-warp pointer forward it had.
+# one; the H200 then chose the read one tile ahead ("prefetch", which the latency term had
+# picked without a GPU: tiles.py) over both, BAM-SSMax's forward at head dim 128 the most
+# (462 kernel cycles / 1k scores against 705 direct and 1794 async), and pointers over TMA for
+# K and V (tiles.KV_TMA_SHIPPED: NoPE's forward at 64 through TMA over 4 warps, 1.07x the
+# 8-warp pointer kernel; GGD's decode call 1.03-1.07x). Each is still timed against what ships,
+# so that a GPU with another Triton can overturn it: the direct and async reads, the inline
+# build, the other stage counts, and K and V through TMA (the forward with FWD_TMA_AT's tile).
 # A pin that equals the shipped config at one head dim times the shipped kernel twice there.
-# The dK/dV kernel at head dim 64 on sm_90 skips its mask on steady tiles with one stage since
-# (tiles.DKDV_STEADY_AT, where both models agree), against the unsplit two-stage kernel it
-# replaced (docs/performance.md, "The dK/dV kernel's steady tiles"): both pinned, so that both
-# backwards run on the calling thread (gpu.py's Peer.backward_of), their backwards timed
-# (VARIANT_BACKWARD_PEERS); at head dim 128 the same two kernels, neither of them shipped there.
+# The dK/dV kernel at head dim 64 on sm_90 skips its mask on steady tiles with one stage
+# (tiles.DKDV_STEADY_AT; the H200: 0.81x the unsplit two-stage kernel it replaced, GGD 0.83x),
+# timed against that kernel (docs/performance.md, "The dK/dV kernel's steady tiles"): both
+# pinned, so that both backwards run on the calling thread (gpu.py's Peer.backward_of), their
+# backwards timed (VARIANT_BACKWARD_PEERS); at head dim 128 the same two kernels, neither of
+# them shipped there.
 DKDV_NOW, DKDV_BEFORE = "dkdv_split=on,bwd_dkdv=32x64x4x1", "dkdv_split=off,bwd_dkdv=32x64x4x2"
 VARIANT_BACKWARD_PEERS = tuple(f"bamgen-{prior}@{pins}" for prior in ("uniform", "ggd")
                                for pins in (DKDV_NOW, DKDV_BEFORE))
-VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@kv=pointers,fwd=128x64x8x3", "bamgen-ggd",
+VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@kv=tma", "bamgen-ggd",
                  "bamgen-ggd@fwd=128x64x8x2",
                  "bamgen-ggd@gather=direct", "bamgen-ssmax", "bamgen-ssmax@gather=direct",
                  "bamgen-ssmax@gather=async", "bamgen-ssmax-inline", *VARIANT_BACKWARD_PEERS)
 # and the decode kernel's table read (at head dim 128 its 16x128 tile has Q's shape) and its K and
-# V through TMA against pointers (tiles.DECODE_TMA_AT): 64 sequences against 4096 cached keys
-VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced", "bamgen-ggd@kv=pointers")
+# V through TMA (tiles.DECODE_TMA_AT) against pointers: 64 sequences against 4096 cached keys
+VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced", "bamgen-ggd@kv=tma")
 VARIANT_ARGS = ("--n 8192 --head-dim 64 128 --repeats 5 --warmup 1 --forward-only --kernels "
                 "--decode-n 4096 --decode-batch 64 --peers " + " ".join(VARIANT_PEERS)
                 + " --decode-peers " + " ".join(VARIANT_DECODE_PEERS)

@@ -146,25 +146,26 @@ def test_the_latency_term_is_fitted_where_every_point_carries_it():
 
 
 def test_a_kv_pin_takes_the_tile_its_read_launches_with():
-    """kv=pointers on NoPE's forward at head dim 64 on sm_90 (shipped through TMA over 4 warps)
-    models the pointer forward a launch pinned so takes: the tile table's 8-warp tile, pointer
-    arguments; a pinned tile wins; without the table's tile to hand it is refused by name."""
+    """kv=tma on NoPE's forward at head dim 64 on sm_90 (shipped through pointers over 8 warps:
+    tiles.KV_TMA_SHIPPED) models the TMA forward a launch pinned so takes: FWD_TMA_AT's 4-warp
+    tile, descriptor arguments; a pinned tile wins; without the read's tile to hand it is
+    refused by name."""
     check = load_script(SCRIPT, "model_check")
     from bamgen.driver.loader import load_prior
     from bamgen.resources import shipped_prior
     module = load_prior(shipped_prior("uniform"))
     spec = next(s for s in module.triton_kernel_specs("bf16", 64, True, arch="sm_90")
                 if s[0] == "attn_fwd")
-    assert spec[3]["KV_TMA"] and spec[2]["K"].startswith("tensordesc") and spec[4] == 4
+    assert not spec[3]["KV_TMA"] and spec[2]["K"] == "*bf16" and spec[4] == 8
     tile_for = lambda tma: check.forward_tile(module, 64, "sm_90", "plain", tma)  # noqa: E731
-    _, _, sig, constexprs, warps, stages = check.pinned_spec(spec, "fwd", {"kv": "pointers"}, tile_for)
-    assert not constexprs["KV_TMA"] and (sig["K"], sig["V"]) == ("*bf16", "*bf16")
-    assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], warps, stages) == (128, 64, 8, 3)
-    pinned = check.pinned_spec(spec, "fwd", {"kv": "pointers", "tiles": {"fwd": [64, 64, 4, 2]}})
-    assert (pinned[3]["BLOCK_N"], pinned[4]) == (64, 4) and pinned[2]["K"] == "*bf16"
-    assert check.pinned_spec(spec, "fwd", {"kv": "tma"}) == spec
-    with pytest.raises(ValueError, match="kv=pointers changes the forward's tile"):
-        check.pinned_spec(spec, "fwd", {"kv": "pointers"})
+    _, _, sig, constexprs, warps, stages = check.pinned_spec(spec, "fwd", {"kv": "tma"}, tile_for)
+    assert constexprs["KV_TMA"] and sig["K"].startswith("tensordesc") and sig["V"] == sig["K"]
+    assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], warps, stages) == (128, 64, 4, 3)
+    pinned = check.pinned_spec(spec, "fwd", {"kv": "tma", "tiles": {"fwd": [64, 32, 4, 2]}})
+    assert (pinned[3]["BLOCK_N"], pinned[4]) == (32, 4) and pinned[2]["K"] == "tensordesc<bf16[1, 32, 64]>"
+    assert check.pinned_spec(spec, "fwd", {"kv": "pointers"}) == spec
+    with pytest.raises(ValueError, match="kv=tma changes the forward's tile"):
+        check.pinned_spec(spec, "fwd", {"kv": "tma"})
 
 
 def test_a_variant_is_compiled_as_its_pins_say():

@@ -3,9 +3,10 @@ descriptors over K and V, launch.kv_tma and kv_descriptors; tiles.FWD_TMA_AT). U
 interpreter, from the user's side: the inputs a user brings (GQA, ragged lengths, a head dim
 that is padded, a continuation after cached keys, bidirectional, fp16 and bf16) give the same
 bits read through descriptors as through pointers, for the output and every gradient; a GPU
-family's choice is what the launch takes (NoPE's 4-warp tile on sm_90 at head dim 64, through
-descriptors; every kind's decode kernel), and what a descriptor cannot read, or a layout that
-must not, keeps pointers.
+family's choice is what the launch takes (pointers everywhere since an H200 timed both reads:
+tiles.KV_TMA_SHIPPED; pinned to TMA, NoPE's 4-warp tile on sm_90 at head dim 64 and every
+kind's decode kernel read through descriptors), and what a descriptor cannot read, or a layout
+that must not, keeps pointers.
 And NoPE's P in one FFMA (helpers.py, "P of a scaled score"): a logit past float32's range still
 makes its row NaN."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 import pytest
 import torch
 
-from bamgen.runtime.triton import launch
+from bamgen.runtime.triton import launch, tiles
 from bamgen.runtime.triton.launch import pinned
 from bamgen.runtime.triton.tiles import FWD_TMA_AT
 
@@ -86,19 +87,21 @@ def test_descriptors_read_what_pointers_read(name, dtype, case, descriptors):
         assert torch.equal(g, w)
 
 
-def test_sm90_reads_nope_through_descriptors_over_four_warps(descriptors, monkeypatch):
-    """With sm_90's tiles (BAMGEN_INTERPRET_TILES), NoPE's forward at head dim 64 takes
-    FWD_TMA_AT's tile through descriptors of its key tile, and gives the bits of the pointer
-    forward pinned to the 8-warp tile it replaced (the variant `make gpu-check` times against
-    it; the interpreter runs no warps: what it checks is the 128x64 blocks and the reads)."""
+def test_sm90_reads_nope_through_pointers_and_pinned_through_descriptors(descriptors, monkeypatch):
+    """With sm_90's tiles (BAMGEN_INTERPRET_TILES), NoPE's forward at head dim 64 reads K and
+    V through pointers over the tile table's 8-warp tile, the kernel an H200 timed at 0.93x the
+    TMA one (tiles.KV_TMA_SHIPPED); pinned to TMA it takes FWD_TMA_AT's 4-warp tile through
+    descriptors of its key tile (the variant `make gpu-check` times against it) and gives the
+    same bits (the interpreter runs no warps: what it checks is the 128x64 blocks and the
+    reads)."""
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_90")
+    want = _call(MODULES["uniform"], torch.bfloat16, 1, 2, 1, 150, 150, 64, causal=True)
+    assert descriptors["configs"] == [(128, 64, 8, 3)] and descriptors["descriptors"] == []
     tile = FWD_TMA_AT[("light", "sm_90", 64)]
-    got = _call(MODULES["uniform"], torch.bfloat16, 1, 2, 1, 150, 150, 64, causal=True)
-    assert descriptors["configs"] == [tile]
+    with pinned(kv="tma"):
+        got = _call(MODULES["uniform"], torch.bfloat16, 1, 2, 1, 150, 150, 64, causal=True)
+    assert descriptors["configs"][1:] == [tile]
     assert descriptors["descriptors"] == [(tile[1], 64)]
-    with pinned(kv="pointers", tiles={"fwd": (128, 64, 8, 3)}):
-        want = _call(MODULES["uniform"], torch.bfloat16, 1, 2, 1, 150, 150, 64, causal=True)
-    assert descriptors["configs"][1:] == [(128, 64, 8, 3)] and len(descriptors["descriptors"]) == 1
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 
@@ -132,10 +135,12 @@ def test_a_decode_step_reads_through_descriptors_what_pointers_read(name, case, 
     assert torch.equal(got, want)
 
 
-def test_sm90_reads_every_kind_s_decode_through_descriptors(descriptors, monkeypatch):
-    """With sm_90's tiles every kind's decode kernel but heavy's reads K and V through
-    descriptors of its 16x128 tile's keys (tiles.DECODE_TMA_AT), at head dims 64 and 128; a
-    key mask keeps pointers."""
+def test_sm90_reads_every_kind_s_decode_through_pointers_and_pinned_through_descriptors(
+        descriptors, monkeypatch):
+    """With sm_90's tiles every kind's decode kernel reads K and V through pointers (an H200
+    timed the call through descriptors at 1.03-1.07x: tiles.KV_TMA_SHIPPED); pinned to TMA,
+    every kind's but heavy's reads them through descriptors of its 16x128 tile's keys at head
+    dims 64 and 128, and a key mask keeps pointers."""
     monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_90")
     g = torch.Generator().manual_seed(4)
     for name, d in (("uniform", 64), ("generalized_gaussian", 128), ("bam_ssmax", 64)):
@@ -143,12 +148,16 @@ def test_sm90_reads_every_kind_s_decode_through_descriptors(descriptors, monkeyp
         k, v = (torch.randn(1, 1, 40, d, generator=g).to(torch.bfloat16) for _ in range(2))
         params = MODULES[name].default_params(2)
         with torch.no_grad():
-            MODULES[name].attention(q, k, v, backend="triton", q_offset=39, **params)
-            assert descriptors["descriptors"][-1] == (128, d)
-            count = len(descriptors["descriptors"])
-            MODULES[name].attention(q, k, v, backend="triton", q_offset=39,
-                                    key_mask=torch.ones(1, 40, dtype=torch.bool), **params)
-            assert len(descriptors["descriptors"]) == count
+            want = MODULES[name].attention(q, k, v, backend="triton", q_offset=39, **params)
+            assert descriptors["descriptors"] == []
+            with pinned(kv="tma"):
+                got = MODULES[name].attention(q, k, v, backend="triton", q_offset=39, **params)
+                assert descriptors["descriptors"] == [(128, d)]
+                MODULES[name].attention(q, k, v, backend="triton", q_offset=39,
+                                        key_mask=torch.ones(1, 40, dtype=torch.bool), **params)
+                assert len(descriptors["descriptors"]) == 1
+        assert torch.equal(got, want)
+        descriptors["descriptors"].clear()
 
 
 def _tma_for(module, monkeypatch, family="sm_90", dtype=torch.bfloat16, d=64, traced=False,
@@ -167,10 +176,22 @@ def _tma_for(module, monkeypatch, family="sm_90", dtype=torch.bfloat16, d=64, tr
     return launch.kv_tma(module._prior, q, k, v, lay, traced, kernel)
 
 
+def test_no_kernel_reads_through_descriptors_unless_pinned(monkeypatch):
+    """What ships since an H200 timed both reads (tiles.KV_TMA_SHIPPED): pointers for the
+    forward and the decode kernel, on every family, kind and head dim."""
+    assert tiles.KV_TMA_SHIPPED == frozenset()
+    for kernel in ("fwd", "decode"):
+        for name, d in (("uniform", 64), ("uniform", 128), ("generalized_gaussian", 64)):
+            assert not _tma_for(name, monkeypatch, d=d, kernel=kernel), (kernel, name, d)
+
+
 def test_where_the_forward_reads_through_descriptors(monkeypatch):
-    """Only where FWD_TMA_AT names the family, kind and head dim, for inputs a descriptor reads
-    (16-bit, rows 16-byte aligned) in a layout that may: a key mask (a padding key's v must read
-    as 0), per-row offsets and packed documents keep pointers, and so do traced launches."""
+    """Where a kernel that tiles.KV_TMA_SHIPPED names reads through descriptors: where
+    FWD_TMA_AT (DECODE_TMA_AT) names the family, kind and head dim, for inputs a descriptor
+    reads (16-bit, rows 16-byte aligned) in a layout that may: a key mask (a padding key's v
+    must read as 0), per-row offsets and packed documents keep pointers, and so do traced
+    launches."""
+    monkeypatch.setattr(tiles, "KV_TMA_SHIPPED", frozenset({"fwd", "decode"}))
     assert _tma_for("uniform", monkeypatch)
     assert _tma_for("laplace", monkeypatch, dtype=torch.float16)
     assert not _tma_for("uniform", monkeypatch, family=None)        # the interpreter's own tiles

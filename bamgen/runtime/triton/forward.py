@@ -27,7 +27,8 @@ Constexpr flags of the launch:
   KV_TMA       K and V are tensor descriptors (launch.kv_descriptors: [B * Hk, Nk, D], a block
                of [1, BLOCK_N, HEAD_DIM]) and each key tile is one TMA copy of each, which
                reads zeros past Nk and D (what the pointer loads' masks give); off, pointers.
-               Only where the three flags above are off (launch.kv_tma; tiles.FWD_TMA_AT)
+               Only where the three flags above are off (launch.kv_tma), and pinned
+               (pinned(kv="tma"): tiles.KV_TMA_SHIPPED names no kernel; FWD_TMA_AT's tile)
 With the three layout flags off the kernel compiles to what it was without them (the same loops).
 The prior's flags (TABLE, RAMP, ROW_FACTORS, SKIP, ...) are hooks.py's.
 Runtime (never recompiles): Nq, Nk, q_offset, k_offset, sm_scale, strides, Hq, GROUP, the

@@ -252,9 +252,9 @@ def split_steady(prior, kernel, device, head_dim) -> bool:
 
 def kv_tma(prior, q, k, v, lay, traced, kernel="fwd") -> bool:
     """Whether the forward or decode kernel reads K and V through tensor descriptors (KV_TMA;
-    tiles.FWD_TMA_AT, DECODE_TMA_AT): pinned(kv=...), else where the device's family (under the
-    interpreter: the one BAMGEN_INTERPRET_TILES names, else none), the prior's tile kind and the
-    head dim take it.
+    tiles.FWD_TMA_AT, DECODE_TMA_AT): pinned(kv=...), else where tiles.KV_TMA_SHIPPED ships it
+    (nowhere since an H200 timed it) for the device's family (under the interpreter: the one
+    BAMGEN_INTERPRET_TILES names, else none), the prior's tile kind and the head dim.
     Either way only where the layout allows: an eager launch (a traced one keeps pointers),
     no key mask, per-row offsets or packed documents (KernelLayout.masked: a padding key's v
     must read as 0, and a document's last tile runs into the next document), 16-bit inputs,

@@ -37,7 +37,10 @@ TILES = {
             # dK/dV: one stage, with its steady tiles (DKDV_STEADY_AT), where both models put
             # it below two: NoPE 127 against 143 five-unit cycles / 1k scores, latency term 178
             # against 203 (unsplit, two stages: 171, 207; docs/performance.md, "The dK/dV
-            # kernel's steady tiles")
+            # kernel's steady tiles"). An H200 timed it at 0.81x the unsplit two-stage kernel
+            # (NoPE, N = 8192: 1473 against 1813 us; GGD 0.83x). Three stages, which the latency
+            # term preferred: NoPE 0.95-1.02x one from 2k to 16k tokens, GGD 1.08-1.13x
+            # ("Fifth GPU session")
             64: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)], "bwd_dkdv": [(32, 64, 4, 1), (32, 64, 4, 2)],
                  "bwd_dq": [(64, 32, 4, 2)]},
             # dK/dV: 32 keys are too few for the warpgroup MMA, so 64x32 re-reads its operands
@@ -274,8 +277,8 @@ FWD_TABLE_GATHER_AT = {("sm_90", 64): "prefetch", ("sm_90", 128): "prefetch"}
 TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
 
 
-# Where the forward reads its keys and values through the Tensor Memory Accelerator (KV_TMA of
-# _attn_fwd: host tensor descriptors over K and V as [B * Hk, Nk, D], one UTMALDG a tile from one
+# Where the forward can read its keys and values through the Tensor Memory Accelerator (shipped
+# nowhere since an H200 timed it: KV_TMA_SHIPPED below; KV_TMA of _attn_fwd: host tensor descriptors over K and V as [B * Hk, Nk, D], one UTMALDG a tile from one
 # thread, zeros past Nk and D, where pointers give every thread a 64-bit address and a bounds
 # compare a vector), and the forward's tile there. The copy itself models no faster: the loop
 # issues what it did, 8 warps 78 against 76 (NoPE, head dim 64, sm_90, five units per 1000
@@ -298,7 +301,8 @@ TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
 FWD_TMA_AT = {("light", "sm_90", 64): (128, 64, 4, 3)}
 
 
-# Where the decode kernel reads K and V through TMA, for every kind (its tile, 16 rows by 128
+# Where the decode kernel can read K and V through TMA (shipped nowhere since an H200 timed it:
+# KV_TMA_SHIPPED below), for every kind (its tile, 16 rows by 128
 # keys, is the same for all). Its loop is bound by the load/store unit: the cp.async copies of
 # 128 keys' K and V and the MMA operands read back from shared memory. Through descriptors the
 # copies leave the loop: NoPE at head dim 64 on sm_90 models 324 -> 191 cycles per 1000 keys
@@ -317,9 +321,25 @@ def fwd_tma_tile(kind: str, arch: str | None, head_dim: int):
     return FWD_TMA_AT.get((kind, arch, head_dim_bucket(head_dim)))
 
 
+# Which kernels read K and V through TMA unless pinned (pinned(kv=...)): none, since an H200
+# timed both reads against pointers (Triton 3.6, 2026-11-27; docs/performance.md, "Fifth GPU
+# session"). NoPE's forward at head dim 64 through TMA, FWD_TMA_AT's 4-warp tile, took 761 us
+# of kernel time where the 8-warp pointer kernel took 709 (1.07x; 1.04-1.09x at 2k-16k tokens),
+# and 1.17x its time a call: the latency term had ranked them so (92 against 62), the five
+# units the other way. The decode call (GGD, 64 sequences against 4096 keys) took 1.03x and
+# 1.07x the pointer one at head dims 64 and 128, where both models had said 0.6-0.7x. The
+# tables above stay: what a pinned kv="tma" launch takes, and what a GPU times against pointers
+# (gpu_check.VARIANT_PEERS).
+KV_TMA_SHIPPED: frozenset = frozenset()
+
+
 def reads_kv_through_tma(kernel: str, kind: str, arch: str | None, head_dim: int) -> bool:
     """Whether a kernel ("fwd" or "decode") of a tile kind reads K and V through TMA on a GPU
-    family at a (padded) head dim, where the layout allows (FWD_TMA_AT, DECODE_TMA_AT)."""
+    family at a (padded) head dim unless pinned, where the layout allows: a kernel that
+    KV_TMA_SHIPPED names, where FWD_TMA_AT or DECODE_TMA_AT names the kind, family and head
+    dim."""
+    if kernel not in KV_TMA_SHIPPED:
+        return False
     if kernel == "decode":
         return (kind, arch, head_dim_bucket(head_dim)) in DECODE_TMA_AT
     return fwd_tma_tile(kind, arch, head_dim) is not None
