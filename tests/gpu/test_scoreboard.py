@@ -105,18 +105,24 @@ def test_resident_ctas_from_registers_shared_memory_and_warps():
 
 @pytest.mark.slow
 def test_a_compiled_kernel_s_main_loop(monkeypatch):
-    """NoPE's forward for sm_90 (head dim 64: K and V through TMA): every instruction decoded,
-    the loop the model's, and its path made of what its control bits say: it waits for the K/V
-    copies (a slower copy, a longer pass; fewer stages, a longer pass) and for the warpgroup
-    MMAs (two warpgroups sharing the tensor cores, a longer pass), but not for a load kind it
-    does not hold."""
+    """NoPE's forward for sm_90 at head dim 64 with K and V through TMA (pinned(kv="tma"):
+    FWD_TMA_AT's tile; pointers ship): every instruction decoded, the loop the model's, and its
+    path made of what its control bits say: it waits for the K/V copies (a slower copy, a
+    longer pass; fewer stages, a longer pass) and for the warpgroup MMAs (two warpgroups
+    sharing the tensor cores, a longer pass), but not for a load kind it does not hold."""
     monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
     res = run_script_aot("""
-from bamgen.aot import compile_module, disassemble
+import sys
+sys.path.insert(0, "benchmarks")
+from bamgen.aot import compile_spec, disassemble
 from bamgen.driver.loader import load_prior
 from bamgen.resources import shipped_prior
 from bamgen.scoreboard import main_loop, scheduled, warp_cycles
-[k] = compile_module(load_prior(shipped_prior("uniform")), arch="sm_90", head_dim=64, only=("attn_fwd",))
+import model_check
+module = load_prior(shipped_prior("uniform"))
+[spec] = [s for s in module.triton_kernel_specs("bf16", 64, True, arch="sm_90") if s[0] == "attn_fwd"]
+tile_for = lambda tma: model_check.forward_tile(module, 64, "sm_90", "plain", tma)
+k = compile_spec(model_check.pinned_spec(spec, "fwd", {"kv": "tma"}, tile_for), "sm_90")
 every = scheduled(k.cubin)
 assert [(i.address, i.op) for i in every] == [(a, op) for a, op, _ in disassemble(k.cubin)]
 loop = main_loop(every)
