@@ -943,7 +943,9 @@ def print_header(args, env: dict) -> None:
           f"{env['flash_attn']}. H={args.heads}, {batch}, {args.dtype}, causal; median of "
           f"{args.repeats} alternating repeats. fwd: one forward under no_grad; bwd: the backward "
           "alone, parameter gradients included. FLOPs: causal fwd 4*B*H*N^2*D/2, bwd 2.5x that. "
-          "first s: the first (compiling) fwd + fwd/bwd.\n")
+          "first s: the first (compiling) fwd + fwd/bwd."
+          + (f" A one-element kernel's launch takes {env['launch_us']:.1f} us of host time."
+             if env.get("launch_us") is not None else "") + "\n")
 
 
 def print_times(results: list[dict]) -> None:
@@ -1040,7 +1042,28 @@ def environment(device: str) -> dict:
            "flash_attn": version("flash_attn") if device == "cuda" else "not used"}
     if device == "cuda":   # the family a model compiles for (benchmarks/tutorial_model.py)
         env["capability"] = list(torch.cuda.get_device_capability())
+    env["launch_us"] = launch_host_us(device)
     return env
+
+
+def launch_host_us(device: str, launches: int = 200) -> float:
+    """Host microseconds per launch of a one-element kernel (torch's add_), the median of five
+    runs of ``launches`` launches queued without a wait: what a call pays per kernel before its
+    kernels run, beside its kernels' own times (docs/performance.md, "Fifth GPU session": a
+    forward call took 0.5-0.9 ms more than its kernel)."""
+    x = torch.zeros(1, device=device)
+    x.add_(1)
+    runs = []
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1)
+        runs.append((time.perf_counter() - t0) / launches * 1e6)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(runs)
 
 
 def failed_checks(results: list[dict]) -> list[str]:

@@ -170,7 +170,10 @@ def test_a_forward_only_run_times_the_backward_of_its_backward_peers(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "bamgen-uniform@dkdv_split=off,bwd_dkdv=16x32x4x2 vs bamgen-uniform fwd+grads" in res.stdout
     import json
-    peers = json.loads(out.read_text())["results"][0]["peers"]
+    run = json.loads(out.read_text())
+    assert run["env"]["launch_us"] > 0   # a launch's host cost, beside the calls' times
+    assert f"launch takes {run['env']['launch_us']:.1f} us of host time" in res.stdout
+    peers = run["results"][0]["peers"]
     assert peers["bamgen-uniform"]["bwd_s"] is not None
     assert peers["bamgen-uniform@dkdv_split=off,bwd_dkdv=16x32x4x2"]["bwd_s"] is not None
     assert peers["bamgen-ggd"]["bwd_s"] is None
