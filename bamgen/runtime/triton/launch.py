@@ -478,13 +478,15 @@ class KernelLayout:
     the work lists of (document, tile) items, built per tile size on first use."""
 
     def __init__(self, q, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k, pos=None):
-        placeholder = torch.zeros(2, device=q.device, dtype=torch.int32)
+        # (empty, not zeros: a placeholder is never read, and zeros would launch a fill kernel
+        # a call, a launch's host time that the call pays before its kernels run)
+        placeholder = torch.empty(2, device=q.device, dtype=torch.int32)
         # position tensors: [B, Hq, N, C] float32, contiguous (docs/positions.md)
         self.positions = pos is not None
         if self.positions:
             self.pos_q, self.pos_k = (p.to(torch.float32).contiguous() for p in pos)
         else:
-            self.pos_q = self.pos_k = torch.zeros(2, device=q.device, dtype=torch.float32)
+            self.pos_q = self.pos_k = torch.empty(2, device=q.device, dtype=torch.float32)
         self.row_offsets = isinstance(q_offset, torch.Tensor) or isinstance(k_offset, torch.Tensor)
         if self.row_offsets:
             self.q_off = torch.as_tensor(q_offset, device=q.device).to(torch.int32).expand(q.shape[0]).contiguous()
