@@ -1,0 +1,42 @@
+"""benchmarks/launches.py: what a call of the Triton path launches, counted on the CPU, from the
+calls a user makes (an inference forward, a training step, a generation step)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import bamgen
+from bamgen.resources import shipped_prior
+from bamgen.runtime.triton import launch
+from tests.helpers import ROOT, load_script
+
+SCRIPT = ROOT / "benchmarks" / "launches.py"
+
+
+def test_each_call_launches_its_kernels_and_a_table_prior_its_table():
+    """NoPE's forward launches its kernel and two fills (no table, no parameters), a training
+    step the forward, preprocess, dK/dV and dQ kernels, a generation step the split-KV decode
+    kernel and its combine; GGD's calls launch the same kernels and tens of operations more,
+    the distance table it builds on the device each call. The launchers are put back after."""
+    script = load_script(SCRIPT, "launches")
+    defaults = launch.forward_kernels.__defaults__
+    nope = script.count(bamgen.load(shipped_prior("uniform")), 40)
+    ggd = script.count(bamgen.load(shipped_prior("generalized_gaussian")), 40)
+    assert launch.forward_kernels.__defaults__ == defaults
+    assert {call: kernels for call, (_, kernels, _) in nope.items()} == {
+        "forward": 1, "training step": 4, "generation step": 2}
+    assert nope["forward"][0] == 2 and nope["forward"][2] == {"zeros": 2}
+    for call, (ops, kernels, _) in ggd.items():
+        assert kernels == nope[call][1], call
+        assert ops >= nope[call][0] + 30, (call, ops)
+
+
+def test_the_table_and_a_bad_prior_name_from_the_command_line(tmp_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--priors", "uniform", "--n", "24"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| uniform | 2 + 1 | " in res.stdout, res.stdout
+    res = subprocess.run([sys.executable, str(SCRIPT), "--priors", "nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "'nope' is not a shipped prior; choose from" in res.stderr
+    assert "Traceback" not in res.stderr
