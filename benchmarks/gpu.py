@@ -806,11 +806,14 @@ def run_decode_config(cfg: DecodeConfig, names: list[str], args) -> dict:
     result = {"mode": "decode", "N": cfg.n, "B": cfg.batch, "H": cfg.heads, "Hk": cfg.kv_heads,
               "D": cfg.dim, "peers": {}, "unavailable": unavailable,
               "agreement": decode_agreement(peers)}
+    if args.kernels and cfg.device == "cuda":   # a step's kernels beside the call's time
+        result["kernels"] = {p.name: kernel_times(p) for p in peers}
     for peer in peers:
         fwd = times.get((peer.name, "fwd"))
         if fwd is not None:
             result["peers"][peer.name] = {
                 "fwd_s": fwd, "bwd_s": None, "first_s": first[peer.name],
+                "fwd_host_s": times.get((peer.name, "fwd_host")),
                 "fwd_tflops": cfg.flops() / fwd / 1e12, "bwd_tflops": None,
                 "gb_per_s": cfg.cache_bytes() / fwd / 1e9}
     return result

@@ -83,7 +83,8 @@ BENCH_ARGS = "--n 4096 16384 --head-dim 128 --repeats 5 --decode-n 4096 --decode
 # K and V (tiles.KV_TMA_SHIPPED: NoPE's forward at 64 through TMA over 4 warps, 1.07x the
 # 8-warp pointer kernel; GGD's decode call 1.03-1.07x). Each is still timed against what ships,
 # so that a GPU with another Triton can overturn it: the direct and async reads, the inline
-# build, the other stage counts, and K and V through TMA (the forward with FWD_TMA_AT's tile).
+# build, the other stage counts, and K and V through TMA (the forward with FWD_TMA_AT's tile
+# at head dim 64, the tile table's at 128).
 # A pin that equals the shipped config at one head dim times the shipped kernel twice there.
 # The dK/dV kernel at head dim 64 on sm_90 skips its mask on steady tiles with one stage
 # (tiles.DKDV_STEADY_AT; the H200: 0.81x the unsplit two-stage kernel it replaced, GGD 0.83x),

@@ -9,10 +9,12 @@ An H200 timed NoPE's forward call at 2.1 ms around a 1.24 ms kernel and GGD's at
 one launch on the machine it runs on (`launch_us`). This script counts, for each prior and each
 call a user makes (an inference forward, a training step's forward and backward, a generation
 step: one row against cached keys), the device operations torch would launch (each ATen
-operation that computes or fills a tensor, seen through a TorchDispatchMode; views and
-allocations launch nothing) and the Triton kernels, with the Triton launches stubbed so that
-nothing runs in the interpreter: the count does not depend on the values. Multiplied by a
-launch's host time, it is the least host time a call takes on that machine.
+operation that computes or fills a tensor of at least one element, seen through a
+TorchDispatchMode; views and allocations launch nothing) and the Triton kernels, with the
+Triton launches stubbed so that nothing runs in the interpreter (the count does not depend on
+the values) and a GPU family's tiles (--family: how many dQ launches a prior's parameter
+gradients take). The inputs are made before the count. Multiplied by a launch's host time, it
+is the least host time a call takes on that machine.
 
 Counted on CPU tensors, where the functional API's parameter-domain check remembers values it
 has seen: on a GPU it runs each call, a few operations more and one wait for the device
@@ -51,10 +53,13 @@ class DeviceOps(TorchDispatchMode):
         self.ops = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name not in NO_LAUNCH:
+        made = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(t, torch.Tensor)]
+        if name not in NO_LAUNCH and any(t.numel() for t in made):   # (an empty one: no kernel)
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 class CountedLaunches:
@@ -90,37 +95,65 @@ def stubbed_launches(counter: CountedLaunches):
 
 
 def calls(module, n: int, heads: int = 4, dim: int = 64):
-    """{call: a function making it}: an inference forward, a training step, a generation step."""
+    """{call: a function that makes its inputs and returns the call}: an inference forward, a
+    training step (forward and backward, every parameter learnable), a generation step."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, n, dim, generator=g).to(torch.bfloat16) for _ in range(3))
     params = module.default_params(heads)
 
     def forward():
-        with torch.no_grad():
-            module.attention(q, k, v, causal=True, backend="triton", **params)
+        def call():
+            with torch.no_grad():
+                module.attention(q, k, v, causal=True, backend="triton", **params)
+        return call
 
     def training():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         learn = {name: t.clone().requires_grad_() for name, t in params.items()}
-        out = module.attention(*leaves, causal=True, backend="triton", **learn)
-        out.backward(torch.ones_like(out))
+        dout = torch.ones_like(q)
+
+        def call():
+            module.attention(*leaves, causal=True, backend="triton", **learn).backward(dout)
+        return call
 
     def generation():
-        with torch.no_grad():
-            module.attention(q[:, :, -1:], k, v, causal=True, q_offset=n - 1, backend="triton", **params)
+        row = q[:, :, -1:].contiguous()
+
+        def call():
+            with torch.no_grad():
+                module.attention(row, k, v, causal=True, q_offset=n - 1, backend="triton", **params)
+        return call
     return {"forward": forward, "training step": training, "generation step": generation}
 
 
-def count(module, n: int) -> dict:
-    """{call: (device operations, Triton launches, {operation: count})} of one call each, after
-    a first call of each (which builds what later calls reuse)."""
+@contextlib.contextmanager
+def family_tiles(family: str):
+    """Within it, the interpreter's launches take `family`'s tiles (BAMGEN_INTERPRET_TILES)."""
+    saved = os.environ.get("BAMGEN_INTERPRET_TILES")
+    os.environ["BAMGEN_INTERPRET_TILES"] = family
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("BAMGEN_INTERPRET_TILES")
+        else:
+            os.environ["BAMGEN_INTERPRET_TILES"] = saved
+
+
+def count(module, n: int, family: str = "sm_90") -> dict:
+    """{call: (device operations, Triton launches, {operation: count})} of one call each, with
+    `family`'s tiles, after a first call of each (which builds what later calls reuse; its
+    launches stubbed too, so that nothing runs in the interpreter)."""
     out = {}
-    for name, make in calls(module, n).items():
-        make()
-        counter, ops = CountedLaunches(), DeviceOps()
-        with stubbed_launches(counter), ops:
-            make()
-        out[name] = (sum(ops.ops.values()), sum(counter.kernels.values()), dict(ops.ops))
+    with family_tiles(family):
+        for name, make in calls(module, n).items():
+            with stubbed_launches(CountedLaunches()):
+                make()()
+            call = make()
+            counter, ops = CountedLaunches(), DeviceOps()
+            with stubbed_launches(counter), ops:
+                call()
+            out[name] = (sum(ops.ops.values()), sum(counter.kernels.values()), dict(ops.ops))
     return out
 
 
@@ -129,6 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--priors", nargs="+", default=list(PRIORS), metavar="NAME",
                         help=f"shipped priors (default: {' '.join(PRIORS)})")
     parser.add_argument("--n", type=int, default=256, help="the sequence length (default 256)")
+    parser.add_argument("--family", choices=("sm_90", "sm_80"), default="sm_90",
+                        help="the GPU family whose tiles the launches take (default sm_90)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import bamgen
@@ -139,10 +174,10 @@ def main(argv=None) -> int:
         if path is None:
             parser.error(f"--priors: {name!r} is not a shipped prior; choose from "
                          f"{', '.join(p.stem for p in shipped_priors())}")
-        counts = count(bamgen.load(path), args.n)
+        counts = count(bamgen.load(path), args.n, args.family)
         rows.append((name, counts))
-    print(f"Device launches a call, N = {args.n}, 4 heads, head dim 64, bf16, causal (torch "
-          "operations + Triton kernels):\n")
+    print(f"Device launches a call, {args.family}'s tiles, N = {args.n}, 4 heads, head dim 64, "
+          "bf16, causal (torch operations + Triton kernels):\n")
     names = list(rows[0][1])
     print("| prior | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(names))

@@ -107,6 +107,8 @@ def measured_points(run: dict, ghz: float, sms: int) -> list[tuple[str, int, str
     run's ``variants`` entry ({} for the shipped tiles)."""
     out = []
     for result in run["results"]:
+        if result.get("mode") == "decode":   # a generation step's kernels: not a prefill's scores
+            continue
         for peer, kernels in result.get("kernels", {}).items():
             prior = peer.removeprefix("bamgen-")
             if prior.partition("@")[0] not in PRIORS:

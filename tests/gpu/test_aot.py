@@ -465,7 +465,7 @@ from bamgen.aot import compile_module
 from bamgen.driver.loader import load_prior
 from bamgen.resources import shipped_priors
 from bamgen.runtime.triton.launch import candidates
-from bamgen.runtime.triton.tiles import TILES, fwd_tma_tile
+from bamgen.runtime.triton.tiles import TILES, reads_kv_through_tma
 out = []
 for path in shipped_priors():
     if path.stem not in sys.argv[1:]:
@@ -474,9 +474,10 @@ for path in shipped_priors():
     kind = module.TRAITS.tile_kind
     for arch, by_dim in TILES[kind].items():   # the table of the prior's kind
         for dim in (64, 128):
-            # the candidates a launch tries (a forward through TMA: its own tile first)
+            # the candidates a launch tries (a forward through TMA, where one ships: its own
+            # tile first; tiles.KV_TMA_SHIPPED)
             counts = {kernel: len(candidates(module._prior, kernel, dim, arch, tma=kernel == "fwd"
-                                             and fwd_tma_tile(kind, arch, dim) is not None))
+                                             and reads_kv_through_tma("fwd", kind, arch, dim)))
                       for kernel in by_dim[dim]}
             for candidate in range(1, max(counts.values())):
                 # only the kernels that have this alternate: a shorter list falls back to its

@@ -2,6 +2,7 @@
 calls a user makes (an inference forward, a training step, a generation step)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,28 +15,35 @@ SCRIPT = ROOT / "benchmarks" / "launches.py"
 
 
 def test_each_call_launches_its_kernels_and_a_table_prior_its_table():
-    """NoPE's forward launches its kernel and two fills (no table, no parameters), a training
-    step the forward, preprocess, dK/dV and dQ kernels, a generation step the split-KV decode
-    kernel and its combine; GGD's calls launch the same kernels and tens of operations more,
-    the distance table it builds on the device each call. The launchers are put back after."""
+    """With sm_90's tiles: NoPE's forward launches its kernel and one fill (the per-row key
+    counts' placeholder; no table, no parameters), a training step the forward, preprocess,
+    dK/dV and dQ kernels, a generation step the split-KV decode kernel and its combine; GGD's
+    calls launch the same kernels and tens of operations more, the distance table it builds on
+    the device each call; FIRE's 99 scalars take 13 dQ launches of 8 (tiles.GRAD_GROUPS) beside
+    its forward, preprocess and dK/dV. The launchers and the tile family are put back after."""
     script = load_script(SCRIPT, "launches")
-    defaults = launch.forward_kernels.__defaults__
+    fns = (launch.forward_kernels, launch.decode, launch.backward_kernels)
+    defaults = [fn.__defaults__ for fn in fns]
+    family = os.environ.get("BAMGEN_INTERPRET_TILES")
     nope = script.count(bamgen.load(shipped_prior("uniform")), 40)
     ggd = script.count(bamgen.load(shipped_prior("generalized_gaussian")), 40)
-    assert launch.forward_kernels.__defaults__ == defaults
+    fire = script.count(bamgen.load(shipped_prior("fire")), 40)
+    assert [fn.__defaults__ for fn in fns] == defaults
+    assert os.environ.get("BAMGEN_INTERPRET_TILES") == family
     assert {call: kernels for call, (_, kernels, _) in nope.items()} == {
         "forward": 1, "training step": 4, "generation step": 2}
-    assert nope["forward"][0] == 2 and nope["forward"][2] == {"zeros": 2}
+    assert nope["forward"][2] == {"zeros": 1}
     for call, (ops, kernels, _) in ggd.items():
         assert kernels == nope[call][1], call
         assert ops >= nope[call][0] + 30, (call, ops)
+    assert fire["training step"][1] == 3 + 13
 
 
 def test_the_table_and_a_bad_prior_name_from_the_command_line(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), "--priors", "uniform", "--n", "24"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "| uniform | 2 + 1 | " in res.stdout, res.stdout
+    assert "| uniform | 1 + 1 | 4 + 4 | 1 + 2 |" in res.stdout, res.stdout
     res = subprocess.run([sys.executable, str(SCRIPT), "--priors", "nope"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "'nope' is not a shipped prior; choose from" in res.stderr

@@ -166,6 +166,11 @@ def test_a_kv_pin_takes_the_tile_its_read_launches_with():
     assert check.pinned_spec(spec, "fwd", {"kv": "pointers"}) == spec
     with pytest.raises(ValueError, match="kv=tma changes the forward's tile"):
         check.pinned_spec(spec, "fwd", {"kv": "tma"})
+    # a spec that reads through descriptors, pinned back to pointers: pointer arguments again
+    tma_spec = check.pinned_spec(spec, "fwd", {"kv": "tma"}, tile_for)
+    back = check.pinned_spec(tma_spec, "fwd", {"kv": "pointers"}, tile_for)
+    assert not back[3]["KV_TMA"] and (back[2]["K"], back[2]["V"]) == ("*bf16", "*bf16")
+    assert (back[3]["BLOCK_M"], back[3]["BLOCK_N"], back[4], back[5]) == (128, 64, 8, 3)
 
 
 def test_a_variant_is_compiled_as_its_pins_say():
@@ -184,6 +189,9 @@ def test_a_variant_is_compiled_as_its_pins_say():
     found = check.measured_points(run, 2.0, 100)
     assert {(p[0], p[2]) for p in found} == {("ggd@gather=direct", k) for k in ("fwd", "dkdv", "dq")}
     assert all(p[4] == {"tiles": {}, "gather": "direct"} for p in found)
+    # a generation step's kernels (gpu.py profiles them too) are no prefill's points
+    step = dict(run["results"][0], mode="decode")
+    assert check.measured_points({"results": [step]}, 2.0, 100) == []
 
 
 def test_leave_one_out_leaves_a_prior_s_variants_out_with_it():

@@ -147,8 +147,8 @@ class Pins:
     """Launch choices fixed for the calls inside pinned(): a tile config per kernel name
     (KERNELS' keys, "fwd", "bwd_dq", ...), the forward's table gather (TABLE_GATHERS) and
     whether the dQ and dK/dV kernels split off their steady runs (SPLIT_STEADY; None: the
-    tile table's), and how the forward reads K and V (KV_READS: "tma" where the layout allows
-    it, kv_tma; None: tiles.FWD_TMA_AT's choice)."""
+    tile table's), and how the forward and decode kernels read K and V (KV_READS: "tma" where
+    the layout allows it, kv_tma; None: what tiles.KV_TMA_SHIPPED ships, pointers)."""
     tiles: dict = field(default_factory=dict)
     gather: str | None = None
     dq_split: bool | None = None
@@ -765,8 +765,10 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         NUM_PARAMS=num_params, BLOCK_M=rows, HEAD_DIM=head_dim, D=D, num_warps=warps, num_stages=1)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    # the positions' gradients (POSITIONS: every row and key is written; placeholders otherwise)
-    dpos_q, dpos_k = (torch.zeros_like(p) for p in (lay.pos_q, lay.pos_k))
+    # the positions' gradients (POSITIONS: every row and key is written; placeholders otherwise,
+    # never read or written, so without a fill)
+    dpos_q, dpos_k = ((torch.zeros_like if lay.positions else torch.empty_like)(p)
+                      for p in (lay.pos_q, lay.pos_k))
 
     dkdv_split = split_steady(prior, "bwd_dkdv", q.device, head_dim)
 
