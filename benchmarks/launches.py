@@ -63,19 +63,25 @@ class DeviceOps(TorchDispatchMode):
 
 
 class CountedLaunches:
-    """A launcher (launch.py's wrap) that launches nothing and counts each launch by kernel."""
+    """A launcher (launch.py's wrap: wrap(kernel)[grid](*args)) that launches nothing and counts
+    each launch by kernel."""
 
     def __init__(self):
         self.kernels = collections.Counter()
 
     def __call__(self, kernel):
-        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "?")
+        return _Counted(self.kernels, getattr(kernel, "__name__", "?"))
 
-        def at(grid):
-            def launch(*args, **kwargs):
-                self.kernels[name] += 1
-            return launch
-        return type("Launcher", (), {"__getitem__": lambda _, grid: at(grid)})()
+
+class _Counted:
+    def __init__(self, kernels, name):
+        self.kernels, self.name = kernels, name
+
+    def __getitem__(self, grid):
+        return self.launch
+
+    def launch(self, *args, **kwargs):
+        self.kernels[self.name] += 1
 
 
 @contextlib.contextmanager

@@ -277,10 +277,11 @@ FWD_TABLE_GATHER_AT = {("sm_90", 64): "prefetch", ("sm_90", 128): "prefetch"}
 TABLE_GATHERS = ("async", "coalesced", "direct", "prefetch")
 
 
-# Where the forward can read its keys and values through the Tensor Memory Accelerator (shipped
-# nowhere since an H200 timed it: KV_TMA_SHIPPED below; KV_TMA of _attn_fwd: host tensor descriptors over K and V as [B * Hk, Nk, D], one UTMALDG a tile from one
-# thread, zeros past Nk and D, where pointers give every thread a 64-bit address and a bounds
-# compare a vector), and the forward's tile there. The copy itself models no faster: the loop
+# Where the forward can read its keys and values through the Tensor Memory Accelerator, and its
+# tile there (shipped nowhere since an H200 timed it: KV_TMA_SHIPPED below). KV_TMA of
+# _attn_fwd: host tensor descriptors over K and V as [B * Hk, Nk, D], one UTMALDG a tile from
+# one thread, zeros past Nk and D, where pointers give every thread a 64-bit address and a
+# bounds compare a vector. The copy itself models no faster: the loop
 # issues what it did, 8 warps 78 against 76 (NoPE, head dim 64, sm_90, five units per 1000
 # scores). What it frees is registers: NoPE's 128x64 tile over 4 warps takes 207 a thread where
 # pointers take 255, and 4 warps issue the row statistics and loop control once per 128 rows
@@ -302,8 +303,7 @@ FWD_TMA_AT = {("light", "sm_90", 64): (128, 64, 4, 3)}
 
 
 # Where the decode kernel can read K and V through TMA (shipped nowhere since an H200 timed it:
-# KV_TMA_SHIPPED below), for every kind (its tile, 16 rows by 128
-# keys, is the same for all). Its loop is bound by the load/store unit: the cp.async copies of
+# KV_TMA_SHIPPED below), for every kind (its tile, 16 rows by 128 keys, is the same for all). Its loop is bound by the load/store unit: the cp.async copies of
 # 128 keys' K and V and the MMA operands read back from shared memory. Through descriptors the
 # copies leave the loop: NoPE at head dim 64 on sm_90 models 324 -> 191 cycles per 1000 keys
 # and rows (latency term 236 -> 151), at 128 559 -> 301 (411 -> 267); GGD 387 -> 268 (372 ->
