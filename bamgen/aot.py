@@ -240,10 +240,12 @@ def _alignment_hints(fn, signature: dict) -> dict:
 
 def _fp_fusion(kernel: str) -> bool:
     """The kernel's FMA-contraction setting as the runtime launches it: the attention kernels
-    run with FP_FUSION (off: the backward must recompute the forward's logits bit for bit),
-    the other kernels with Triton's default (on)."""
+    run with FP_FUSION (off: the backward must recompute the forward's logits bit for bit), and
+    so do the distance table's (the host's torch build, which they match, fuses nothing), the
+    other kernels with Triton's default (on)."""
     from .runtime.triton.launch import FP_FUSION
-    if kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_decode"):
+    if kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_decode", "table_shift",
+                  "distance_table"):
         return FP_FUSION
     return True
 

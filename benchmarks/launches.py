@@ -89,7 +89,7 @@ def stubbed_launches(counter: CountedLaunches):
     """Within it, every Triton launch of the eager path goes through `counter` instead (the
     launchers' default `wrap`), put back after."""
     from bamgen.runtime.triton import launch
-    fns = (launch.forward_kernels, launch.decode, launch.backward_kernels)
+    fns = (launch.forward_kernels, launch.decode, launch.backward_kernels, launch.distance_table)
     saved = [fn.__defaults__ for fn in fns]
     for fn in fns:
         fn.__defaults__ = fn.__defaults__[:-1] + (counter,)

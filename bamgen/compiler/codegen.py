@@ -302,6 +302,9 @@ def _triton_hooks(plan: KernelPlan) -> list[Hook]:
                  else "the logit's per-score factor u", prm + tab(factors.logit_score),
                  factors.logit_score.hoisted + factors.logit_score.body,
                  factors.logit_score.outputs[0], triton=True)]
+    table = plan.distance_table
+    if plan.table is not None and table is not None and table.triton is not None:
+        hooks.append(_distance_hook(plan, table.triton))
     grads = plan.triton_position_grads
     if grads is not None:
         labels = ", ".join(label for label, _ in plan.ir.position_grads)
@@ -309,6 +312,19 @@ def _triton_hooks(plan: KernelPlan) -> list[Hook]:
                           f"(d logit / d {labels}): the gradients of position tensors", unpack,
                           grads.body, _tuple(grads.outputs, always=True), triton=True))
     return hooks
+
+
+def _distance_hook(plan: KernelPlan, block) -> Hook:
+    """prior_distance: the distance table's entries over float64 distances pos_d, the head's
+    parameters read in float64 (vectors as tuples of scalars), for the table kernel
+    (bamgen/runtime/triton/table.py)."""
+    loads = tuple((f"prm_{p.name}", f"tl.load(Theta_h + {p.index}).to(tl.float64)" if p.size is None
+                   else f"_load_vector64(Theta_h + {p.index}, {p.size})")
+                  for p in plan.params)
+    return Hook("prior_distance", "pos_d, Theta_h",
+                "the table's entries in float64: log_prior, then d log_prior / d p per tabulated p",
+                (),
+                loads + block.hoisted + block.body, _tuple(block.outputs, always=True), triton=True)
 
 
 def _wrap(items, first: str = "", rest: str = "", last: str = "", column: int = 0,
@@ -413,7 +429,7 @@ def _triton_globals(hooks: list[Hook]) -> list[str]:
     text = "\n".join(code for h in hooks for code in (*h.unpack, *(c for _, c in h.statements),
                                                       h.result))
     return ["tl"] + [name for name in ("_atan", "_element", "_index_floor", "_index_ceil",
-                                       "_load_vector") if re.search(rf"\b{name}\(", text)]
+                                       "_load_vector", "_load_vector64", "_pow64") if re.search(rf"\b{name}\(", text)]
 
 
 def _runtime_imports(plan: KernelPlan) -> list[str]:

@@ -98,6 +98,10 @@ class DistanceTable:
     grads: tuple[str, ...]         # d log_prior / d p for these learnable parameters, in order
     logit: CodeBlock               # torch: the logit over s, tab_v and positions
     backward: CodeBlock            # torch: (logit, d logit / d s, d logit / d p per learnable p)
+    # `code` printed in float64 Triton, which the distance-table kernel runs on the device
+    # (bamgen/runtime/triton/table.py); None where the formula reads what has no float64
+    # Triton form (atan): the GPU path then builds the table with the torch code
+    triton: CodeBlock | None = None
 
 
 @dataclass(frozen=True)
@@ -245,8 +249,10 @@ def _plan(ir: PriorIR, strategy: str | None, positional: bool = False) -> Kernel
     if split is not None:
         table_names = dict(names)
         table_names.update(_table_names(split, ir))
+        table_exprs = [split.value] + [g for _, g in split.value_grads]
         distance_table = DistanceTable(
-            code=_code_block([split.value] + [g for _, g in split.value_grads], names, "torch"),
+            code=_code_block(table_exprs, names, "torch"),
+            triton=_float64_triton_block(table_exprs, names),
             grads=tuple(name for name, _ in split.value_grads),
             logit=_row_first_logit(split.logit, _per_score(ir, [TABLE_VALUE]), table_names),
             backward=_code_block([split.logit, split.dlogit_ds] + [g for _, g in split.grads],
@@ -634,6 +640,15 @@ def _code_block(exprs: list[sp.Expr], names: dict, target: str, prefix: str = "c
     body = index_code + tuple((sym.name, print_expr(e, names, target=target)) for sym, e in temps)
     outputs = tuple(print_expr(e, names, target=target) for e in reduced)
     return CodeBlock(hoisted=hoisted_code, body=body, outputs=outputs, table_reads=table_reads)
+
+
+def _float64_triton_block(exprs: list[sp.Expr], names: dict) -> CodeBlock | None:
+    """The distance table's expressions in float64 Triton, or None where a function has no
+    float64 Triton form (printers.TritonFloat64Printer)."""
+    try:
+        return _code_block(exprs, names, "triton64")
+    except NotImplementedError:
+        return None
 
 
 def _name_indices(exprs: list[sp.Expr], taken: set[str]):

@@ -11,6 +11,7 @@ exponent pays for ``exp2(e * log2(x))`` (two special-function calls).
 """
 from __future__ import annotations
 
+import struct
 from typing import Mapping
 
 import sympy as sp
@@ -28,7 +29,7 @@ def prepare(expr: sp.Expr, *, target: str) -> sp.Expr:
     Both passes visit each distinct sub-expression once: an expression is a DAG (the derivative
     of tanh(tanh(tanh(u))) refers to each inner tanh many times), and a walk of the tree it
     stands for can be exponentially longer."""
-    if target == "triton":
+    if target in ("triton", "triton64"):
         expr = _bottom_up(expr, _hyperbolic_to_exp)
     return _bottom_up(expr, _fold_number)
 
@@ -284,6 +285,64 @@ class TritonPrinter(_KernelPrinter):
         return f"tl.exp2(({exp}) * tl.log2({base}))"
 
 
+class TritonFloat64Printer(TritonPrinter):
+    """Prints fp64 Triton expressions over float64 tiles and parameters: the distance-table
+    kernel's hook (bamgen/runtime/triton/table.py), which evaluates the log-prior and its
+    derivatives per (head, distance) in float64 as the host's torch code does.
+
+    Triton types a literal by what it meets: with a float64 operand it is float64, exactly, but
+    a select or a sum of two literals alone is float32. A literal that float32 cannot hold
+    exactly (0.1) is printed as a float64 scalar so that no expression rounds it; powers go
+    through _pow64 (pow's special cases kept: x**0 = 1, a negative base to an integer power).
+    A formula that reads atan (no float64 form here), sin or cos keeps the host's torch build:
+    libdevice's float64 sin and cos each take a stack frame for their range reduction, and
+    Sandwich's 64 cosines compiled for 21 s into a kernel with 13 kB of stack."""
+    functions = {**TritonPrinter.functions, "atan": None, "sin": None, "cos": None}
+    float64 = "{}"   # every value already is
+
+    def _print_Float(self, expr):
+        text = super()._print_Float(expr)
+        value = float(expr)
+        if value != value or value in (float("inf"), float("-inf")):
+            return text
+        return text if float(_as_float32(value)) == value else f"tl.full([], {text}, tl.float64)"
+
+    def _print_Integer(self, expr):
+        return self._print_Float(sp.Float(expr))
+
+    def _print_Rational(self, expr):
+        return self._print_Float(sp.Float(expr, 17))
+
+    def _print_Pi(self, expr):
+        return self._print_Float(sp.Float(sp.pi, 17))
+
+    def _print_Exp1(self, expr):
+        return self._print_Float(sp.Float(sp.E, 17))
+
+    def _print_Function(self, expr):
+        if self.functions.get(type(expr).__name__, "") is None:
+            raise NotImplementedError(f"{type(expr).__name__} has no float64 Triton translation")
+        return super()._print_Function(expr)
+
+    _print_atan = _print_Function
+    _print_sin = _print_Function
+    _print_cos = _print_Function
+
+    def rsqrt(self, x):
+        return f"(1.0/tl.sqrt({x}))"
+
+    def power(self, base, exp):
+        return f"_pow64({base}, {exp})"
+
+
+def _as_float32(value: float) -> float:
+    """value rounded to float32 (inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return float("inf") if value > 0 else float("-inf")
+
+
 class TorchPrinter(_KernelPrinter):
     """Prints torch expressions over float32 tensors (blocks and per-head parameter columns)."""
     functions = {
@@ -310,14 +369,15 @@ class TorchPrinter(_KernelPrinter):
         return f"torch.pow({base}, {exp})"
 
 
-PRINTERS = {"triton": TritonPrinter, "torch": TorchPrinter}
+PRINTERS = {"triton": TritonPrinter, "triton64": TritonFloat64Printer, "torch": TorchPrinter}
 
 
 def print_expr(expr: sp.Expr, names: Mapping[sp.Symbol, str], *, target: str,
                exact: bool = False) -> str:
-    """Print one prepared expression for ``target`` ("triton" or "torch"); exact: in float64."""
+    """Print one prepared expression for ``target`` ("triton", "triton64": float64 Triton, or
+    "torch"); exact: in float64."""
     return PRINTERS[target](names, exact=exact).doprint(expr)
 
 
 __all__ = ["prepare", "print_expr", "ExpressionTooLarge", "NotARealNumber", "TritonPrinter",
-           "TorchPrinter"]
+           "TritonFloat64Printer", "TorchPrinter"]

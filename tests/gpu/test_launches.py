@@ -18,11 +18,13 @@ def test_each_call_launches_its_kernels_and_a_table_prior_its_table():
     """With sm_90's tiles: NoPE's forward launches its kernel and one fill (the per-row key
     counts' placeholder; no table, no parameters), a training step the forward, preprocess,
     dK/dV and dQ kernels, a generation step the split-KV decode kernel and its combine; GGD's
-    calls launch the same kernels and tens of operations more, the distance table it builds on
-    the device each call; FIRE's 99 scalars take 13 dQ launches of 8 (tiles.GRAD_GROUPS) beside
-    its forward, preprocess and dK/dV. The launchers and the tile family are put back after."""
+    calls launch the same kernels and its distance table's (two kernels: 38 torch operations
+    before it, 74 in a training step), and a few operations more (its parameters' columns
+    joined, their gradients); FIRE's 99 scalars take 13 dQ launches of 8 (tiles.GRAD_GROUPS)
+    beside its forward, preprocess and dK/dV. The launchers and the tile family are put back
+    after."""
     script = load_script(SCRIPT, "launches")
-    fns = (launch.forward_kernels, launch.decode, launch.backward_kernels)
+    fns = (launch.forward_kernels, launch.decode, launch.backward_kernels, launch.distance_table)
     defaults = [fn.__defaults__ for fn in fns]
     family = os.environ.get("BAMGEN_INTERPRET_TILES")
     nope = script.count(bamgen.load(shipped_prior("uniform")), 40)
@@ -34,8 +36,8 @@ def test_each_call_launches_its_kernels_and_a_table_prior_its_table():
         "forward": 1, "training step": 4, "generation step": 2}
     assert nope["forward"][2] == {"zeros": 1}
     for call, (ops, kernels, _) in ggd.items():
-        assert kernels == nope[call][1], call
-        assert ops >= nope[call][0] + 30, (call, ops)
+        assert kernels == nope[call][1] + 2, call
+        assert ops <= nope[call][0] + 10, (call, ops)
     assert fire["training step"][1] == 3 + 13
 
 

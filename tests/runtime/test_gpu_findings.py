@@ -14,8 +14,9 @@
   of type: str"), which the interpreter, which never specialises, did not show;
 * the host work before a launch is a GPU call's fixed cost: an H200 measured 1.6-3.0 ms of it per
   forward for GGD, BAM-SSMax and T5, tens to hundreds of small launches building the distance
-  table. The table of T5's 32 buckets is built in a few operations (one gather, one block of
-  derivatives), counted here;
+  table. The table is now built on the device in two launches (the table kernels), and the host's
+  torch build, which the CPU path keeps, in a few operations (T5's 32 buckets: one gather, one
+  block of derivatives), counted here;
 * torch.compile's inductor types a Python float argument of a user kernel ``fp64`` on a device
   that has fp64 (its default); kernels that multiplied their logits by an fp64 ``sm_scale``
   carried fp64 into the accumulator, and ``tl.dot`` refused it: every triton-path call under
@@ -40,7 +41,7 @@ import pytest
 import torch
 
 from bamgen.runtime.triton import launch
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_script
 
 ATTENTION_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
 ALL_SHIPPED = ["uniform", "laplace", "generalized_gaussian", "bam", "bam_ssmax", "cauchy", "gaussian",
@@ -88,13 +89,13 @@ def test_backward_reuses_the_forward_table(prior, monkeypatch):
     forward built (with its derivative slots), so both see the same log-prior bits."""
     mod = importlib.import_module(f"generated.{prior}")
     calls = []
-    build = launch.prior_tables
+    build = launch.distance_table
 
     def counting(bound, theta, bottom, top, causal, with_grads, shifted=True):
         calls.append(with_grads)
         return build(bound, theta, bottom, top, causal, with_grads, shifted)
 
-    monkeypatch.setattr(launch, "prior_tables", counting)
+    monkeypatch.setattr(launch, "distance_table", counting)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=g, requires_grad=True) for _ in range(3))
     m = getattr(mod, mod.PRIOR["class_name"])(num_heads=2)
@@ -158,18 +159,44 @@ def _computing_ops(fn):
     return Count.ops
 
 
-@pytest.mark.parametrize("name, forward, backward", [("t5", 40, 210), ("generalized_gaussian", 25, 45)])
-def test_a_distance_table_is_built_in_few_operations(name, forward, backward):
-    """T5's forward table took 124 computing operations and its backward's 381 (a chain of 31
-    selects per gather, one cast per parameter column, one shift per derivative slot); now 37
-    and 202 (GGD's 23 and 46, now 21 and 39)."""
+@pytest.mark.parametrize("name", ["t5", "generalized_gaussian", "bam_ssmax", "sandwich"])
+def test_a_distance_table_is_built_in_two_launches(name):
+    """The Triton path builds a table prior's distance table on the device in two launches (the
+    table kernels, launch.distance_table) and runs no torch operation for it: an H200 measured
+    1.6-3.0 ms of host work per forward call while torch built the tables (38 operations for
+    GGD's forward, 232 for T5's training step). Sandwich's cosines have no float64 Triton form
+    here (printers.TritonFloat64Printer): torch builds its table, no kernel."""
     from bamgen.runtime.params import theta as make_theta
+    script = load_script(ROOT / "benchmarks" / "launches.py", "launches")
+    prior = importlib.import_module(f"bamgen.generated.{name}")._prior
+    q = torch.randn(2, 16, 256, 64, dtype=torch.bfloat16)
+    theta = make_theta(prior.traits, q, prior.default_params(16), grad=True)
+    kernel = "prior_distance" in prior.triton_hooks
+    assert kernel == (name != "sandwich")
+    for with_grads in (False, True):
+        counter, ops = script.CountedLaunches(), script.DeviceOps()   # (allocations: none)
+        with script.stubbed_launches(counter), ops:
+            launch.distance_table(prior, theta, -255, 255, True, with_grads, True)
+        assert dict(counter.kernels) == ({"_table_shift_parts": 1, "_distance_table": 1}
+                                         if kernel else {}), name
+        assert (not ops.ops) if kernel else (sum(ops.ops.values()) > 30), (name, with_grads, ops.ops)
+
+
+@pytest.mark.parametrize("name, forward, backward", [("t5", 40, 210), ("generalized_gaussian", 25, 45)])
+def test_the_hosts_table_is_built_in_few_operations(name, forward, backward):
+    """The torch build of a distance table (tables.prior_tables: the CPU path's, and the Triton
+    path's for a prior without the table kernel). T5's forward table took 124 computing
+    operations and its backward's 381 (a chain of 31 selects per gather, one cast per parameter
+    column, one shift per derivative slot); now 37 and 202 (GGD's 23 and 46, now 21 and 39),
+    unshifted (the block API's build), with the base-2 value slot."""
+    from bamgen.runtime.params import theta as make_theta
+    from bamgen.runtime.tables import prior_tables
     prior = importlib.import_module(f"bamgen.generated.{name}")._prior
     q = torch.randn(2, 16, 256, 64, dtype=torch.bfloat16)
     theta = make_theta(prior.traits, q, prior.default_params(16), grad=True)
     for with_grads, most in ((False, forward), (True, backward)):
-        ops = _computing_ops(lambda: launch.prior_inputs(prior, q, q, theta, 0, 0, True,
-                                                         with_grads, False))
+        ops = _computing_ops(lambda: launch.base2_log_prior(
+            prior_tables(prior, theta, -255, 255, True, with_grads, False)[0]))
         assert ops <= most, (name, with_grads, ops)
 
 

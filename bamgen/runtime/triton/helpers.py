@@ -219,9 +219,38 @@ def _load_vector(ptr, SIZE: tl.constexpr):
     return out
 
 
+@triton.jit
+def _load_vector64(ptr, SIZE: tl.constexpr):
+    """A vector parameter's SIZE elements from ptr on, in float64 (the distance-table hook)."""
+    out = ()
+    for k in tl.static_range(SIZE):
+        out = out + (tl.load(ptr + k).to(tl.float64),)
+    return out
+
+
+@triton.jit
+def _pow64(base, exp):
+    """base ** exp in float64 as torch.pow computes it on the host, through exp(exp * log|base|)
+    (libdevice's pow is not available under the interpreter the tests run): x ** 0 = 1 and
+    1 ** y = 1, NaN included; a negative base takes an integer power with its sign, and gives
+    NaN for any other. The relative error, about |exp * log(base)| * 2**-53, is far below the
+    float32 rounding the table then takes, except at a tie, which a float32 parameter times an
+    integer distance often is: so the exponents 1, 2 and -1 (GGD's and KERPLE's usual initial
+    values) are taken exactly, as pow does."""
+    size = tl.abs(base)
+    mag = tl.exp(exp * tl.log(size))
+    mag = tl.where(exp == 1.0, size, tl.where(exp == 2.0, size * size,
+                                               tl.where(exp == -1.0, 1.0 / size, mag)))
+    even = tl.floor(exp * 0.5) * 2.0 == exp
+    signed = tl.where(exp == tl.floor(exp), tl.where(even, mag, -mag), float("nan"))
+    out = tl.where(base < 0.0, signed, mag)
+    return tl.where(exp == 0.0, 1.0, tl.where(base == 1.0, 1.0, out))
+
+
 # The helpers a generated module's Triton hooks may call, bound into its namespace when its
 # kernels are first made (bamgen.runtime.prior.Prior.kernels).
-HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector")
+HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector", "_load_vector64",
+                "_pow64")
 
 
 @triton.jit

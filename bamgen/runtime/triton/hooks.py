@@ -79,6 +79,11 @@ pos_d = i - j, pos_i, pos_j, pos_n (the visible keys) are float32 tiles):
   prior_logit_score(s, pos_d, pos_i, pos_j, pos_n, tab, sc)    u, or with LOGIT_FMA v (u = s + v)
   prior_position_grads(s, pos_d, pos_i, pos_j, pos_n, sc)     (POSITIONS) d logit / d i_c for
                                   each channel c, then d logit / d j_c
+  prior_distance(pos_d, Theta_h)  (TABLE) the distance table's TABLE_SLOTS entries over float64
+                                  distances pos_d, in float64, the head's parameters read from
+                                  Theta_h: the table kernel's (table.py). A prior whose formula
+                                  has no float64 Triton form has none, and its table is built by
+                                  torch on the host (launch.distance_table)
 """
 import triton
 import triton.language as tl
@@ -109,7 +114,8 @@ FLAGS = ("SCORE_IS_S", "HAS_BIAS", "TABLE", "TABLE_SLOTS", "TABLE_WIDTH", "RAMP"
          "CLAMP_POSITIONS", "POSITIONS", "TABLE_POSITIONS", "ROWS_READY", "POSITION_GRADS",
          "SCALED_SCORE")
 HOOKS = ("prior_scalars", "prior_bias", "prior_grads", "prior_ramp", "prior_row_factors",
-         "prior_score_factors", "prior_logit_row", "prior_logit_score", "prior_position_grads")
+         "prior_score_factors", "prior_logit_row", "prior_logit_score", "prior_position_grads",
+         "prior_distance")
 
 
 @triton.jit
@@ -164,3 +170,9 @@ def prior_logit_score(s, pos_d, pos_i, pos_j, pos_n, tab, sc):
 def prior_position_grads(s, pos_d, pos_i, pos_j, pos_n, sc):
     """NoPE: the logit does not read the positions (one channel)."""
     return (0.0, 0.0)
+
+
+@triton.jit
+def prior_distance(pos_d, Theta_h):
+    """(not called: no table)"""
+    return (pos_d,)

@@ -368,10 +368,8 @@ def prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, with_grads, shi
         bottom, top = span if span is not None else distance_span(Nq, Nk, q_offset, k_offset, **spans)
         if table is None:
             # (positions: any distance of the span may be visible, so the shift takes them all)
-            table, d_top = prior_tables(prior, theta, bottom, top, causal and span is None,
-                                        with_grads, shifted)
-            if prior.traits.score_is_s:
-                table = base2_log_prior(table)
+            table, d_top = distance_table(prior, theta, bottom, top, causal and span is None,
+                                          with_grads, shifted)
         else:
             d_top = top + TABLE_PAD
     else:
@@ -564,6 +562,50 @@ class SkippedLaunch:
 
 def skipped_kernel(kernel):
     return SkippedLaunch()
+
+
+TABLE_WARPS = 4
+TABLE_CHUNK = 2048   # entries per program of the table kernels
+
+
+def table_block(slots: int) -> int:
+    """Distances per step of the table kernel: each thread holds its distances' entries in
+    float64, so a prior of many slots (T5's 33) takes fewer at a time, or it spills."""
+    return 512 if slots <= 8 else 128
+
+
+def distance_table(prior, theta, bottom, top, causal, with_grads, shifted, wrap=eager_kernel):
+    """The call's distance table as the kernels read it: tables.prior_tables's, with the value
+    slot in base 2 where the logit is s + log_prior (base2_log_prior). Built on the device in
+    two launches by the table kernels (table.py) where the prior has a float64 Triton form
+    (its prior_distance hook), else by torch (about 40 launches on a GPU). Returns
+    (table, d_top). wrap: how the kernel is launched (eager_kernel; launches.py counts)."""
+    if "prior_distance" not in prior.triton_hooks:
+        table, d_top = prior_tables(prior, theta, bottom, top, causal, with_grads, shifted)
+        return (base2_log_prior(table) if prior.traits.score_is_s else table), d_top
+    Hq = theta.shape[0]
+    d_top = top + TABLE_PAD
+    n_dist = top - bottom + 1 + 2 * TABLE_PAD
+    slots = 1 + len(prior.traits.table_grads) * bool(with_grads)
+    table = theta.new_empty((Hq, slots, n_dist))
+    lo, hi = (max(bottom, 0), top) if causal else (bottom, top)   # distances a query may see
+    shift = bool(shifted and lo <= hi)
+    t_lo, t_hi = d_top - hi, d_top - lo
+    parts = triton.cdiv(t_hi - t_lo + 1, TABLE_CHUNK) if shift else 1
+    best = theta.new_empty((Hq, parts), dtype=torch.float64)
+    best_t, nan = (theta.new_empty((Hq, parts), dtype=torch.int32) for _ in range(2))
+    theta = theta.contiguous()
+    kernels, block = prior.kernels(), table_block(slots)
+    options = dict(num_warps=TABLE_WARPS, enable_fp_fusion=FP_FUSION)   # (torch fuses nothing)
+    if shift:
+        wrap(kernels["table_shift"])[(Hq, parts)](
+            theta, theta.stride(0), best, best_t, nan, d_top, t_lo, t_hi, parts,
+            CHUNK=TABLE_CHUNK, BLOCK=block, **options)
+    wrap(kernels["table"])[(Hq, triton.cdiv(n_dist, TABLE_CHUNK))](
+        theta, theta.stride(0), table, table.stride(0), table.stride(1), best, best_t, nan, parts,
+        d_top, n_dist, t_lo, SLOTS=slots, SHIFT=shift, BASE2=prior.traits.score_is_s,
+        CHUNK=TABLE_CHUNK, BLOCK=block, **options)
+    return table, d_top
 
 
 def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backward=False,
@@ -949,10 +991,20 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
              dict(PartO="*fp32", PartM="*fp32", PartL="*fp32", O=ptr, Mrow="*fp32", Lrow="*fp32"),
              None),
         ]
+    if prior.traits.table and "prior_distance" in prior.triton_hooks:   # (distance_table)
+        slots = 1 + len(prior.traits.table_grads)
+        parts = dict(Best="*fp64", BestT="*i32", Nan="*i32")
+        plans += [("table_shift", kernels["table_shift"], None, dict(Theta="*fp32", **parts),
+                   dict(CHUNK=TABLE_CHUNK, BLOCK=table_block(slots))),
+                  ("distance_table", kernels["table"], None, dict(Theta="*fp32", Out="*fp32", **parts),
+                   dict(SLOTS=slots, SHIFT=True, BASE2=prior.traits.score_is_s, CHUNK=TABLE_CHUNK,
+                        BLOCK=table_block(slots)))]
     # extra: None for the preprocess and combine kernels (no prior, no key tiles), else the
     # kernel's own constexprs
     for name, fn, config, pointers, extra in plans:
-        if name == "decode_combine":   # the merge, compiled for DECODE_COMBINE_SPLITS splits
+        if name in ("table_shift", "distance_table"):   # programs of CHUNK entries, no tiles
+            block_m, block_n, warps, stages = None, None, TABLE_WARPS, 1
+        elif name == "decode_combine":   # the merge, compiled for DECODE_COMBINE_SPLITS splits
             block_m, block_n, warps, stages = None, None, COMBINE_WARPS, 1
         elif extra is None:   # the preprocess kernel: Triton's default launch settings
             block_m, block_n, warps, stages = PREPROCESS[0], None, PREPROCESS[1], 1

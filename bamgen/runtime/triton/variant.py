@@ -1,5 +1,5 @@
-"""A prior's instance of the library kernels: the kernels of helpers.py, forward.py, backward.py
-and decode.py, with the prior's flags and hooks (hooks.py) in the place of the defaults.
+"""A prior's instance of the library kernels: the kernels of helpers.py, forward.py, backward.py,
+decode.py and table.py, with the prior's flags and hooks (hooks.py) in the place of the defaults.
 
 The kernels find the hooks and flags by name in their globals. Each prior gets copies of the
 library's @triton.jit functions (the same code objects) whose globals are one namespace: the
@@ -17,11 +17,12 @@ import triton
 import triton.language as tl
 
 from ..traits import PriorTraits
-from . import backward, decode, forward, helpers, hooks
+from . import backward, decode, forward, helpers, hooks, table
 
-LIBRARY = (hooks, helpers, forward, backward, decode)   # in the order their names overlay
+LIBRARY = (hooks, helpers, forward, backward, decode, table)   # in the order their names overlay
 KERNELS = {"fwd": "_attn_fwd", "preprocess": "_bwd_preprocess", "bwd_dkdv": "_attn_bwd_dkdv",
-           "bwd_dq": "_attn_bwd_dq", "decode": "_attn_decode", "combine": "_decode_combine"}
+           "bwd_dq": "_attn_bwd_dq", "decode": "_attn_decode", "combine": "_decode_combine",
+           "table_shift": "_table_shift_parts", "table": "_distance_table"}
 
 
 def flags(traits: PriorTraits) -> dict:

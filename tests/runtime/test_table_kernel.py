@@ -1,0 +1,160 @@
+"""The distance table built on the device (bamgen/runtime/triton/table.py, launch.distance_table)
+against the host's torch build (tables.prior_tables) that it replaces on the Triton path: the
+same entries, from the priors users ship and write, with the parameters, spans and flags their
+calls bring."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import bamgen
+from bamgen.runtime.params import theta as make_theta
+from bamgen.runtime.tables import prior_tables
+from bamgen.runtime.triton import launch
+from tests.helpers import write_prior
+from tests.tolerance import atol_for
+
+TABLE_PRIORS = ["generalized_gaussian", "t5", "t5_bidirectional", "bam", "bam_ssmax", "cauchy",
+                "gaussian", "kerple_log", "kerple_power"]
+# (bottom, top, causal, with_grads, shifted): a training step's causal square, a bidirectional
+# call, a generation step's one row against its keys (bottom > 0), the block API's unshifted
+# build, a call without a backward
+CALLS = [(-40, 40, True, True, True), (-300, 200, False, True, True), (90, 150, True, True, True),
+         (-60, 70, False, True, False), (-5, 5, True, False, True)]
+# a long bidirectional call: several programs per head in both passes (launch.TABLE_CHUNK)
+LONG = (-2600, 2500, False, True, True)
+
+
+def _host(prior, theta, *call):
+    table, d_top = prior_tables(prior, theta, *call)
+    return (launch.base2_log_prior(table) if prior.traits.score_is_s else table), d_top
+
+
+def _ulps(a, b):
+    """Float32 ulps between a and b where both are finite (0 where they are the same value);
+    asserts NaN and +-inf at the same entries."""
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert torch.equal(torch.isinf(a) & (a > 0), torch.isinf(b) & (b > 0))
+    assert torch.equal(torch.isinf(a) & (a < 0), torch.isinf(b) & (b < 0))
+    finite = torch.isfinite(a)
+    ia, ib = (t.view(torch.int32).long() for t in (a, b))
+    ia, ib = (torch.where(i < 0, -(i & 0x7FFFFFFF), i) for i in (ia, ib))   # ordered as floats
+    return torch.where(finite & (a != b), (ia - ib).abs(), 0)
+
+
+def _random_values(module, heads, g):
+    """The module's initial values, each element moved by a random factor in [0.5, 2) (keeps a
+    positive domain positive, and the exponents off the integers their initial values are)."""
+    out = {}
+    for name, value in module.default_params(heads).items():
+        factor = 2.0 ** (2 * torch.rand(value.shape, generator=g) - 1)
+        shift = 3 * torch.randn(value.shape, generator=g) if not value.any() else 0.0   # (mu = 0)
+        out[name] = value * factor + shift
+    return out
+
+
+@pytest.mark.parametrize("name", TABLE_PRIORS)
+def test_the_device_table_is_the_hosts_for_every_shipped_table_prior(name):
+    """Every shipped table prior but Sandwich has the kernel; its table is the torch build's to
+    the bit at the initial values (1, 2 and -1 exponents are exact powers), and within one
+    float32 ulp at random values (float64's log, exp and powers may round differently between
+    libraries; a tie then rounds the other way), for every kind of call."""
+    module = importlib.import_module(f"generated.{name}")
+    prior = module._prior
+    assert "prior_distance" in prior.triton_hooks
+    g = torch.Generator().manual_seed(1)
+    q = torch.zeros(1, 3, 4, 8)
+    for initial, values in ((True, module.default_params(3)), (False, _random_values(module, 3, g))):
+        theta = make_theta(prior.traits, q, values, False)
+        for call in CALLS + [LONG]:
+            device, d_top = launch.distance_table(prior, theta, *call)
+            host, host_top = _host(prior, theta, *call)
+            assert d_top == host_top and device.shape == host.shape and device.dtype == host.dtype
+            most = int(_ulps(device, host).max())
+            assert most <= (0 if initial else 1), (name, initial, call, most)
+
+
+def test_a_prior_far_from_its_mode_and_a_nan_parameter():
+    """GGD with mu = 1e6 (every visible value about -1e6: the shift brings them near 0) and a
+    head whose alpha is NaN (the whole head NaN, as the host's table shows it)."""
+    module = importlib.import_module("generated.generalized_gaussian")
+    prior = module._prior
+    values = {"alpha": torch.tensor([3.0, float("nan"), 50.0]), "beta": torch.tensor([1.5, 1.0, 0.7]),
+              "mu": torch.tensor([1e6, 0.0, -20.0])}
+    theta = make_theta(prior.traits, torch.zeros(1, 3, 4, 8), values, False)
+    for call in CALLS:
+        device, _ = launch.distance_table(prior, theta, *call)
+        host, _ = _host(prior, theta, *call)
+        assert int(_ulps(device, host).max()) <= 1, call
+        assert torch.isnan(device[1, 0]).all() and not device[1, 1:].any()   # (P is NaN there)
+        if call[4]:   # shifted: not -(1e6 / 3) ** 1.5
+            assert device[0, 0].abs().min() < 1e3
+    shifted_off = launch.distance_table(prior, theta, -60, 70, False, True, False)[0]
+    assert shifted_off[0, 0].abs().min() > 1e5   # the block API's table keeps the reference
+
+
+def test_a_users_prior_with_decimal_constants_and_minus_infinity(tmp_path):
+    """A user's piecewise prior whose branches are constants float32 cannot hold (0.1, 0.3: in
+    Triton a select of two literals alone is float32) and -oo beyond a window: the device table
+    holds the float64 values, shifted, then rounded once; -inf where the prior is, and 0 for
+    the derivative there. (The host's torch build selects its derivative between 0.1 and 0.3 in
+    float32, and so rounds twice: within an ulp of it.)"""
+    path = write_prior(tmp_path, """
+        name: stepped
+        log_prior: Piecewise((-oo, d > 40), (0.1 * c, d < 8), (0.3 * c - 0.7, True))
+        params:
+          c: {init: 1.3, domain: positive}
+        """)
+    module = bamgen.load(path, strategy="table")
+    prior = module._prior
+    assert prior.traits.table and "prior_distance" in prior.triton_hooks
+    c = torch.tensor([1.3, 0.1])
+    theta = make_theta(prior.traits, torch.zeros(1, 2, 4, 8), {"c": c}, False)
+    for bottom, top, causal, with_grads, shifted in CALLS + [LONG]:
+        device, d_top = launch.distance_table(prior, theta, bottom, top, causal, with_grads, shifted)
+        host, _ = _host(prior, theta, bottom, top, causal, with_grads, shifted)
+        assert int(_ulps(device, host).max()) <= 1
+        # by hand, in float64: the shift is the largest value the queries see, first in table
+        # order (the largest distance among the ties), and each derivative loses its value there
+        d = (d_top - torch.arange(device.shape[2])).double()
+        cc = c.double()[:, None]
+        value = torch.where(d > 40, -torch.inf, torch.where(d < 8, 0.1 * cc, 0.3 * cc - 0.7))
+        tenth, three_tenths = torch.tensor([0.1, 0.3], dtype=torch.float64)   # (not float32)
+        grad = torch.where(d > 40, 0.0, torch.where(d < 8, tenth, three_tenths)).expand_as(value)
+        lo, hi = (max(bottom, 0), top) if causal else (bottom, top)
+        seen = (d >= lo) & (d <= hi)
+        if shifted:   # (a head that sees -inf alone keeps its values)
+            best = torch.where(seen, value, -torch.inf).argmax(1, keepdim=True)
+            shift = value.gather(1, best)
+            value = value - torch.where(torch.isinf(shift), 0.0, shift)
+            grad = grad - grad.gather(1, best)
+        grad = torch.where(value > -torch.inf, grad, 0.0)
+        base2 = (value.float().double() * 1.4426950408889634).float()
+        assert torch.equal(device[:, 0], base2), (bottom, top, causal)
+        if with_grads:
+            assert torch.equal(device[:, 1], grad.float()), (bottom, top, causal)
+        assert torch.isneginf(device[:, 0, d > 40]).all()
+
+
+def test_a_prior_the_kernel_cannot_print_keeps_the_hosts_table(tmp_path):
+    """A table prior that reads atan (no float64 form in Triton here) has no table kernel: the
+    Triton path builds its table with torch, and a call still runs."""
+    path = write_prior(tmp_path, """
+        name: arctan_prior
+        log_prior: -a * atan(Abs(d) / 16) ** 2
+        params:
+          a: {init: 0.5, domain: positive}
+        """)
+    module = bamgen.load(path, strategy="table")
+    prior = module._prior
+    assert prior.traits.table and "prior_distance" not in prior.triton_hooks
+    theta = make_theta(prior.traits, torch.zeros(1, 2, 4, 8), {"a": torch.tensor([0.5, 2.0])}, False)
+    for call in CALLS:
+        assert torch.equal(launch.distance_table(prior, theta, *call)[0], _host(prior, theta, *call)[0])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 19, 16, generator=g) for _ in range(3))
+    out = module.attention(q, k, v, a=torch.tensor([0.5, 2.0]), causal=True, backend="triton")
+    ref = module.attention(q, k, v, a=torch.tensor([0.5, 2.0]), causal=True, backend="torch")
+    assert (out - ref).abs().max() <= atol_for(torch.float32, ref)
