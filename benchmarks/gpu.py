@@ -634,12 +634,16 @@ def set_up(names, make, device, timer, rounds, unavailable) -> tuple[list[Peer],
     return peers, first
 
 
-def measure(peers: list[Peer], timer: Timer, repeats: int, unavailable: dict) -> dict:
+def measure(peers: list[Peer], timer: Timer, repeats: int, unavailable: dict,
+            each_round=None) -> dict:
     """Median seconds per (peer name, 'fwd' | 'bwd'), the peers taking turns every round, and
-    the median host seconds of those calls per (peer name, 'fwd_host' | 'bwd_host')."""
+    the median host seconds of those calls per (peer name, 'fwd_host' | 'bwd_host'). each_round:
+    called before every round but the first with (rounds done, the medians so far)."""
     samples: dict = {}
     live = list(peers)
-    for _ in range(repeats):
+    for done in range(repeats):
+        if each_round is not None and done:
+            each_round(done, _medians(samples, live))
         for peer in list(live):
             try:
                 samples.setdefault((peer.name, "fwd"), []).append(time_forward(timer, peer))
@@ -650,8 +654,20 @@ def measure(peers: list[Peer], timer: Timer, repeats: int, unavailable: dict) ->
             except Exception as err:
                 unavailable[peer.name] = _reason(err)
                 live.remove(peer)
+    return _medians(samples, live)
+
+
+def _medians(samples: dict, live: list[Peer]) -> dict:
     live_names = {p.name for p in live}
     return {key: statistics.median(ts) for key, ts in samples.items() if key[0] in live_names}
+
+
+def progress_of(progress, result_of):
+    """measure's each_round: hands progress the size's result from the rounds done so far,
+    marked partial (no agreement, no kernels: those read the last round's outputs)."""
+    if progress is None:
+        return None
+    return lambda done, times: progress({**result_of(times, final=False), "partial_rounds": done})
 
 
 # --------------------------------------------------------------------------------------------
@@ -793,7 +809,9 @@ def decode_agreement(peers: list[Peer]) -> dict:
             for a, b in pairs if a in by_name and b in by_name}
 
 
-def run_decode_config(cfg: DecodeConfig, names: list[str], args) -> dict:
+def run_decode_config(cfg: DecodeConfig, names: list[str], args, progress=None) -> dict:
+    """One decode size's result; progress (if given) takes it after every round but the last,
+    marked partial (progress_of)."""
     if cfg.device == "cuda":
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -802,11 +820,18 @@ def run_decode_config(cfg: DecodeConfig, names: list[str], args) -> dict:
     unavailable: dict = {}
     peers, first = set_up(names, lambda name: decode_peer(name, cfg, qkv), cfg.device, timer,
                           args.warmup, unavailable)
-    times = measure(peers, timer, args.repeats, unavailable)
+
+    def result_of(times, final=True):
+        return _decode_result(cfg, peers, first, times, dict(unavailable), args, final)
+    return result_of(measure(peers, timer, args.repeats, unavailable,
+                             progress_of(progress, result_of)))
+
+
+def _decode_result(cfg, peers, first, times, unavailable, args, final) -> dict:
     result = {"mode": "decode", "N": cfg.n, "B": cfg.batch, "H": cfg.heads, "Hk": cfg.kv_heads,
               "D": cfg.dim, "peers": {}, "unavailable": unavailable,
-              "agreement": decode_agreement(peers)}
-    if args.kernels and cfg.device == "cuda":   # a step's kernels beside the call's time
+              "agreement": decode_agreement(peers) if final else {}}
+    if final and args.kernels and cfg.device == "cuda":   # a step's kernels beside the call's time
         result["kernels"] = {p.name: kernel_times(p) for p in peers}
     for peer in peers:
         fwd = times.get((peer.name, "fwd"))
@@ -823,7 +848,9 @@ def run_decode_config(cfg: DecodeConfig, names: list[str], args) -> dict:
 # one configuration, and the tables
 
 
-def run_config(cfg: Config, names: list[str], args) -> dict:
+def run_config(cfg: Config, names: list[str], args, progress=None) -> dict:
+    """One size's result; progress (if given) takes it after every round but the last, marked
+    partial (progress_of): a run stopped at a time limit keeps the rounds it finished."""
     if cfg.device == "cuda":
         torch._dynamo.reset()  # drop the last size's compiled flex graphs
         torch.cuda.empty_cache()
@@ -834,17 +861,23 @@ def run_config(cfg: Config, names: list[str], args) -> dict:
                                                            args.forward_only
                                                            and name not in args.backward_peers),
                           cfg.device, timer, args.warmup, unavailable)
-    times = measure(peers, timer, args.repeats, unavailable)
-    errors = agreement(peers)
+
+    def result_of(times, final=True):
+        return _config_result(cfg, peers, first, times, dict(unavailable), args, final)
+    return result_of(measure(peers, timer, args.repeats, unavailable,
+                             progress_of(progress, result_of)))
+
+
+def _config_result(cfg, peers, first, times, unavailable, args, final) -> dict:
     result = {"N": cfg.n, "B": cfg.batch, "H": cfg.heads, "D": cfg.dim, "peers": {},
-              "unavailable": unavailable, "agreement": errors}
+              "unavailable": unavailable, "agreement": agreement(peers) if final else {}}
     variants = {p.name: p.variant.as_json() for p in peers if p.variant is not None}
     if variants:   # the pins, as fields for benchmarks/model_check.py
         result["variants"] = variants
     configs = {p.name: p.configs() for p in peers if p.configs is not None}
     if any(configs.values()):   # what the autotuners kept, for benchmarks/tutorial_model.py
         result["configs"] = {name: kept for name, kept in configs.items() if kept}
-    if args.kernels and cfg.device == "cuda":   # every peer's: SDPA's and flex's kernels too
+    if final and args.kernels and cfg.device == "cuda":   # every peer's: SDPA's and flex's too
         result["kernels"] = {p.name: kernel_times(p) for p in peers}
     for peer in peers:
         fwd, bwd = times.get((peer.name, "fwd")), times.get((peer.name, "bwd"))
@@ -1116,8 +1149,10 @@ def parse_args(argv):
     ap.add_argument("--backward-peers", nargs="+", type=peer_name, default=[], metavar="PEER",
                     help="with --forward-only, peers (of --peers) whose backward is timed and "
                          "profiled too: backward kernel variants beside the shipped kernel")
-    ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; medians reported")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before (compiles)")
+    ap.add_argument("--repeats", type=int, help="alternating rounds; medians reported (default 10; "
+                                                "--quick: 1)")
+    ap.add_argument("--warmup", type=int, help="untimed rounds before (compiles; default 2; "
+                                               "--quick: 1)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--markdown", metavar="PATH",
                     help="also write the set-up, one table of times and ratios, and the notes "
@@ -1132,17 +1167,19 @@ def parse_args(argv):
                          "of the bamgen ones (bamgen-ggd@gather=coalesced)")
     ap.add_argument("--quick", action="store_true",
                     help="CI smoke run on the CPU under the Triton interpreter, with checks "
-                         "(fixes H=2, B=1, fp32, one repeat)")
+                         "(fixes H=2, B=1, fp32; one repeat unless --repeats)")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.n = args.n or QUICK["n"]
         args.head_dim = args.head_dim or QUICK["head_dim"]
         args.heads, args.tokens, args.dtype = QUICK["heads"], QUICK["tokens"], QUICK["dtype"]
-        args.repeats, args.warmup = 1, 1
+        args.repeats, args.warmup = args.repeats or 1, args.warmup or 1
         args.decode_n = QUICK["decode_n"] if args.decode_n is None else args.decode_n
         args.decode_batch = args.decode_batch or QUICK["decode_batch"]
     args.n = args.n or GPU_NS
+    args.repeats = 10 if args.repeats is None else args.repeats
+    args.warmup = 2 if args.warmup is None else args.warmup
     args.decode_n = GPU_DECODE_NS if args.decode_n is None else args.decode_n
     args.decode_batch = args.decode_batch or GPU_DECODE_BATCHES
     args.kv_heads = args.kv_heads or max(1, args.heads // 4)
@@ -1179,15 +1216,20 @@ def main(argv=None) -> int:
     print(f"{env['device']}, torch {env['torch']}; peers: {' '.join(names)}", flush=True)
     results = []
 
-    def save():   # after every size, so that a run stopped at a time limit keeps what it measured
-        if args.json:
-            Path(args.json).write_text(json.dumps({"env": env, "args": vars(args),
-                                                   "results": results}, indent=1))
+    def save(partial=None):
+        """After every size, and within a size after every round (partial: its result so far),
+        so that a run stopped at a time limit keeps what it measured."""
+        if args.json:   # (written aside, then renamed: a kill mid-write leaves the last one)
+            path = Path(args.json)
+            aside = path.with_name(path.name + ".part")
+            aside.write_text(json.dumps({"env": env, "args": vars(args),
+                                         "results": results + [partial] * bool(partial)}, indent=1))
+            os.replace(aside, path)
     for dim in args.head_dim:
         for n in args.n:
             cfg = Config(n, max(1, args.tokens // n), args.heads, dim, DTYPES[args.dtype], device)
             t0 = time.perf_counter()
-            results.append(run_config(cfg, names, args))
+            results.append(run_config(cfg, names, args, save))
             save()
             print(f"N={n} D={dim} done in {time.perf_counter() - t0:.0f} s", flush=True)
     decode_names = args.decode_peers or default_decode_peers(args.quick)
@@ -1196,7 +1238,7 @@ def main(argv=None) -> int:
             for batch in args.decode_batch:
                 cfg = DecodeConfig(n, batch, args.heads, args.kv_heads, dim, DTYPES[args.dtype], device)
                 t0 = time.perf_counter()
-                results.append(run_decode_config(cfg, decode_names, args))
+                results.append(run_decode_config(cfg, decode_names, args, save))
                 save()
                 print(f"decode N={n} B={batch} D={dim} done in {time.perf_counter() - t0:.0f} s",
                       flush=True)

@@ -14,7 +14,8 @@ TorchDispatchMode; views and allocations launch nothing) and the Triton kernels,
 Triton launches stubbed so that nothing runs in the interpreter (the count does not depend on
 the values) and a GPU family's tiles (--family: how many dQ launches a prior's parameter
 gradients take). The inputs are made before the count. Multiplied by a launch's host time, it
-is the least host time a call takes on that machine.
+is the least host time a call takes on that machine. A table prior's distance table counts as
+its two Triton kernels (launch.distance_table; about forty torch operations before them).
 
 Counted on CPU tensors, where the functional API's parameter-domain check remembers values it
 has seen: on a GPU it runs each call, a few operations more and one wait for the device

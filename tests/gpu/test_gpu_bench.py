@@ -203,3 +203,36 @@ def test_a_bad_pinned_peer_is_refused_by_name(flag, name, words, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and words in err, err
+
+
+def test_a_run_stopped_within_a_size_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
+    """make gpu-check stops its benchmark step at a time limit: the step of the fifth GPU session
+    kept nothing of the size it was in. The JSON now holds, after every round, the size's result
+    so far, marked partial_rounds (no agreement or kernels: those read a finished round's
+    outputs); a finished size replaces it."""
+    import json
+    gpu = _load_script()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = {"n": 0}
+    timed = gpu.time_forward
+
+    def stopped_in_round_three(timer, peer):
+        calls["n"] += 1
+        if calls["n"] == 7:   # two peers' warm-ups, then two a round: the third round's first
+            raise KeyboardInterrupt("the step's time limit")
+        return timed(timer, peer)
+    monkeypatch.setattr(gpu, "time_forward", stopped_in_round_three)
+    out = tmp_path / "run.json"
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main(["--quick", "--n", "32", "--decode-n", "--forward-only", "--repeats", "4",
+                  "--peers", "bamgen-uniform", "sdpa", "--json", str(out)])
+    [partial] = json.loads(out.read_text())["results"]
+    assert partial["partial_rounds"] == 2 and partial["N"] == 32
+    assert set(partial["peers"]) == {"bamgen-uniform", "sdpa"}
+    assert all(p["fwd_s"] > 0 for p in partial["peers"].values())
+    assert partial["agreement"] == {} and "kernels" not in partial
+    monkeypatch.setattr(gpu, "time_forward", timed)
+    gpu.main(["--quick", "--n", "32", "--decode-n", "--forward-only", "--repeats", "2",
+              "--peers", "bamgen-uniform", "sdpa", "--json", str(out)])
+    [whole] = json.loads(out.read_text())["results"]
+    assert "partial_rounds" not in whole and "bamgen-uniform vs sdpa fwd" in whole["agreement"]
