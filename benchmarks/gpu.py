@@ -389,30 +389,33 @@ def bamgen_peer(prior: str, backend: str, cfg, qkv, dout, strategy: str | None =
 class Variant:
     """The pins of a ``bamgen-<prior>@<pins>`` peer: tile configs per kernel, the forward's
     table gather, whether the dQ and dK/dV kernels split off their steady runs and how the
-    forward reads K and V (None: the default)."""
+    forward reads K and V and where the distance table is built (None: the default)."""
     tiles: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     gather: str | None = None
     dq_split: bool | None = None
     dkdv_split: bool | None = None
     kv: str | None = None
+    table: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """``fwd=128x64x8x3,gather=direct,dq_split=off,dkdv_split=on,kv=pointers`` (ValueError
-        saying what is wrong)."""
-        from bamgen.runtime.triton.launch import KV_READS
+        """``fwd=128x64x8x3,gather=direct,dq_split=off,dkdv_split=on,kv=pointers,table=host``
+        (ValueError saying what is wrong)."""
+        from bamgen.runtime.triton.launch import KV_READS, TABLE_BUILDS
         from bamgen.runtime.triton.tiles import INTERPRET_TILES, TABLE_GATHERS
-        tiles, gather, splits, kv = {}, None, {}, None
+        tiles, gather, splits, kv, table = {}, None, {}, None, None
         for pin in text.split(","):
             key, _, value = pin.partition("=")
             if (key in tiles or key in splits or (key == "gather" and gather is not None)
-                    or (key == "kv" and kv is not None)):
+                    or (key == "kv" and kv is not None) or (key == "table" and table is not None)):
                 raise ValueError(f"pin {key!r} given twice: give each kernel's tile, the gather, "
-                                 f"each split and kv once")
+                                 f"each split, kv and table once")
             if key == "gather" and value in TABLE_GATHERS:
                 gather = value
             elif key == "kv" and value in KV_READS:
                 kv = value
+            elif key == "table" and value in TABLE_BUILDS:
+                table = value
             elif key in ("dq_split", "dkdv_split") and value in ("on", "off"):
                 splits[key] = value == "on"
             elif key in INTERPRET_TILES and len(value.split("x")) == 4 and all(
@@ -422,17 +425,20 @@ class Variant:
                 raise ValueError(
                     f"pin {pin!r}: write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages> with kernel "
                     f"one of {', '.join(INTERPRET_TILES)}, gather= one of {', '.join(TABLE_GATHERS)}, "
-                    f"or dq_split=on|off, dkdv_split=on|off, kv={'|'.join(KV_READS)}")
+                    f"or dq_split=on|off, dkdv_split=on|off, kv={'|'.join(KV_READS)}, "
+                    f"table={'|'.join(TABLE_BUILDS)}")
         return cls(tuple(sorted(tiles.items())), gather, splits.get("dq_split"),
-                   splits.get("dkdv_split"), kv)
+                   splits.get("dkdv_split"), kv, table)
 
     def context(self):
         from bamgen.runtime.triton.launch import pinned
-        return pinned(dict(self.tiles), self.gather, self.dq_split, self.dkdv_split, self.kv)
+        return pinned(dict(self.tiles), self.gather, self.dq_split, self.dkdv_split, self.kv,
+                      self.table)
 
     def as_json(self) -> dict:
         return {"tiles": {k: list(v) for k, v in self.tiles}, "gather": self.gather,
-                "dq_split": self.dq_split, "dkdv_split": self.dkdv_split, "kv": self.kv}
+                "dq_split": self.dq_split, "dkdv_split": self.dkdv_split, "kv": self.kv,
+                "table": self.table}
 
 
 def split_variant(name: str) -> tuple[str, Variant | None]:

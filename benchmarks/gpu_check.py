@@ -99,9 +99,12 @@ VARIANT_PEERS = ("bamgen-uniform", "bamgen-uniform@kv=tma", "bamgen-ggd",
                  "bamgen-ggd@fwd=128x64x8x2",
                  "bamgen-ggd@gather=direct", "bamgen-ssmax", "bamgen-ssmax@gather=direct",
                  "bamgen-ssmax@gather=async", "bamgen-ssmax-inline", *VARIANT_BACKWARD_PEERS)
-# and the decode kernel's table read (at head dim 128 its 16x128 tile has Q's shape) and its K and
-# V through TMA (tiles.DECODE_TMA_AT) against pointers: 64 sequences against 4096 cached keys
-VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced", "bamgen-ggd@kv=tma")
+# and the decode kernel's table read (at head dim 128 its 16x128 tile has Q's shape), its K and
+# V through TMA (tiles.DECODE_TMA_AT) against pointers, and the step with its distance table
+# built by torch on the host's orders (about forty launches) against the table kernels' two:
+# 64 sequences against 4096 cached keys
+VARIANT_DECODE_PEERS = ("bamgen-ggd", "bamgen-ggd@gather=coalesced", "bamgen-ggd@kv=tma",
+                        "bamgen-ggd@table=host")
 VARIANT_ARGS = ("--n 8192 --head-dim 64 128 --repeats 5 --warmup 1 --forward-only --kernels "
                 "--decode-n 4096 --decode-batch 64 --peers " + " ".join(VARIANT_PEERS)
                 + " --decode-peers " + " ".join(VARIANT_DECODE_PEERS)

@@ -88,14 +88,16 @@ class _Counted:
 @contextlib.contextmanager
 def stubbed_launches(counter: CountedLaunches):
     """Within it, every Triton launch of the eager path goes through `counter` instead (the
-    launchers' default `wrap`), put back after."""
+    launchers' default `wrap`), put back after, and a table prior's distance table is built as
+    on a GPU, by the table kernels."""
     from bamgen.runtime.triton import launch
     fns = (launch.forward_kernels, launch.decode, launch.backward_kernels, launch.distance_table)
     saved = [fn.__defaults__ for fn in fns]
     for fn in fns:
         fn.__defaults__ = fn.__defaults__[:-1] + (counter,)
     try:
-        yield
+        with launch.pinned(table="device"):   # (a GPU's table build; the CPU's is torch's)
+            yield
     finally:
         for fn, defaults in zip(fns, saved):
             fn.__defaults__ = defaults

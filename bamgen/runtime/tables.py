@@ -23,8 +23,11 @@ def distance_span(Nq, Nk, q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_
         longest_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
         longest_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
         return -(max(longest_k, 1) - 1), max(longest_q, 1) - 1
-    gap = torch.as_tensor(q_offset) - torch.as_tensor(k_offset)    # q_offset - k_offset per row
-    lo, hi = (int(gap.min()), int(gap.max())) if gap.dim() else (int(gap), int(gap))
+    if isinstance(q_offset, int) and isinstance(k_offset, int):   # (no tensor operation)
+        lo = hi = q_offset - k_offset
+    else:
+        gap = torch.as_tensor(q_offset) - torch.as_tensor(k_offset)    # q_offset - k_offset per row
+        lo, hi = (int(gap.min()), int(gap.max())) if gap.dim() else (int(gap), int(gap))
     return lo - (Nk - 1), hi + Nq - 1
 
 

@@ -1,7 +1,8 @@
 """The distance table built on the device (bamgen/runtime/triton/table.py, launch.distance_table)
-against the host's torch build (tables.prior_tables) that it replaces on the Triton path: the
-same entries, from the priors users ship and write, with the parameters, spans and flags their
-calls bring."""
+against the host's torch build (tables.prior_tables) that it replaces on the Triton path for CUDA
+tensors: the same entries, from the priors users ship and write, with the parameters, spans and
+flags their calls bring. (On CPU tensors the interpreter takes torch's build unless
+pinned(table="device"), as here: interpreted, the kernels cost 25-500x that build.)"""
 from __future__ import annotations
 
 import importlib
@@ -25,6 +26,12 @@ CALLS = [(-40, 40, True, True, True), (-300, 200, False, True, True), (90, 150, 
          (-60, 70, False, True, False), (-5, 5, True, False, True)]
 # a long bidirectional call: several programs per head in both passes (launch.TABLE_CHUNK)
 LONG = (-2600, 2500, False, True, True)
+
+
+def _device(prior, theta, *call):
+    """The table kernels' table, under the interpreter (pinned: CPU tensors take torch's)."""
+    with launch.pinned(table="device"):
+        return launch.distance_table(prior, theta, *call)
 
 
 def _host(prior, theta, *call):
@@ -69,7 +76,7 @@ def test_the_device_table_is_the_hosts_for_every_shipped_table_prior(name):
     for initial, values in ((True, module.default_params(3)), (False, _random_values(module, 3, g))):
         theta = make_theta(prior.traits, q, values, False)
         for call in CALLS + [LONG]:
-            device, d_top = launch.distance_table(prior, theta, *call)
+            device, d_top = _device(prior, theta, *call)
             host, host_top = _host(prior, theta, *call)
             assert d_top == host_top and device.shape == host.shape and device.dtype == host.dtype
             most = int(_ulps(device, host).max())
@@ -85,13 +92,13 @@ def test_a_prior_far_from_its_mode_and_a_nan_parameter():
               "mu": torch.tensor([1e6, 0.0, -20.0])}
     theta = make_theta(prior.traits, torch.zeros(1, 3, 4, 8), values, False)
     for call in CALLS:
-        device, _ = launch.distance_table(prior, theta, *call)
+        device, _ = _device(prior, theta, *call)
         host, _ = _host(prior, theta, *call)
         assert int(_ulps(device, host).max()) <= 1, call
         assert torch.isnan(device[1, 0]).all() and not device[1, 1:].any()   # (P is NaN there)
         if call[4]:   # shifted: not -(1e6 / 3) ** 1.5
             assert device[0, 0].abs().min() < 1e3
-    shifted_off = launch.distance_table(prior, theta, -60, 70, False, True, False)[0]
+    shifted_off = _device(prior, theta, -60, 70, False, True, False)[0]
     assert shifted_off[0, 0].abs().min() > 1e5   # the block API's table keeps the reference
 
 
@@ -113,7 +120,7 @@ def test_a_users_prior_with_decimal_constants_and_minus_infinity(tmp_path):
     c = torch.tensor([1.3, 0.1])
     theta = make_theta(prior.traits, torch.zeros(1, 2, 4, 8), {"c": c}, False)
     for bottom, top, causal, with_grads, shifted in CALLS + [LONG]:
-        device, d_top = launch.distance_table(prior, theta, bottom, top, causal, with_grads, shifted)
+        device, d_top = _device(prior, theta, bottom, top, causal, with_grads, shifted)
         host, _ = _host(prior, theta, bottom, top, causal, with_grads, shifted)
         assert int(_ulps(device, host).max()) <= 1
         # by hand, in float64: the shift is the largest value the queries see, first in table
@@ -152,9 +159,56 @@ def test_a_prior_the_kernel_cannot_print_keeps_the_hosts_table(tmp_path):
     assert prior.traits.table and "prior_distance" not in prior.triton_hooks
     theta = make_theta(prior.traits, torch.zeros(1, 2, 4, 8), {"a": torch.tensor([0.5, 2.0])}, False)
     for call in CALLS:
-        assert torch.equal(launch.distance_table(prior, theta, *call)[0], _host(prior, theta, *call)[0])
+        assert torch.equal(_device(prior, theta, *call)[0], _host(prior, theta, *call)[0])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 19, 16, generator=g) for _ in range(3))
     out = module.attention(q, k, v, a=torch.tensor([0.5, 2.0]), causal=True, backend="triton")
     ref = module.attention(q, k, v, a=torch.tensor([0.5, 2.0]), causal=True, backend="torch")
     assert (out - ref).abs().max() <= atol_for(torch.float32, ref)
+
+
+def test_a_pinned_host_build_is_torchs_and_a_bad_pin_is_named():
+    """pinned(table="host") (benchmarks/gpu.py's @table=host peers, which time a generation step
+    against the table kernels) takes torch's build, no kernel; a pin that is neither "host" nor
+    "device" is refused by name."""
+    from tests.helpers import ROOT, load_script
+    script = load_script(ROOT / "benchmarks" / "launches.py", "launches")
+    module = importlib.import_module("generated.generalized_gaussian")
+    prior = module._prior
+    theta = make_theta(prior.traits, torch.zeros(1, 3, 4, 8), module.default_params(3), False)
+    for pin, kernels in (("host", {}), ("device", {"_table_shift_parts": 1, "_distance_table": 1})):
+        counter = script.CountedLaunches()
+        with script.stubbed_launches(counter), launch.pinned(table=pin):   # (inner pin wins)
+            launch.distance_table(prior, theta, -40, 40, True, True, True)
+        assert dict(counter.kernels) == kernels, pin
+    with launch.pinned(table="host"):
+        table, _ = launch.distance_table(prior, theta, *CALLS[0])
+    assert torch.equal(table, _host(prior, theta, *CALLS[0])[0])
+    with pytest.raises(ValueError, match=r"pinned\(table=...\): 'cpu' is not one of device, host"):
+        with launch.pinned(table="cpu"):
+            pass
+
+
+@pytest.mark.parametrize("name", ["generalized_gaussian", "t5"])
+def test_a_training_step_on_the_device_table_is_the_hosts(name):
+    """A user's training step and a generation step through the Triton kernels reading the
+    table kernels' table give the bits they give reading torch's (the tables are equal at the
+    initial values): the kernels' layout, strides, base-2 slot and derivative slots are the
+    ones the attention kernels read."""
+    module = importlib.import_module(f"generated.{name}")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 37, 16, generator=g) for _ in range(3))
+    initial = module.default_params(4)   # (T5's are random: drawn once)
+    runs = []
+    for pin in ("device", "host"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        params = {n: t.clone().requires_grad_() for n, t in initial.items()}
+        with launch.pinned(table=pin):
+            out = module.attention(*leaves, **params, causal=True, backend="triton")
+            grads = torch.autograd.grad(out.square().sum(), leaves + list(params.values()))
+            with torch.no_grad():
+                step = module.attention(q[:, :, -1:], k, v, **initial, causal=True, q_offset=36,
+                                        backend="triton")
+        runs.append((out, *grads, step))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -147,30 +147,37 @@ class Pins:
     """Launch choices fixed for the calls inside pinned(): a tile config per kernel name
     (KERNELS' keys, "fwd", "bwd_dq", ...), the forward's table gather (TABLE_GATHERS) and
     whether the dQ and dK/dV kernels split off their steady runs (SPLIT_STEADY; None: the
-    tile table's), and how the forward and decode kernels read K and V (KV_READS: "tma" where
-    the layout allows it, kv_tma; None: what tiles.KV_TMA_SHIPPED ships, pointers)."""
+    tile table's), how the forward and decode kernels read K and V (KV_READS: "tma" where
+    the layout allows it, kv_tma; None: what tiles.KV_TMA_SHIPPED ships, pointers) and where a
+    table prior's distance table is built (TABLE_BUILDS: "host", torch's operations; "device",
+    the table kernels where the prior has them; None: the kernels for CUDA tensors,
+    distance_table)."""
     tiles: dict = field(default_factory=dict)
     gather: str | None = None
     dq_split: bool | None = None
     dkdv_split: bool | None = None
     kv: str | None = None
+    table: str | None = None
 
 
 KV_READS = ("pointers", "tma")
+TABLE_BUILDS = ("device", "host")
 
 
 _PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
 
 
 @contextlib.contextmanager
-def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None):
+def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None, table=None):
     """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
     tiles included), the forward and decode kernels read a table as ``gather`` says, and the
     dQ and dK/dV kernels split off their steady runs or not as ``dq_split`` and ``dkdv_split``
     (True or False) say (tiles.STEADY_AT otherwise), and the forward reads K and V as ``kv``
     says ("pointers", or "tma" wherever kv_tma allows it; its tile, unless pinned, is then
-    tiles.FWD_TMA_AT's where the prior's kind has one): so that a benchmark times one kernel
+    tiles.FWD_TMA_AT's where the prior's kind has one), and a table prior's distance table is
+    built as ``table`` says ("host": by torch's operations; "device": by the table kernels
+    where the prior has them, under the interpreter too): so that a benchmark times one kernel
     variant against another in the same process (benchmarks/gpu.py's bamgen-<prior>@...
     peers). A block inside another adds to its pins.
 
@@ -199,11 +206,14 @@ def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None):
     if kv is not None and kv not in KV_READS:
         raise ValueError(f"pinned(kv=...): {kv!r} is not one of {', '.join(KV_READS)} (or None: "
                          f"the tile table's choice)")
+    if table is not None and table not in TABLE_BUILDS:
+        raise ValueError(f"pinned(table=...): {table!r} is not one of {', '.join(TABLE_BUILDS)} "
+                         f"(or None: the device's where the prior has the table kernels)")
     outer = _PINS.get()
     token = _PINS.set(Pins({**outer.tiles, **{k: tuple(v) for k, v in tiles.items()}},
                            gather or outer.gather, outer.dq_split if dq_split is None else dq_split,
                            outer.dkdv_split if dkdv_split is None else dkdv_split,
-                           kv or outer.kv))
+                           kv or outer.kv, table or outer.table))
     try:
         yield
     finally:
@@ -576,11 +586,19 @@ def table_block(slots: int) -> int:
 
 def distance_table(prior, theta, bottom, top, causal, with_grads, shifted, wrap=eager_kernel):
     """The call's distance table as the kernels read it: tables.prior_tables's, with the value
-    slot in base 2 where the logit is s + log_prior (base2_log_prior). Built on the device in
-    two launches by the table kernels (table.py) where the prior has a float64 Triton form
-    (its prior_distance hook), else by torch (about 40 launches on a GPU). Returns
-    (table, d_top). wrap: how the kernel is launched (eager_kernel; launches.py counts)."""
-    if "prior_distance" not in prior.triton_hooks:
+    slot in base 2 where the logit is s + log_prior (base2_log_prior). For CUDA tensors, built
+    on the device in two launches by the table kernels (table.py) where the prior has a float64
+    Triton form (its prior_distance hook), else by torch (about 40 launches on a GPU). Returns
+    (table, d_top). wrap: how the kernel is launched (eager_kernel; launches.py counts).
+
+    On CPU tensors (the interpreter) torch builds it: launches cost nothing there, and the
+    interpreted kernels took 0.1 s a call for GGD and 1 s for T5, 25-500x torch's build.
+    pinned(table="device") takes the kernels there too (tests/runtime/test_table_kernel.py
+    holds them to torch's build), pinned(table="host") torch's build on a GPU
+    (benchmarks/gpu.py's @table=host peers)."""
+    pin = _PINS.get().table
+    kernels = pin == "device" or (pin is None and theta.is_cuda)
+    if "prior_distance" not in prior.triton_hooks or not kernels:
         table, d_top = prior_tables(prior, theta, bottom, top, causal, with_grads, shifted)
         return (base2_log_prior(table) if prior.traits.score_is_s else table), d_top
     Hq = theta.shape[0]
