@@ -644,12 +644,10 @@ def measure(peers: list[Peer], timer: Timer, repeats: int, unavailable: dict,
             each_round=None) -> dict:
     """Median seconds per (peer name, 'fwd' | 'bwd'), the peers taking turns every round, and
     the median host seconds of those calls per (peer name, 'fwd_host' | 'bwd_host'). each_round:
-    called before every round but the first with (rounds done, the medians so far)."""
+    called after every round with (rounds done, the medians so far)."""
     samples: dict = {}
     live = list(peers)
-    for done in range(repeats):
-        if each_round is not None and done:
-            each_round(done, _medians(samples, live))
+    for done in range(1, repeats + 1):
         for peer in list(live):
             try:
                 samples.setdefault((peer.name, "fwd"), []).append(time_forward(timer, peer))
@@ -660,6 +658,8 @@ def measure(peers: list[Peer], timer: Timer, repeats: int, unavailable: dict,
             except Exception as err:
                 unavailable[peer.name] = _reason(err)
                 live.remove(peer)
+        if each_round is not None:
+            each_round(done, _medians(samples, live))
     return _medians(samples, live)
 
 
@@ -816,8 +816,8 @@ def decode_agreement(peers: list[Peer]) -> dict:
 
 
 def run_decode_config(cfg: DecodeConfig, names: list[str], args, progress=None) -> dict:
-    """One decode size's result; progress (if given) takes it after every round but the last,
-    marked partial (progress_of)."""
+    """One decode size's result; progress (if given) takes it after every round, marked
+    partial (progress_of)."""
     if cfg.device == "cuda":
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -855,8 +855,9 @@ def _decode_result(cfg, peers, first, times, unavailable, args, final) -> dict:
 
 
 def run_config(cfg: Config, names: list[str], args, progress=None) -> dict:
-    """One size's result; progress (if given) takes it after every round but the last, marked
-    partial (progress_of): a run stopped at a time limit keeps the rounds it finished."""
+    """One size's result; progress (if given) takes it after every round, marked partial
+    (progress_of): a run stopped at a time limit keeps the rounds it finished, and those of a
+    size whose agreement and kernels it was still reading."""
     if cfg.device == "cuda":
         torch._dynamo.reset()  # drop the last size's compiled flex graphs
         torch.cuda.empty_cache()
@@ -1180,7 +1181,8 @@ def parse_args(argv):
         args.n = args.n or QUICK["n"]
         args.head_dim = args.head_dim or QUICK["head_dim"]
         args.heads, args.tokens, args.dtype = QUICK["heads"], QUICK["tokens"], QUICK["dtype"]
-        args.repeats, args.warmup = args.repeats or 1, args.warmup or 1
+        args.repeats = 1 if args.repeats is None else args.repeats
+        args.warmup = 1 if args.warmup is None else args.warmup
         args.decode_n = QUICK["decode_n"] if args.decode_n is None else args.decode_n
         args.decode_batch = args.decode_batch or QUICK["decode_batch"]
     args.n = args.n or GPU_NS

@@ -423,13 +423,17 @@ def _init_lines(plan: KernelPlan) -> list[str]:
     return lines
 
 
+# bamgen/runtime/triton/helpers.py's HOOK_HELPERS, named here: the compiler imports no Triton
+HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector", "_load_vector64",
+                "_pow64", "_sinh64", "_cosh64", "_tanh64")
+
+
 def _triton_globals(hooks: list[Hook]) -> list[str]:
     """`tl` and the runtime's helpers (bamgen/runtime/triton/helpers.py, HOOK_HELPERS) that
     the Triton hooks call: names the module binds when its kernels are first made."""
     text = "\n".join(code for h in hooks for code in (*h.unpack, *(c for _, c in h.statements),
                                                       h.result))
-    return ["tl"] + [name for name in ("_atan", "_element", "_index_floor", "_index_ceil",
-                                       "_load_vector", "_load_vector64", "_pow64") if re.search(rf"\b{name}\(", text)]
+    return ["tl"] + [name for name in HOOK_HELPERS if re.search(rf"\b{name}\(", text)]
 
 
 def _runtime_imports(plan: KernelPlan) -> list[str]:

@@ -90,10 +90,10 @@ class TablePlan:
 
 @dataclass(frozen=True)
 class DistanceTable:
-    """The log-prior as a function of the distance d alone, printed for torch: evaluated once per
-    (head, distance) in float64 on the host, it fills the GPU kernels' tables (table strategy)
-    and the CPU path's (a bias for a logit s + f(d); the entries tab_v, tab_<p> that `logit` and
-    `backward` read for any other score)."""
+    """The log-prior as a function of the distance d alone, printed for torch (and for float64
+    Triton: `triton`): evaluated once per (head, distance) in float64, it fills the GPU kernels'
+    tables (table strategy) and the CPU path's (a bias for a logit s + f(d); the entries tab_v,
+    tab_<p> that `logit` and `backward` read for any other score)."""
     code: CodeBlock                # over pos_d: outputs the log-prior, then one per grad
     grads: tuple[str, ...]         # d log_prior / d p for these learnable parameters, in order
     logit: CodeBlock               # torch: the logit over s, tab_v and positions

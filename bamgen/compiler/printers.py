@@ -29,7 +29,7 @@ def prepare(expr: sp.Expr, *, target: str) -> sp.Expr:
     Both passes visit each distinct sub-expression once: an expression is a DAG (the derivative
     of tanh(tanh(tanh(u))) refers to each inner tanh many times), and a walk of the tree it
     stands for can be exponentially longer."""
-    if target in ("triton", "triton64"):
+    if target == "triton":   # (float64 Triton has helpers for them: _sinh64, _cosh64, _tanh64)
         expr = _bottom_up(expr, _hyperbolic_to_exp)
     return _bottom_up(expr, _fold_number)
 
@@ -292,12 +292,15 @@ class TritonFloat64Printer(TritonPrinter):
 
     Triton types a literal by what it meets: with a float64 operand it is float64, exactly, but
     a select or a sum of two literals alone is float32. A literal that float32 cannot hold
-    exactly (0.1) is printed as a float64 scalar so that no expression rounds it; powers go
-    through _pow64 (pow's special cases kept: x**0 = 1, a negative base to an integer power).
-    A formula that reads atan (no float64 form here), sin or cos keeps the host's torch build:
-    libdevice's float64 sin and cos each take a stack frame for their range reduction, and
-    Sandwich's 64 cosines compiled for 21 s into a kernel with 13 kB of stack."""
-    functions = {**TritonPrinter.functions, "atan": None, "sin": None, "cos": None}
+    exactly (0.1) is printed as a float64 scalar so that no expression rounds it, and so is a
+    number raised to a power (2**x: a literal argument of a helper is float32). Powers go
+    through _pow64 (pow's special cases kept: x**0 = 1, a negative base to an integer power);
+    sinh, cosh and tanh through helpers that take a series near 0, where the exponentials'
+    difference cancels. A formula that reads atan (no float64 form here), sin or cos keeps the
+    host's torch build: libdevice's float64 sin and cos each take a stack frame for their range
+    reduction, and Sandwich's 64 cosines compiled for 21 s into a kernel with 13 kB of stack."""
+    functions = {**TritonPrinter.functions, "atan": None, "sin": None, "cos": None,
+                 "sinh": "_sinh64({})", "cosh": "_cosh64({})", "tanh": "_tanh64({})"}
     float64 = "{}"   # every value already is
 
     def _print_Float(self, expr):
@@ -327,6 +330,11 @@ class TritonFloat64Printer(TritonPrinter):
     _print_atan = _print_Function
     _print_sin = _print_Function
     _print_cos = _print_Function
+
+    def _print_Pow(self, expr, rational=False):
+        if expr.base.is_Number and not expr.exp.is_Number:
+            return self.power(f"tl.full([], {float(expr.base)!r}, tl.float64)", self._print(expr.exp))
+        return super()._print_Pow(expr, rational)
 
     def rsqrt(self, x):
         return f"(1.0/tl.sqrt({x}))"

@@ -9,7 +9,7 @@ custom ops are that prior's view of this package (docs/architecture.md, "The run
     prior.py       Prior, TorchHooks, triton_hook: the binding
     checks.py      argument checks and the layout (offsets, key_mask, packed documents)
     params.py      parameters: per-head columns, domains, theta
-    tables.py      the prior per distance (float64 on the host) and the key counts n
+    tables.py      the prior per distance (float64, torch's build) and the key counts n
     cpu/           the torch path: forward, backward, decode step
     triton/        the Triton kernels (written once, the prior entering as hooks) and launches
     autograd.py    the backend dispatch and the autograd Function

@@ -73,8 +73,8 @@ TRAINING = ("--kernel", "bwd_preprocess", "--kernel", "attn_bwd_dkdv", "--kernel
 def test_kernels_compile_for_gpu(prior, arch, head_dim):
     decode = prior.stem in REPRESENTATIVE
     report = _inspect(prior, arch, head_dim, *(() if decode else TRAINING))
-    # (tables are filled on the host)
-    # (the training kernels alone where not decode: --kernel)
+    # (the training kernels alone where not decode: --kernel; a table prior's table kernels with
+    # the decode kernels: table_kernels)
     assert {k["name"] for k in report["kernels"]} == (KERNELS | table_kernels(prior) if decode
                                                      else KERNELS - DECODE)
     for kernel in report["kernels"]:
@@ -688,3 +688,37 @@ def test_positional_kernels_compile_without_spills(prior, arch, head_dim, layout
         assert kernel["stack_bytes"] == 0 and kernel["spill_bytes"] == 0, kernel
         if kernel["name"] not in NO_MMA:
             assert kernel["main_loop"]["mma"] > 0, kernel["name"]
+
+
+TABLE_KERNELS_SCRIPT = r"""
+import json, sys
+from bamgen.aot import compile_spec
+from bamgen.driver.loader import load_prior
+from bamgen.resources import shipped_prior, shipped_priors
+arch = sys.argv[1]
+out = []
+for path in shipped_priors():
+    module = load_prior(shipped_prior(path.stem))
+    for spec in module.triton_kernel_specs("bf16", 64, True, arch=arch):
+        if spec[0] in ("table_shift", "distance_table"):
+            k = compile_spec(spec, arch)
+            out.append([path.stem, k.name, k.registers, k.stack_bytes, k.local_bytes])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_80", marks=pytest.mark.aot_full)])
+def test_every_table_priors_table_kernels_compile_without_spills(arch):
+    """The two kernels that build a table prior's distance table on the device
+    (runtime/triton/table.py), for every shipped prior that has them (Sandwich's cosines do
+    not: its table stays torch's), compile with no stack: T5's 33 slots in float64 spilled 840
+    bytes with 512-entry steps, and take 128 (launch.table_block)."""
+    res = run_script_aot(TABLE_KERNELS_SCRIPT, arch)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    built = {prior for prior, *_ in rows}
+    assert built == {p.stem for p in PRIORS if table_kernels(p)} and "sandwich" not in built
+    assert len(rows) == 2 * len(built)
+    for prior, name, registers, stack, spill in rows:
+        assert 0 < registers <= 255 and stack == 0 and spill == 0, (prior, name, registers, stack)

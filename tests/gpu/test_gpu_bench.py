@@ -209,8 +209,8 @@ def test_a_bad_pinned_peer_is_refused_by_name(flag, name, words, capsys):
 def test_a_run_stopped_within_a_size_keeps_the_rounds_it_finished(tmp_path, monkeypatch):
     """make gpu-check stops its benchmark step at a time limit: the step of the fifth GPU session
     kept nothing of the size it was in. The JSON now holds, after every round, the size's result
-    so far, marked partial_rounds (no agreement or kernels: those read a finished round's
-    outputs); a finished size replaces it."""
+    so far, marked partial_rounds (no agreement or kernels, which it reads after the last
+    round); a finished size replaces it."""
     import json
     gpu = _load_script()
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -6,14 +6,18 @@ pinned(table="device"), as here: interpreted, the kernels cost 25-500x that buil
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import bamgen
 from bamgen.runtime.params import theta as make_theta
 from bamgen.runtime.tables import prior_tables
 from bamgen.runtime.triton import launch
+from bamgen.runtime.triton.helpers import _pow64
 from tests.helpers import write_prior
 from tests.tolerance import atol_for
 
@@ -133,7 +137,10 @@ def test_a_users_prior_with_decimal_constants_and_minus_infinity(tmp_path):
         lo, hi = (max(bottom, 0), top) if causal else (bottom, top)
         seen = (d >= lo) & (d <= hi)
         if shifted:   # (a head that sees -inf alone keeps its values)
-            best = torch.where(seen, value, -torch.inf).argmax(1, keepdim=True)
+            # argmax over the visible entries alone (all -inf: the first of them, not the row's)
+            first = int(seen.nonzero()[0, 0]) if seen.any() else 0
+            best = first + value[:, seen].argmax(1, keepdim=True) if seen.any() else \
+                torch.zeros(2, 1, dtype=torch.int64)
             shift = value.gather(1, best)
             value = value - torch.where(torch.isinf(shift), 0.0, shift)
             grad = grad - grad.gather(1, best)
@@ -212,3 +219,62 @@ def test_a_training_step_on_the_device_table_is_the_hosts(name):
         runs.append((out, *grads, step))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_a_users_powers_of_numbers_and_hyperbolics_near_zero(tmp_path):
+    """A number to a variable power (2 ** (-|d| / 7): the literal must not reach _pow64 as
+    float32) and sinh, tanh at arguments near 0 (1e-12 |d|: their exponential forms cancel to
+    four digits there), as a user writes them: the device's table within one float32 ulp of
+    torch's."""
+    path = write_prior(tmp_path, """
+        name: hyperbolic
+        log_prior: -c * 1e12 * sinh(Abs(d) * 1e-12) + 2 ** (-Abs(d) / 7) + 1e12 * tanh(d * 1e-12) - cosh(d / 50)
+        params:
+          c: {init: 0.05, domain: positive}
+        """)
+    module = bamgen.load(path, strategy="table")
+    prior = module._prior
+    assert "prior_distance" in prior.triton_hooks
+    hook = inspect.getsource(module.prior_distance)
+    assert "_sinh64(" in hook and "_tanh64(" in hook and "_cosh64(" in hook
+    assert "_pow64(tl.full([], 2.0, tl.float64)" in hook
+    theta = make_theta(prior.traits, torch.zeros(1, 2, 4, 8), {"c": torch.tensor([0.05, 0.3])}, False)
+    for call in CALLS + [LONG]:
+        device, _ = _device(prior, theta, *call)
+        host, _ = _host(prior, theta, *call)
+        assert int(_ulps(device, host).max()) <= 1, call
+
+
+def test_the_compiler_names_the_helpers_the_runtime_binds():
+    """codegen.HOOK_HELPERS (the compiler imports no Triton) is helpers.HOOK_HELPERS."""
+    from bamgen.compiler import codegen
+    from bamgen.runtime.triton import helpers
+    assert codegen.HOOK_HELPERS == helpers.HOOK_HELPERS
+
+
+@triton.jit
+def _powers(B, E, O, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(O + i, _pow64(tl.load(B + i), tl.load(E + i)))
+
+
+def test_pow64_keeps_pows_special_cases():
+    """helpers._pow64, the printed power of the table kernels, against torch.pow over bases and
+    exponents that take each special case: x**0 = 1 and 1**y = 1 (NaN too), (+-1)**inf = 1,
+    0 to a negative power inf, a negative base's integer powers signed and other powers NaN,
+    -inf's non-integer powers those of +inf; elsewhere within 1e-13 relative (exp(y log x)).
+    (-0.0 takes +0.0's powers: a distance table never holds -0.0 bases.)"""
+    inf, nan = float("inf"), float("nan")
+    bases = [0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.7, -3.7, inf, -inf, nan, 1e-300, 1e300]
+    exps = [0.0, 1.0, -1.0, 2.0, -2.0, 3.0, -3.0, 0.5, -0.5, 2.5, inf, -inf, nan, 7.25, -40.0]
+    b, e = (t.reshape(-1).contiguous() for t in torch.meshgrid(
+        torch.tensor(bases, dtype=torch.float64), torch.tensor(exps, dtype=torch.float64), indexing="ij"))
+    n = 1 << (b.numel() - 1).bit_length()
+    b, e = (torch.nn.functional.pad(t, (0, n - t.numel()), value=1.0) for t in (b, e))
+    out = torch.empty_like(b)
+    _powers[(1,)](b, e, out, N=n)
+    want = torch.pow(b, e)
+    same = (out == want) | (torch.isnan(out) & torch.isnan(want))
+    close = torch.isfinite(want) & ((out - want).abs() <= 1e-13 * want.abs())
+    bad = ~(same | close)
+    assert not bad.any(), list(zip(b[bad].tolist(), e[bad].tolist(), out[bad].tolist(), want[bad].tolist()))

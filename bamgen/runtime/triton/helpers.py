@@ -238,19 +238,45 @@ def _pow64(base, exp):
     integer distance often is: so the exponents 1, 2 and -1 (GGD's and KERPLE's usual initial
     values) are taken exactly, as pow does."""
     size = tl.abs(base)
-    mag = tl.exp(exp * tl.log(size))
+    mag = tl.where(size == 1.0, 1.0, tl.exp(exp * tl.log(size)))   # (+-1)**inf = 1: not inf * 0
     mag = tl.where(exp == 1.0, size, tl.where(exp == 2.0, size * size,
                                                tl.where(exp == -1.0, 1.0 / size, mag)))
     even = tl.floor(exp * 0.5) * 2.0 == exp
-    signed = tl.where(exp == tl.floor(exp), tl.where(even, mag, -mag), float("nan"))
+    # a negative base: its integer powers signed, -inf's others as +inf's, the rest NaN
+    signed = tl.where(exp == tl.floor(exp), tl.where(even, mag, -mag),
+                      tl.where(base == -float("inf"), mag, float("nan")))
     out = tl.where(base < 0.0, signed, mag)
     return tl.where(exp == 0.0, 1.0, tl.where(base == 1.0, 1.0, out))
+
+
+@triton.jit
+def _sinh64(x):
+    """sinh in float64: its series where |x| < 1e-2 (exp(x) - exp(-x) cancels there: at 1e-10
+    it keeps six digits), the exponentials elsewhere (relative error about 1e-14 at 1e-2)."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (1.0 / 6.0 + x2 * (1.0 / 120.0 + x2 * (1.0 / 5040.0 + x2 / 362880.0))))
+    return tl.where(tl.abs(x) < 1e-2, series, 0.5 * (tl.exp(x) - tl.exp(-x)))
+
+
+@triton.jit
+def _cosh64(x):
+    """cosh in float64 (a sum: nothing cancels)."""
+    return 0.5 * (tl.exp(x) + tl.exp(-x))
+
+
+@triton.jit
+def _tanh64(x):
+    """tanh in float64: its series where |x| < 1e-2, else 1 - 2 / (exp(2x) + 1), which is -1 or
+    1 where exp overflows (the textbook quotient would be inf / inf)."""
+    x2 = x * x
+    series = x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0 - x2 * 62.0 / 2835.0))))
+    return tl.where(tl.abs(x) < 1e-2, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
 # The helpers a generated module's Triton hooks may call, bound into its namespace when its
 # kernels are first made (bamgen.runtime.prior.Prior.kernels).
 HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector", "_load_vector64",
-                "_pow64")
+                "_pow64", "_sinh64", "_cosh64", "_tanh64")
 
 
 @triton.jit

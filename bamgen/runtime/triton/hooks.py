@@ -13,8 +13,9 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
   SCORE_IS_S      the logit is s + log_prior: the kernels compute (q.k * scale + bias) * log2(e),
                   d logit / d s = 1 and prior_grads gives the parameter derivatives alone
   HAS_BIAS        (SCORE_IS_S, inline strategy) prior_bias gives a log-prior that is not 0
-  TABLE           table strategy: the prior is gathered from a distance table built on the host
-                  (bamgen/runtime/tables.py); hooks read the entries in `tab`
+  TABLE           table strategy: the prior is gathered from a distance table built per call (by
+                  the table kernels from prior_distance, table.py; or by torch,
+                  bamgen/runtime/tables.py); hooks read the entries in `tab`
   TABLE_SLOTS     entries per distance in the table: the log-prior, then one per tabulated
                   parameter derivative
   TABLE_WIDTH     floats per distance of the dQ kernel's interleaved table (groups of four read

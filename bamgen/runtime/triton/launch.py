@@ -10,8 +10,8 @@ in the call plus TABLE_PAD), tab_slot (entries per table: Nq + Nk - 1 + 2 TABLE_
 tab_stride_h (floats per head); the kernels take d_top_b = d_top + TABLE_ROW_BIAS (TABLE_ROW_ARGS).
 Entry t of a table holds distance d_top - t: a query's entries, by increasing key position, are
 then consecutive in memory, and TABLE_PAD entries either side keep the masked-off corners of edge
-tiles inside the table, so the loads need no mask. The tables are filled on the host, in float64
-(bamgen/runtime/tables.py).
+tiles inside the table, so the loads need no mask. The tables are filled in float64: for CUDA
+tensors by the table kernels (table.py, distance_table), else by torch (bamgen/runtime/tables.py).
 """
 from __future__ import annotations
 
@@ -365,8 +365,8 @@ def upcast_dot(dtype):
 
 def prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, with_grads, shifted, table=None, n=None,
                  key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, span=None):
-    """What the kernels read of the prior, built on the host: (table, d_top, window, counts).
-    table: the call's distance table (_prior_tables, with its derivative slots if with_grads),
+    """What the kernels read of the prior: (table, d_top, window, counts). table: the call's
+    distance table (distance_table, with its derivative slots if with_grads),
     or the forward's when given; theta itself, a placeholder, for the inline strategy, whose
     kernels take the table arguments and ignore them. window: _prior_window; counts:
     _row_key_counts (n: its override). span: the distances of integer position tensors

@@ -94,7 +94,7 @@ def _table_shift_parts(Theta, stride_theta_h, Best, BestT, Nan, d_top, t_lo, t_h
                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 1, one program per (head, CHUNK entries of [t_lo, t_hi]): _visible_best of its
     entries into Best, BestT, Nan [Hq, num_parts]."""
-    h = tl.program_id(0)
+    h = tl.program_id(0)   # (int32: theta and the parts are small)
     part = tl.program_id(1)
     start = t_lo + part * CHUNK
     best, best_t, nan = _visible_best(Theta + h * stride_theta_h, d_top, start,
@@ -111,7 +111,7 @@ def _distance_table(Theta, stride_theta_h, Out, stride_out_h, stride_out_s, Best
     """Pass 2, one program per (head, CHUNK entries): Out[h, s, t], entry s of distance
     d_top - t, shifted by the head's best of pass 1's parts (the first part's first entry
     among equals, as argmax)."""
-    h = tl.program_id(0)
+    h = tl.program_id(0).to(tl.int64)   # (a head's offset passes 2**31 for T5 at 1M tokens)
     Theta_h = Theta + h * stride_theta_h
     Out_h = Out + h * stride_out_h
     shift = tl.full([], 0.0, tl.float64)
