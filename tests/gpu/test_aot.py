@@ -670,7 +670,8 @@ def test_inspect_refuses_the_table_at_positions_for_a_prior_without_one():
 @pytest.mark.parametrize("prior, arch, head_dim, layout", POSITION_TABLE_MATRIX)
 def test_table_kernels_at_integer_positions_compile_without_spills(prior, arch, head_dim, layout):
     report = _inspect(PRIOR_DIR / f"{prior}.yaml", arch, head_dim, "--layout", layout)
-    assert {k["name"] for k in report["kernels"]} == KERNELS - DECODE | table_kernels(prior)
+    # (the table kernels are the same in every layout: compiled with the plain one)
+    assert {k["name"] for k in report["kernels"]} == KERNELS - DECODE
     for kernel in report["kernels"]:
         assert 0 < kernel["registers"] <= 255, kernel
         assert kernel["shared_bytes"] <= SHARED_LIMIT[arch], kernel

@@ -579,8 +579,12 @@ TABLE_CHUNK = 2048   # entries per program of the table kernels
 
 
 def table_block(slots: int) -> int:
-    """Distances per step of the table kernel: each thread holds its distances' entries in
-    float64, so a prior of many slots (T5's 33) takes fewer at a time, or it spills."""
+    """Distances per step of the table kernels: each thread holds its distances' entries in
+    float64, so a prior of many slots (T5's 33) takes fewer at a time, or it spills. The
+    interpreter, whose cost is per operation rather than per entry, takes a program's whole
+    chunk in one step (T5's table tests: 21 s each at 128)."""
+    if interpreting():
+        return TABLE_CHUNK
     return 512 if slots <= 8 else 128
 
 
@@ -1009,7 +1013,8 @@ def kernel_specs(prior, dtype="bf16", head_dim=64, causal=True, arch="sm_90", ca
              dict(PartO="*fp32", PartM="*fp32", PartL="*fp32", O=ptr, Mrow="*fp32", Lrow="*fp32"),
              None),
         ]
-    if prior.traits.table and "prior_distance" in prior.triton_hooks:   # (distance_table)
+    # (distance_table's kernels, the same in every layout: compiled with the plain one)
+    if prior.traits.table and "prior_distance" in prior.triton_hooks and layout == "plain":
         slots = 1 + len(prior.traits.table_grads)
         parts = dict(Best="*fp64", BestT="*i32", Nan="*i32")
         plans += [("table_shift", kernels["table_shift"], None, dict(Theta="*fp32", **parts),
