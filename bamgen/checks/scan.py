@@ -100,6 +100,9 @@ class _TorchShim:
         x = self._t(x)
         return x if dtype is None else x.to(dtype)
 
+    def tensor(self, x, dtype=None):   # (a float64 branch of the table's code: the scan's dtype)
+        return self._t(x)
+
     def where(self, c, a, b):
         return torch.where(self._t(c).bool(), self._t(a), self._t(b))
 

@@ -251,7 +251,7 @@ def _plan(ir: PriorIR, strategy: str | None, positional: bool = False) -> Kernel
         table_names.update(_table_names(split, ir))
         table_exprs = [split.value] + [g for _, g in split.value_grads]
         distance_table = DistanceTable(
-            code=_code_block(table_exprs, names, "torch"),
+            code=_code_block(table_exprs, names, "torch64"),
             triton=_float64_triton_block(table_exprs, names),
             grads=tuple(name for name, _ in split.value_grads),
             logit=_row_first_logit(split.logit, _per_score(ir, [TABLE_VALUE]), table_names),

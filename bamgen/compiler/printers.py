@@ -243,10 +243,14 @@ class _KernelPrinter(StrPrinter):
 
     # conditions -----------------------------------------------------------------------
     def _print_Piecewise(self, expr):
-        out = self._print(expr.args[-1].expr)
+        out = self._branch(expr.args[-1].expr)
         for piece in reversed(expr.args[:-1]):
-            out = self.where.format(self._print(piece.cond), self._print(piece.expr), out)
+            out = self.where.format(self._print(piece.cond), self._branch(piece.expr), out)
         return out
+
+    def _branch(self, expr):
+        """A Piecewise branch's value as a select takes it."""
+        return self._print(expr)
 
     def _print_Relational(self, expr):
         ops = {"==": "==", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}
@@ -377,15 +381,28 @@ class TorchPrinter(_KernelPrinter):
         return f"torch.pow({base}, {exp})"
 
 
-PRINTERS = {"triton": TritonPrinter, "triton64": TritonFloat64Printer, "torch": TorchPrinter}
+class TorchFloat64Printer(TorchPrinter):
+    """Prints the distance table's torch code, over float64 distances and parameters. A branch
+    of a Piecewise that is a number float32 cannot hold (0.1) is printed as a float64 tensor:
+    torch.where takes two Python floats as float32, and the table would round them twice."""
+
+    def _branch(self, expr):
+        text = self._print(expr)
+        if expr.is_Number and expr.is_finite and float(_as_float32(float(expr))) != float(expr):
+            return f"torch.tensor({text}, dtype=torch.float64)"
+        return text
+
+
+PRINTERS = {"triton": TritonPrinter, "triton64": TritonFloat64Printer, "torch": TorchPrinter,
+            "torch64": TorchFloat64Printer}
 
 
 def print_expr(expr: sp.Expr, names: Mapping[sp.Symbol, str], *, target: str,
                exact: bool = False) -> str:
-    """Print one prepared expression for ``target`` ("triton", "triton64": float64 Triton, or
-    "torch"); exact: in float64."""
+    """Print one prepared expression for ``target`` ("triton", "triton64": float64 Triton,
+    "torch", "torch64": the distance table's torch); exact: in float64."""
     return PRINTERS[target](names, exact=exact).doprint(expr)
 
 
 __all__ = ["prepare", "print_expr", "ExpressionTooLarge", "NotARealNumber", "TritonPrinter",
-           "TritonFloat64Printer", "TorchPrinter"]
+           "TritonFloat64Printer", "TorchPrinter", "TorchFloat64Printer"]
