@@ -30,7 +30,8 @@ step has seen fail by then are named, BAMGEN_FAILURES_AT_ONCE in tests/conftest.
    strategy, ``bamgen-ssmax-inline``, which the model step leaves out; forwards alone, but
    the backwards of the dK/dV kernel's two variants, VARIANT_BACKWARD_PEERS;
    N = 8192 at head dims 64 and 128, the shape of the points already fitted; and the decode
-   kernel's table read, 64 sequences against 4096 cached keys), its table to
+   kernel's table read, its K and V through TMA and its step with the distance table built by
+   torch instead of the table kernels, 64 sequences against 4096 cached keys), its table to
    <device>-<date>-variants.md and its JSON beside it;
 5. ``benchmark``: benchmarks/gpu.py on a bounded set of sizes (BENCH_ARGS), which writes its
    report, one markdown table of times and ratios, to docs/results/gpu/<device>-<date>.md (and
