@@ -25,8 +25,8 @@ import sympy as sp
 from .. import __version__
 from .lower import CodeBlock, KernelPlan
 from ..resources import template_dir
-from ..runtime.traits import (GRAD_CLAMPED, GRAD_LOGIT_FACTOR, GRAD_TABLE, RUNTIME_ABI,
-                             ParamTraits, PriorTraits)
+from ..runtime.traits import (GRAD_CLAMPED, GRAD_LOGIT_FACTOR, GRAD_TABLE, HOOK_HELPERS,
+                             RUNTIME_ABI, ParamTraits, PriorTraits)
 from .spec import PriorSpec
 from .tiles import tile_kind
 
@@ -423,13 +423,8 @@ def _init_lines(plan: KernelPlan) -> list[str]:
     return lines
 
 
-# bamgen/runtime/triton/helpers.py's HOOK_HELPERS, named here: the compiler imports no Triton
-HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector", "_load_vector64",
-                "_pow64", "_sinh64", "_cosh64", "_tanh64")
-
-
 def _triton_globals(hooks: list[Hook]) -> list[str]:
-    """`tl` and the runtime's helpers (bamgen/runtime/triton/helpers.py, HOOK_HELPERS) that
+    """`tl` and the runtime's helpers (bamgen/runtime/triton/helpers.py, traits.HOOK_HELPERS) that
     the Triton hooks call: names the module binds when its kernels are first made."""
     text = "\n".join(code for h in hooks for code in (*h.unpack, *(c for _, c in h.statements),
                                                       h.result))

@@ -13,7 +13,7 @@ from . import blocks, functional
 from .cpu.decode import DecodeTables
 from .ops import Ops, TritonOps, op_name, shared_ops
 from .params import DomainCheck
-from .traits import RUNTIME_ABI, PriorTraits, position_table_traits
+from .traits import HOOK_HELPERS, RUNTIME_ABI, PriorTraits, position_table_traits
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Prior:
 
     def kernels(self):
         """This prior's instance of the Triton kernels (triton/variant.py), made on first use:
-        its hooks compiled with triton.jit, `tl` and the helpers they call (helpers.HOOK_HELPERS)
+        its hooks compiled with triton.jit, `tl` and the helpers they call (traits.HOOK_HELPERS)
         bound in its module."""
         with self._kernels_lock:
             if self._kernels is None:
@@ -98,7 +98,7 @@ class Prior:
                 from .triton import helpers, variant
                 for fn in self.triton_hooks.values():
                     fn.__globals__.update(tl=tl, **{name: getattr(helpers, name)
-                                                    for name in helpers.HOOK_HELPERS})
+                                                    for name in HOOK_HELPERS})
                 self._kernels = variant.instantiate(self.traits, self.triton_hooks)
             return self._kernels
 

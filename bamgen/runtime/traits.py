@@ -60,6 +60,12 @@ GRAD_CLAMPED = 0      # a printed derivative: clamped to float32's range, 0 wher
 GRAD_TABLE = 1        # a table entry, clamped on the host and 0 where the prior is -inf
 GRAD_LOGIT_FACTOR = 2  # the logit's own per-score factor u: finite wherever P > 0
 
+# The helpers of bamgen/runtime/triton/helpers.py a generated module's Triton hooks may call:
+# the compiler names those it prints (codegen._triton_globals), and Prior.kernels() binds them
+# into the module's namespace when its kernels are first made (named here: no Triton import)
+HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector", "_load_vector64",
+                "_pow64", "_sinh64", "_cosh64", "_tanh64")
+
 
 @dataclass(frozen=True)
 class PriorTraits:

@@ -246,13 +246,6 @@ def test_a_users_powers_of_numbers_and_hyperbolics_near_zero(tmp_path):
         assert int(_ulps(device, host).max()) <= 1, call
 
 
-def test_the_compiler_names_the_helpers_the_runtime_binds():
-    """codegen.HOOK_HELPERS (the compiler imports no Triton) is helpers.HOOK_HELPERS."""
-    from bamgen.compiler import codegen
-    from bamgen.runtime.triton import helpers
-    assert codegen.HOOK_HELPERS == helpers.HOOK_HELPERS
-
-
 @triton.jit
 def _powers(B, E, O, N: tl.constexpr):
     i = tl.arange(0, N)

@@ -273,11 +273,6 @@ def _tanh64(x):
     return tl.where(tl.abs(x) < 1e-2, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
-# The helpers a generated module's Triton hooks may call, bound into its namespace when its
-# kernels are first made (bamgen.runtime.prior.Prior.kernels).
-HOOK_HELPERS = ("_atan", "_element", "_index_floor", "_index_ceil", "_load_vector", "_load_vector64",
-                "_pow64", "_sinh64", "_cosh64", "_tanh64")
-
 
 @triton.jit
 def _fma_pair(x1, w1, x2, w2):

@@ -35,10 +35,11 @@ Flags (tl.constexpr):
 import triton
 import triton.language as tl
 
+from .. import constants
 from .hooks import prior_distance   # (the prior's own in its variant: variant.py)
 
-FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)   # (constants.FLOAT32_MAX)
-LOG2E = tl.constexpr(1.4426950408889634)
+FLOAT32_MAX = tl.constexpr(constants.FLOAT32_MAX)
+LOG2E = tl.constexpr(constants.LOG2E)
 INF = tl.constexpr(float("inf"))
 
 
@@ -72,10 +73,16 @@ def _visible_best(Theta_h, d_top, t_lo, t_hi, BLOCK: tl.constexpr):
         finite = tl.where(inside & _finite(value), value, -INF)
         top = tl.max(finite, 0)
         first = tl.min(tl.where(finite == top, t, t_hi + 1), 0)
-        best_t = tl.where(top > best, first, best_t)
-        best = tl.maximum(best, top)
+        best, best_t = _first_best(best, best_t, top, first)
         nan = nan | tl.max((inside & (value != value)).to(tl.int32), 0)
     return best, best_t, nan
+
+
+@triton.jit
+def _first_best(best, best_t, value, t):
+    """(best, best_t) after (value, t), which comes later in table order: as torch.argmax, the
+    first of equal values is kept."""
+    return tl.maximum(best, value), tl.where(value > best, t, best_t)
 
 
 @triton.jit
@@ -120,9 +127,8 @@ def _distance_table(Theta, stride_theta_h, Out, stride_out_h, stride_out_s, Best
         best_t = t_lo
         nan = tl.full([], 0, tl.int32)
         for part in range(0, num_parts):
-            value = tl.load(Best + h * num_parts + part)
-            best_t = tl.where(value > best, tl.load(BestT + h * num_parts + part), best_t)
-            best = tl.maximum(best, value)
+            best, best_t = _first_best(best, best_t, tl.load(Best + h * num_parts + part),
+                                       tl.load(BestT + h * num_parts + part))
             nan = nan | tl.load(Nan + h * num_parts + part)
         # a head that sees no finite value keeps its values (no -inf - -inf); a NaN parameter
         # keeps its NaN (a NaN shift), for the output to show it
