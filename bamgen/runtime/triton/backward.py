@@ -21,6 +21,9 @@ Constexpr flags of the launch:
   ROW_SUMS     (dQ) the keys are one block of the row's (backward_block): the per-row
                correction of the parameter gradients is left to the caller, and the row sums
                it needs are written to RowSums; DPosQ gets the raw sums (no correction)
+  DS_ROWS_KNOWN (dQ; derived: GRAD_BASE > 0, not ROW_SUMS) a later group's launch: the first
+               group's launch wrote each row's sum of dS to RowSums, so each parameter takes one
+               accumulator, sum_j (dS - rowsum(dS) P) g, not two (DS_ROWS_STORE: the first)
   TILE_GRAD_SUMS (dQ, with ROW_FACTORS; derived: BLOCK_M * BLOCK_N >= 2048) the parameters'
                sums dS * g are reduced per key tile into [BLOCK_M] vectors instead of
                [BLOCK_M, BLOCK_N] accumulators
@@ -363,17 +366,20 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
 
 @triton.jit
 def _grad_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_GRADS: tl.constexpr,
-               TILE_GRAD_SUMS: tl.constexpr):
+               TILE_GRAD_SUMS: tl.constexpr, DS_ROWS_KNOWN: tl.constexpr):
     """The dQ kernel's per-parameter accumulators, zero: (sum dS g, sum P g) for each learnable
     parameter in turn, [BLOCK_M] where they are reduced per key tile (TILE_GRAD_SUMS, and
-    TILE_ROW_SUMS for sum P g), else [BLOCK_M, BLOCK_N]."""
+    TILE_ROW_SUMS for sum P g), else [BLOCK_M, BLOCK_N]; with DS_ROWS_KNOWN the first alone,
+    sum (dS - rowsum(dS) P) g."""
     sums = ()
     for _ in tl.static_range(NUM_GRADS):
         if TILE_GRAD_SUMS:
             sums = sums + (tl.zeros([BLOCK_M], dtype=tl.float32),)
         else:
             sums = sums + (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),)
-        if TILE_ROW_SUMS:
+        if DS_ROWS_KNOWN:
+            pass
+        elif TILE_ROW_SUMS:
             sums = sums + (tl.zeros([BLOCK_M], dtype=tl.float32),)
         else:
             sums = sums + (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),)
@@ -415,6 +421,15 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     # (ROW_FACTORS only: the other priors accumulate per score.)
     TILE_GRAD_SUMS: tl.constexpr = ROW_FACTORS and BLOCK_M * BLOCK_N >= 2048
     WRITE_DQ: tl.constexpr = GRAD_BASE == 0   # (one group's launch writes dQ: see GRAD_BASE)
+    # A prior with several groups of learnable scalars: the first group's launch writes each
+    # row's sum of dS to RowSums (indexed as Delta), and the later ones read it before their
+    # loop, so that the correction below enters each score's weight, dS - rowsum(dS) P, and a
+    # parameter takes one accumulator instead of two, and one FFMA a score (FIRE's later
+    # launches: 15% fewer instructions, 8 bytes of stack where 16: docs/performance.md,
+    # "FIRE's later groups")
+    DS_ROWS_KNOWN: tl.constexpr = GRAD_BASE > 0 and GRAD_COUNT > 0 and not ROW_SUMS
+    DS_ROWS_STORE: tl.constexpr = (GRAD_BASE == 0 and 0 < GRAD_COUNT and GRAD_COUNT < NUM_GRADS
+                                   and not ROW_SUMS)
     INTERLEAVED: tl.constexpr = TABLE_WIDTH > 0 and not DIST_SUMS   # (DIST_SUMS: the plain table)
     POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS and POSITION_GRADS
     # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
@@ -514,11 +529,13 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     # the registers would not hold a [BLOCK_M, 32] tile, they are reduced per key tile
     # (in-thread adds and two warp shuffles per row: the MMA layout keeps a row in one warp).
     # (sums[2 g], sums[2 g + 1]): parameter g's sum_j dS g and sum_j P g
-    if TILE_ROW_SUMS:
+    if DS_ROWS_KNOWN:
+        ds_rows = tl.load(RowSums + stats_rows + offs_m, mask=row_ok, other=0.0)
+    elif TILE_ROW_SUMS:
         ds_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
         ds_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sums = _grad_sums(BLOCK_M, BLOCK_N, GRAD_COUNT, TILE_GRAD_SUMS)
+    sums = _grad_sums(BLOCK_M, BLOCK_N, GRAD_COUNT, TILE_GRAD_SUMS, DS_ROWS_KNOWN)
     if DIST_SUMS:
         # each key tile's dS skewed: row a's score at (a, b) lands in column u = b - a + BLOCK_M - 1,
         # so that a column holds one distance d = i - j (table entry e_tile + u); DIST_W columns
@@ -664,7 +681,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                 dpos_q = _position_terms(dpos_q, ds, p, pos_grads, 0)
                 pos_means = _position_terms(pos_means, p, p, pos_grads, 0)
                 pos_ds += ds
-            if GRAD_COUNT > 0:
+            if DS_ROWS_KNOWN:
+                # each score's weight with the row's correction in it (one FFMA)
+                ds_w = tl.fma(-ds_rows[:, None], p, ds)
+            elif GRAD_COUNT > 0:
                 if TILE_ROW_SUMS:
                     ds_rows += tl.sum(ds, 1)
                 else:
@@ -700,16 +720,22 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                     seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g] - centres[g]), 0.0)
                 else:
                     seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g]), 0.0)
-                if TILE_GRAD_SUMS:
-                    grad = sums[2 * g] + _row_dot(ds, seen)
+                if DS_ROWS_KNOWN:
+                    if TILE_GRAD_SUMS:
+                        new_sums = new_sums + (sums[g] + _row_dot(ds_w, seen),)
+                    else:
+                        new_sums = new_sums + (tl.fma(ds_w, seen, sums[g]),)
                 else:
-                    # tl.fma: one FFMA each (the kernels compile with contraction off, see FP_FUSION)
-                    grad = tl.fma(ds, seen, sums[2 * g])
-                if TILE_ROW_SUMS:
-                    mean = sums[2 * g + 1] + _row_dot(p, seen)
-                else:
-                    mean = tl.fma(p, seen, sums[2 * g + 1])
-                new_sums = new_sums + (grad, mean)
+                    if TILE_GRAD_SUMS:
+                        grad = sums[2 * g] + _row_dot(ds, seen)
+                    else:
+                        # tl.fma: one FFMA each (the kernels compile with contraction off, see FP_FUSION)
+                        grad = tl.fma(ds, seen, sums[2 * g])
+                    if TILE_ROW_SUMS:
+                        mean = sums[2 * g + 1] + _row_dot(p, seen)
+                    else:
+                        mean = tl.fma(p, seen, sums[2 * g + 1])
+                    new_sums = new_sums + (grad, mean)
             sums = new_sums
             if WRITE_DQ:
                 if not SCORE_IS_S and not ROW_FACTORS:
@@ -746,10 +772,13 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     grads = ()
     means = ()
     for g in tl.static_range(GRAD_COUNT):
-        grads = grads + (sums[2 * g],)
-        means = means + (sums[2 * g + 1],)
+        if DS_ROWS_KNOWN:
+            grads = grads + (sums[g],)
+        else:
+            grads = grads + (sums[2 * g],)
+            means = means + (sums[2 * g + 1],)
     if GRAD_COUNT > 0:
-        if not TILE_ROW_SUMS:
+        if not TILE_ROW_SUMS and not DS_ROWS_KNOWN:
             ds_rows = tl.sum(ds_acc, 1)
             summed = ()
             for g in tl.static_range(GRAD_COUNT):
@@ -766,7 +795,16 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         row_at = RowSums + (stats_rows + offs_m) * (1 + NUM_GRADS) + GRAD_BASE
         if ROW_SUMS and WRITE_DQ:
             tl.store(row_at, ds_rows, mask=row_ok)
+        if DS_ROWS_STORE:   # (for the later groups' launches: DS_ROWS_KNOWN)
+            tl.store(RowSums + stats_rows + offs_m, ds_rows, mask=row_ok)
     for g in tl.static_range(GRAD_COUNT):
+        # the row's corrected sum, sum_j dS g - (sum_j dS)(sum_j P g)
+        if DS_ROWS_KNOWN:
+            corrected = grads[g]
+        elif ROW_SUMS:
+            corrected = grads[g]   # (not used: the caller corrects)
+        else:
+            corrected = grads[g] - ds_rows * means[g]
         factor = 1.0
         if ROW_FACTORS:
             factor = row_factors[1 + GRAD_BASE + g]
@@ -780,9 +818,9 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         elif RAMP:
             # (a ramp's factor, 1/b^2 for ALiBi's b, overflows float32 for a tiny b; where its
             # sum is 0, one key at the row's reference distance, the product is 0, not inf * 0)
-            ramp_sum = tl.sum(grads[g] - ds_rows * means[g], 0)
+            ramp_sum = tl.sum(corrected, 0)
             tl.store(partial + g, tl.where(ramp_sum == 0.0, 0.0, _clamped(ramp_factors[g] * ramp_sum)))
         elif ROW_FACTORS:
-            tl.store(partial + g, tl.sum(_clamped(factor * (grads[g] - ds_rows * means[g])), 0))
+            tl.store(partial + g, tl.sum(_clamped(factor * corrected), 0))
         else:
-            tl.store(partial + g, tl.sum(grads[g] - ds_rows * means[g], 0))
+            tl.store(partial + g, tl.sum(corrected, 0))

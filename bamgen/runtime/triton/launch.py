@@ -889,8 +889,12 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
                 num_stages=stages, enable_fp_fusion=FP_FUSION)
         return out
 
-    rows = torch.zeros(B, Hq, Nq, 1 + prior.traits.num_grads, device=q.device, dtype=torch.float32) \
-        if row_sums else delta   # (a placeholder the kernel does not touch)
+    if row_sums:
+        rows = torch.zeros(B, Hq, Nq, 1 + prior.traits.num_grads, device=q.device, dtype=torch.float32)
+    elif len(groups) > 1:   # each row's sum of dS, from the first group's launch to the others'
+        rows = torch.empty_like(delta)
+    else:
+        rows = delta   # (a placeholder the kernel does not touch)
     launch(prior, "bwd_dq", D, q.device, key, run_dq, lay.masked, wrap is not eager_kernel)
     dparams = partials["sums"].sum(0)[:, :prior.traits.num_grads]
     found = (dq, dk, dv, dparams, rows) if row_sums else (dq, dk, dv, dparams)

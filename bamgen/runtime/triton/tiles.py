@@ -416,10 +416,12 @@ def fwd_table_gather(arch: str, head_dim: int) -> str:
 # recomputing the logits. FIRE (heavy: 99 scalars) takes 8 a launch, 13 launches, where 4 took
 # 25: the H200 measured its dQ at 25 launches of 80 ms (docs/performance.md, "Third GPU
 # session"), and the model prices a launch of 8 at 1.1x one of 4 (sm_90, head dim 128: 8570
-# against 7777 cycles per 1000 scores; 0.57x the whole dQ), spill-free on sm_80 and sm_90 at
-# head dims 64 and 128 with Triton 3.6 and 3.9. With a key mask, per-row offsets or packed
+# against 7777 cycles per 1000 scores; 0.57x the whole dQ), its first launch spill-free on
+# sm_80 and sm_90 at head dims 64 and 128 with Triton 3.6 and 3.9. With a key mask, per-row offsets or packed
 # documents (GRAD_GROUPS_MASKED, 8 warps a launch) 8 put 24-32 bytes on the stack on sm_90 at
-# head dim 128, so those keep 4.
+# head dim 128, so those keep 4. The launches after the first read each row's sum of dS from
+# it (DS_ROWS_KNOWN) and keep one accumulator a scalar; on sm_90 some still keep 8 bytes of
+# stack, where 6 a launch keeps none at 17 launches (docs/performance.md, "FIRE's later groups").
 GRAD_GROUPS = {"heavy": 8, "positions_vectors": 4, "positions_heavy": 4}
 GRAD_GROUPS_MASKED = {"heavy": 4}
 
