@@ -769,6 +769,17 @@ def test_fires_later_dq_groups_take_one_accumulator_a_parameter():
 
 
 @pytest.mark.slow
+def test_fires_later_dq_groups_with_packed_documents_compile_without_spills():
+    """With packed documents (4 scalars a launch over 8 warps: tiles.GRAD_GROUPS_MASKED) the
+    later launches keep both sums (DS_ROWS_KNOWN is off there: one sum put 8-16 bytes on the
+    stack in 16 of the 24 later launches at head dim 128), and none spills."""
+    found = _dq_groups("fire", "sm_90", 128, "packed")
+    assert (found["groups"], found["first"]) == (25, 4)
+    for base, count, registers, stack, *_ in found["launches"]:
+        assert registers <= 255 and stack == 0, (base, count, registers, stack)
+
+
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="open: FIRE's later dQ launches keep 8 bytes of stack on "
                    "sm_90 at head dim 128 (6 a launch compiles without, at 17 launches: "
                    "docs/performance.md, \"FIRE's later groups\")")

@@ -21,7 +21,8 @@ Constexpr flags of the launch:
   ROW_SUMS     (dQ) the keys are one block of the row's (backward_block): the per-row
                correction of the parameter gradients is left to the caller, and the row sums
                it needs are written to RowSums; DPosQ gets the raw sums (no correction)
-  DS_ROWS_KNOWN (dQ; derived: GRAD_BASE > 0, not ROW_SUMS) a later group's launch: the first
+  DS_ROWS_KNOWN (dQ; derived: GRAD_BASE > 0, not ROW_SUMS, VARLEN or POSITIONS) a later
+               group's launch: the first
                group's launch wrote each row's sum of dS to RowSums, so each parameter takes one
                accumulator, sum_j (dS - rowsum(dS) P) g, not two (DS_ROWS_STORE: the first)
   TILE_GRAD_SUMS (dQ, with ROW_FACTORS; derived: BLOCK_M * BLOCK_N >= 2048) the parameters'
@@ -406,7 +407,9 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     ROW_SUMS (backward_block): the keys are one block of the row's, so the correction below
     cannot be applied here; the partial sums leave it out and RowSums[b, h, row] receives
     the row's sum of dS and of P * d logit / d param over this block, for the caller to
-    apply it once over all blocks."""
+    apply it once over all blocks. Otherwise, with several groups of learnable scalars,
+    RowSums[b, h, row] carries each row's sum of dS from the first group's launch to the
+    others' (DS_ROWS_STORE, DS_ROWS_KNOWN)."""
     sm_scale, row_abs = _fp32_scalars(sm_scale, row_abs)   # (fp64 under inductor)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
@@ -425,11 +428,13 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     # row's sum of dS to RowSums (indexed as Delta), and the later ones read it before their
     # loop, so that the correction below enters each score's weight, dS - rowsum(dS) P, and a
     # parameter takes one accumulator instead of two, and one FFMA a score (FIRE's later
-    # launches: 15% fewer instructions, 8 bytes of stack where 16: docs/performance.md,
-    # "FIRE's later groups")
-    DS_ROWS_KNOWN: tl.constexpr = GRAD_BASE > 0 and GRAD_COUNT > 0 and not ROW_SUMS
-    DS_ROWS_STORE: tl.constexpr = (GRAD_BASE == 0 and 0 < GRAD_COUNT and GRAD_COUNT < NUM_GRADS
-                                   and not ROW_SUMS)
+    # launches: 15% fewer instructions, 8 bytes of stack where 16). Not with packed documents
+    # or position tensors, whose later launches compiled with more stack that way, not less
+    # (docs/performance.md, "FIRE's later groups")
+    ROWS_SHARED: tl.constexpr = not ROW_SUMS and not VARLEN and POSITIONS == 0
+    DS_ROWS_KNOWN: tl.constexpr = ROWS_SHARED and GRAD_BASE > 0 and GRAD_COUNT > 0
+    DS_ROWS_STORE: tl.constexpr = (ROWS_SHARED and GRAD_BASE == 0 and 0 < GRAD_COUNT
+                                   and GRAD_COUNT < NUM_GRADS)
     INTERLEAVED: tl.constexpr = TABLE_WIDTH > 0 and not DIST_SUMS   # (DIST_SUMS: the plain table)
     POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS and POSITION_GRADS
     # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
@@ -528,7 +533,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     # do too for a prior with one learnable parameter; with more (TILE_ROW_SUMS), where
     # the registers would not hold a [BLOCK_M, 32] tile, they are reduced per key tile
     # (in-thread adds and two warp shuffles per row: the MMA layout keeps a row in one warp).
-    # (sums[2 g], sums[2 g + 1]): parameter g's sum_j dS g and sum_j P g
+    # (sums[2 g], sums[2 g + 1]): parameter g's sum_j dS g and sum_j P g (DS_ROWS_KNOWN:
+    # sums[g], parameter g's sum_j (dS - rowsum(dS) P) g)
     if DS_ROWS_KNOWN:
         ds_rows = tl.load(RowSums + stats_rows + offs_m, mask=row_ok, other=0.0)
     elif TILE_ROW_SUMS:
