@@ -61,12 +61,12 @@ def main(argv=None):
         print_backward(backward)
 
 
-def dq_launches(module) -> int:
+def dq_launches(module, size: int | None = None) -> int:
     """How many times the backward launches the dQ kernel: once, or once per group of learnable
-    scalars (bamgen/runtime/triton/launch.py, grad_groups); each launch costs about what the
-    first does (the first also writes dQ)."""
+    scalars (bamgen/runtime/triton/launch.py, grad_groups; of ``size``, a pinned dq_group);
+    each launch costs about what the first does (the first also writes dQ)."""
     traits = module.TRAITS
-    return 1 if traits.dist_sums else len(grad_groups(traits.num_grads, traits.tile_kind))
+    return 1 if traits.dist_sums else len(grad_groups(traits.num_grads, traits.tile_kind, size))
 
 
 def print_backward(backward: dict) -> None:

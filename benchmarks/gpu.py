@@ -34,8 +34,11 @@ the next round) and reported as medians, like benchmarks/cpu.py:
                       (how the forward and decode kernels read a table prior's entries:
                       tiles.fwd_table_gather and FWD_TABLE_GATHER), ``dq_split=on|off`` and
                       ``dkdv_split=on|off`` (whether the dQ or dK/dV kernel splits off its
-                      steady run: tiles.DQ_STEADY_AT, DKDV_STEADY_AT) and ``kv=pointers|tma``
-                      (how the forward reads K and V: tiles.FWD_TMA_AT, launch.kv_tma), e.g.
+                      steady run: tiles.DQ_STEADY_AT, DKDV_STEADY_AT), ``kv=pointers|tma``
+                      (how the forward reads K and V: tiles.FWD_TMA_AT, launch.kv_tma),
+                      ``table=device|host`` (where a table prior's distance table is built) and
+                      ``dq_group=<count>`` (the learnable scalars a dQ launch sums:
+                      tiles.GRAD_GROUPS), e.g.
                       ``bamgen-ggd@fwd=128x64x8x3`` or ``bamgen-ggd@gather=direct``; the calls
                       run inside ``bamgen.runtime.triton.launch.pinned``, the output is held to
                       ``bamgen-<prior>``'s, and the JSON keeps the pins (``variants``) for
@@ -389,33 +392,38 @@ def bamgen_peer(prior: str, backend: str, cfg, qkv, dout, strategy: str | None =
 class Variant:
     """The pins of a ``bamgen-<prior>@<pins>`` peer: tile configs per kernel, the forward's
     table gather, whether the dQ and dK/dV kernels split off their steady runs and how the
-    forward reads K and V and where the distance table is built (None: the default)."""
+    forward reads K and V, where the distance table is built and how many learnable scalars a
+    dQ launch sums (None: the default)."""
     tiles: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     gather: str | None = None
     dq_split: bool | None = None
     dkdv_split: bool | None = None
     kv: str | None = None
     table: str | None = None
+    dq_group: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """``fwd=128x64x8x3,gather=direct,dq_split=off,dkdv_split=on,kv=pointers,table=host``
-        (ValueError saying what is wrong)."""
+        """``fwd=128x64x8x3,gather=direct,dq_split=off,dkdv_split=on,kv=pointers,table=host,
+        dq_group=6`` (ValueError saying what is wrong)."""
         from bamgen.runtime.triton.launch import KV_READS, TABLE_BUILDS
         from bamgen.runtime.triton.tiles import INTERPRET_TILES, TABLE_GATHERS
-        tiles, gather, splits, kv, table = {}, None, {}, None, None
+        tiles, gather, splits, kv, table, dq_group = {}, None, {}, None, None, None
         for pin in text.split(","):
             key, _, value = pin.partition("=")
             if (key in tiles or key in splits or (key == "gather" and gather is not None)
-                    or (key == "kv" and kv is not None) or (key == "table" and table is not None)):
+                    or (key == "kv" and kv is not None) or (key == "table" and table is not None)
+                    or (key == "dq_group" and dq_group is not None)):
                 raise ValueError(f"pin {key!r} given twice: give each kernel's tile, the gather, "
-                                 f"each split, kv and table once")
+                                 f"each split, kv, table and dq_group once")
             if key == "gather" and value in TABLE_GATHERS:
                 gather = value
             elif key == "kv" and value in KV_READS:
                 kv = value
             elif key == "table" and value in TABLE_BUILDS:
                 table = value
+            elif key == "dq_group" and value.isdigit() and int(value) > 0:
+                dq_group = int(value)
             elif key in ("dq_split", "dkdv_split") and value in ("on", "off"):
                 splits[key] = value == "on"
             elif key in INTERPRET_TILES and len(value.split("x")) == 4 and all(
@@ -426,19 +434,19 @@ class Variant:
                     f"pin {pin!r}: write <kernel>=<BLOCK_M>x<BLOCK_N>x<warps>x<stages> with kernel "
                     f"one of {', '.join(INTERPRET_TILES)}, gather= one of {', '.join(TABLE_GATHERS)}, "
                     f"or dq_split=on|off, dkdv_split=on|off, kv={'|'.join(KV_READS)}, "
-                    f"table={'|'.join(TABLE_BUILDS)}")
+                    f"table={'|'.join(TABLE_BUILDS)}, dq_group=<learnable scalars a dQ launch>")
         return cls(tuple(sorted(tiles.items())), gather, splits.get("dq_split"),
-                   splits.get("dkdv_split"), kv, table)
+                   splits.get("dkdv_split"), kv, table, dq_group)
 
     def context(self):
         from bamgen.runtime.triton.launch import pinned
         return pinned(dict(self.tiles), self.gather, self.dq_split, self.dkdv_split, self.kv,
-                      self.table)
+                      self.table, self.dq_group)
 
     def as_json(self) -> dict:
         return {"tiles": {k: list(v) for k, v in self.tiles}, "gather": self.gather,
                 "dq_split": self.dq_split, "dkdv_split": self.dkdv_split, "kv": self.kv,
-                "table": self.table}
+                "table": self.table, "dq_group": self.dq_group}
 
 
 def split_variant(name: str) -> tuple[str, Variant | None]:

@@ -151,6 +151,8 @@ def pinned_spec(spec: tuple, kernel: str | None, pins: dict, tile_for=None) -> t
     for split_kernel, pin in (("bwd_dq", "dq_split"), ("bwd_dkdv", "dkdv_split")):
         if kernel == split_kernel and pins.get(pin) is not None:
             constexprs["SPLIT_STEADY"] = pins[pin]
+    if kernel == "bwd_dq" and pins.get("dq_group") and constexprs.get("GRAD_COUNT"):
+        constexprs["GRAD_COUNT"] = min(pins["dq_group"], constexprs["NUM_GRADS"])
     if constexprs.get("KV_TMA"):   # the descriptors' block follows the tile
         from bamgen.runtime.triton.launch import kv_descriptor_type
         dtype = signature["Q"].lstrip("*")
@@ -191,7 +193,7 @@ def modelled(prior: str, head_dim: int, arch: str, dtype: str, pins: dict | None
                          arch)
         model = loop_model(k.main_loop, arch, k.num_warps)
         scale = 1000 / (k.block[0] * k.block[1]) * (
-            dq_launches(module) if k.name == "attn_bwd_dq" else 1)
+            dq_launches(module, (pins or {}).get("dq_group")) if k.name == "attn_bwd_dq" else 1)
         cycles[wanted[k.name]] = {**{u: c * scale for u, c in model["cycles"].items()},
                                   LATENCY: latency_per_tile(k) * scale}
     return cycles

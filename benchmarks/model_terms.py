@@ -67,7 +67,9 @@ UNITS = ("tensor", "mufu", "fp32", "issue", "lsu")   # model_check.UNITS (checke
 def pins_of(prior: str) -> dict:
     """A variant's pins from its name, as benchmarks/gpu.py's Variant.as_json gives them:
     "ggd@fwd=128x64x8x3,gather=async,dq_split=off" -> {"tiles": {"fwd": [128, 64, 8, 3]},
-    "gather": "async", "dq_split": False}; kv=pointers|tma the forward's K and V reads."""
+    "gather": "async", "dq_split": False}; kv=pointers|tma the forward's K and V reads,
+    table=device|host where the distance table is built, dq_group=N the scalars a dQ launch
+    sums."""
     pins: dict = {}
     for part in filter(None, prior.partition("@")[2].split(",")):
         key, _, value = part.partition("=")
@@ -79,10 +81,15 @@ def pins_of(prior: str) -> dict:
             pins[key] = value == "on"
         elif key == "kv" and value in KV_READS:
             pins["kv"] = value
+        elif key == "table" and value in ("device", "host"):
+            pins["table"] = value   # (where the table is built: no kernel of the model's changes)
+        elif key == "dq_group" and value.isdigit() and int(value) > 0:
+            pins["dq_group"] = int(value)
         else:
             raise ValueError(f"{prior!r}: {part!r} is not gather=async|coalesced|direct|prefetch, "
                              f"<kernel>=BMxBNxWARPSxSTAGES ({', '.join(TILE_KERNELS)}), "
-                             f"dq_split=on|off, dkdv_split=on|off or kv={'|'.join(KV_READS)}")
+                             f"dq_split=on|off, dkdv_split=on|off, kv={'|'.join(KV_READS)}, "
+                             f"table=device|host or dq_group=<count>")
     return pins
 
 

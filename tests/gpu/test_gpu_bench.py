@@ -127,20 +127,20 @@ def test_a_pinned_variant_runs_beside_its_base_peer(tmp_path):
     out = tmp_path / "run.json"
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--n", "32", "--decode-n", "80",
                           "--decode-batch", "2", "--peers", "bamgen-ggd", "bamgen-ggd@gather=coalesced",
-                          "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off", "--decode-peers", "bamgen-ggd",
+                          "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off,dq_group=1", "--decode-peers", "bamgen-ggd",
                           "bamgen-ggd@gather=coalesced", "bamgen-ggd@table=host", "--json", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for check in ("bamgen-ggd@gather=coalesced vs bamgen-ggd fwd+grads",
-                  "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off vs bamgen-ggd fwd+grads",
+                  "bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off,dq_group=1 vs bamgen-ggd fwd+grads",
                   "decode bamgen-ggd@gather=coalesced vs bamgen-ggd",
                   "decode bamgen-ggd@table=host vs bamgen-ggd"):   # (the host's table: the same)
         assert check in res.stdout, res.stdout
     import json
     training = json.loads(out.read_text())["results"][0]
-    assert training["variants"]["bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off"] == {
+    assert training["variants"]["bamgen-ggd@fwd=16x16x4x1,bwd_dq=16x16x4x1,dq_split=off,dq_group=1"] == {
         "tiles": {"bwd_dq": [16, 16, 4, 1], "fwd": [16, 16, 4, 1]}, "gather": None,
-        "dq_split": False, "dkdv_split": None, "kv": None, "table": None}
+        "dq_split": False, "dkdv_split": None, "kv": None, "table": None, "dq_group": 1}
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -184,6 +184,12 @@ def test_a_variant_is_compiled_as_its_pins_say():
     assert constexprs["TABLE_GATHER"] == "direct" and spec[3]["TABLE_GATHER"] == "async"
     dq = ("attn_bwd_dq", None, {}, {"BLOCK_M": 64, "BLOCK_N": 32}, 4, 2)
     assert check.pinned_spec(dq, "bwd_dq", pins) == dq
+    # a pinned dq_group: the first launch sums that many scalars (per-distance sums: none)
+    fire_dq = ("attn_bwd_dq", None, {}, {"GRAD_COUNT": 8, "NUM_GRADS": 99}, 4, 2)
+    assert check.pinned_spec(fire_dq, "bwd_dq", {"dq_group": 6})[3]["GRAD_COUNT"] == 6
+    assert check.pinned_spec(fire_dq, "bwd_dq", {"dq_group": 200})[3]["GRAD_COUNT"] == 99
+    t5_dq = ("attn_bwd_dq", None, {}, {"GRAD_COUNT": 0, "NUM_GRADS": 32}, 4, 2)
+    assert check.pinned_spec(t5_dq, "bwd_dq", {"dq_group": 6}) == t5_dq
     run = _run(times={"ggd@gather=direct": (1.0, 2.0, 3.0)})
     run["results"][0]["variants"] = {"bamgen-ggd@gather=direct": {"tiles": {}, "gather": "direct"}}
     found = check.measured_points(run, 2.0, 100)

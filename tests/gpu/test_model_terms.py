@@ -28,6 +28,9 @@ def test_a_variant_s_pins_come_from_its_name():
     # (what make gpu-check's variants step names: gpu_check.VARIANT_PEERS)
     assert terms.pins_of("uniform@kv=pointers,fwd=128x64x8x3,dq_split=off,dkdv_split=on") == {
         "tiles": {"fwd": [128, 64, 8, 3]}, "kv": "pointers", "dq_split": False, "dkdv_split": True}
+    # (the decode variant's table build, and FIRE's dQ group size: docs/performance.md)
+    assert terms.pins_of("ggd@table=host") == {"table": "host"}
+    assert terms.pins_of("fire@dq_group=6") == {"dq_group": 6}
 
 
 def test_the_terms_join_the_point_s_units():

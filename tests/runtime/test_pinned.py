@@ -163,6 +163,36 @@ def test_a_pinned_dq_split_is_what_the_dq_kernel_launches_with(monkeypatch):
     assert [s["SPLIT_STEADY"] for s in seen] == [True, False], seen
 
 
+def test_a_pinned_dq_group_is_how_many_scalars_each_dq_launch_sums(monkeypatch):
+    """dq_group=1 launches GGD's dQ kernel once per learnable scalar (three launches, where the
+    interpreter's group of 16 takes one), with gradients within float32 rounding of one
+    launch's and dQ's bits; a block inside keeps it. (What bamgen-fire@dq_group=6 runs: FIRE's
+    later launches keep 8 bytes of stack at 8 a launch, docs/performance.md, "FIRE's later
+    groups".)"""
+    monkeypatch.delenv("BAMGEN_INTERPRET_TILES", raising=False)
+    kernels = GGD._prior.kernels().kernels
+    seen = []
+    monkeypatch.setitem(kernels, "bwd_dq", _Spy(kernels["bwd_dq"], seen))
+    want = _call(GGD)
+    assert [(s["GRAD_BASE"], s["GRAD_COUNT"]) for s in seen] == [(0, 3)]
+    seen.clear()
+    with pinned(dq_group=1):
+        with pinned(gather="direct"):
+            got = _call(GGD)
+    assert [(s["GRAD_BASE"], s["GRAD_COUNT"]) for s in seen] == [(0, 1), (1, 1), (2, 1)]
+    assert torch.equal(got[1], want[1])   # dQ: the first launch's
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()))
+    assert _PINS.get().dq_group is None
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 2.0, "6"])
+def test_a_dq_group_that_is_not_a_count_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=r"pinned\(dq_group=...\): .* is not a count of learnable scalars"):
+        with pinned(dq_group=value):
+            pass
+
+
 def test_a_block_inside_another_adds_to_its_pins():
     with pinned(tiles={"fwd": (16, 16, 4, 2)}):
         with pinned(gather="coalesced", tiles={"bwd_dq": (16, 16, 4, 1)}):

@@ -151,13 +151,14 @@ class Pins:
     the layout allows it, kv_tma; None: what tiles.KV_TMA_SHIPPED ships, pointers) and where a
     table prior's distance table is built (TABLE_BUILDS: "host", torch's operations; "device",
     the table kernels where the prior has them; None: the kernels for CUDA tensors,
-    distance_table)."""
+    distance_table) and how many learnable scalars a dQ launch sums (None: grad_groups')."""
     tiles: dict = field(default_factory=dict)
     gather: str | None = None
     dq_split: bool | None = None
     dkdv_split: bool | None = None
     kv: str | None = None
     table: str | None = None
+    dq_group: int | None = None
 
 
 KV_READS = ("pointers", "tma")
@@ -168,7 +169,8 @@ _PINS = contextvars.ContextVar("bamgen_pins", default=Pins())
 
 
 @contextlib.contextmanager
-def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None, table=None):
+def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None, table=None,
+           dq_group=None):
     """Within it, every launch of a kernel named in ``tiles`` ({"fwd": (128, 64, 8, 3)}) takes
     that tile config instead of the tile table's (BAMGEN_AUTOTUNE and the interpreter's small
     tiles included), the forward and decode kernels read a table as ``gather`` says, and the
@@ -177,7 +179,8 @@ def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None, tab
     says ("pointers", or "tma" wherever kv_tma allows it; its tile, unless pinned, is then
     tiles.FWD_TMA_AT's where the prior's kind has one), and a table prior's distance table is
     built as ``table`` says ("host": by torch's operations; "device": by the table kernels
-    where the prior has them, under the interpreter too): so that a benchmark times one kernel
+    where the prior has them, under the interpreter too), and a dQ launch sums ``dq_group``
+    learnable scalars (tiles.GRAD_GROUPS' choice otherwise): so that a benchmark times one kernel
     variant against another in the same process (benchmarks/gpu.py's bamgen-<prior>@...
     peers). A block inside another adds to its pins.
 
@@ -209,11 +212,15 @@ def pinned(tiles=None, gather=None, dq_split=None, dkdv_split=None, kv=None, tab
     if table is not None and table not in TABLE_BUILDS:
         raise ValueError(f"pinned(table=...): {table!r} is not one of {', '.join(TABLE_BUILDS)} "
                          f"(or None: the device's where the prior has the table kernels)")
+    if dq_group is not None and (isinstance(dq_group, bool) or not isinstance(dq_group, int)
+                                 or dq_group < 1):
+        raise ValueError(f"pinned(dq_group=...): {dq_group!r} is not a count of learnable scalars "
+                         f"(an int >= 1; or None: the tile table's choice)")
     outer = _PINS.get()
     token = _PINS.set(Pins({**outer.tiles, **{k: tuple(v) for k, v in tiles.items()}},
                            gather or outer.gather, outer.dq_split if dq_split is None else dq_split,
                            outer.dkdv_split if dkdv_split is None else dkdv_split,
-                           kv or outer.kv, table or outer.table))
+                           kv or outer.kv, table or outer.table, dq_group or outer.dq_group))
     try:
         yield
     finally:
@@ -860,7 +867,8 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
         table_dq, dq_stride_h = table, tab_stride_h
     groups = [(0, 0)] if dist_sums else grad_groups(
         prior.traits.num_grads, prior.traits.tile_kind,
-        INTERPRET_GRAD_GROUP if interpreting() and interpreted_family() is None else None, lay.masked)
+        _PINS.get().dq_group or (INTERPRET_GRAD_GROUP if interpreting() and interpreted_family() is None
+                                 else None), lay.masked)
     dq = torch.empty_like(q)
     partials = {}   # one partial sum per dQ program: its shape follows the tile
     dq_split = split_steady(prior, "bwd_dq", q.device, head_dim)
