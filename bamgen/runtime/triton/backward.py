@@ -22,9 +22,9 @@ Constexpr flags of the launch:
                correction of the parameter gradients is left to the caller, and the row sums
                it needs are written to RowSums; DPosQ gets the raw sums (no correction)
   DS_ROWS_KNOWN (dQ; derived: GRAD_BASE > 0, not ROW_SUMS, VARLEN or POSITIONS) a later
-               group's launch: the first
-               group's launch wrote each row's sum of dS to RowSums, so each parameter takes one
-               accumulator, sum_j (dS - rowsum(dS) P) g, not two (DS_ROWS_STORE: the first)
+               group's launch: the first group's launch wrote each row's sum of dS to RowSums
+               (DS_ROWS_STORE), so each parameter takes one accumulator,
+               sum_j (dS - rowsum(dS) P) g, not two
   TILE_GRAD_SUMS (dQ, with ROW_FACTORS; derived: BLOCK_M * BLOCK_N >= 2048) the parameters'
                sums dS * g are reduced per key tile into [BLOCK_M] vectors instead of
                [BLOCK_M, BLOCK_N] accumulators
@@ -378,12 +378,11 @@ def _grad_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_GRADS: tl.const
             sums = sums + (tl.zeros([BLOCK_M], dtype=tl.float32),)
         else:
             sums = sums + (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),)
-        if DS_ROWS_KNOWN:
-            pass
-        elif TILE_ROW_SUMS:
-            sums = sums + (tl.zeros([BLOCK_M], dtype=tl.float32),)
-        else:
-            sums = sums + (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),)
+        if not DS_ROWS_KNOWN:
+            if TILE_ROW_SUMS:
+                sums = sums + (tl.zeros([BLOCK_M], dtype=tl.float32),)
+            else:
+                sums = sums + (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),)
     return sums
 
 
@@ -435,6 +434,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     DS_ROWS_KNOWN: tl.constexpr = ROWS_SHARED and GRAD_BASE > 0 and GRAD_COUNT > 0
     DS_ROWS_STORE: tl.constexpr = (ROWS_SHARED and GRAD_BASE == 0 and 0 < GRAD_COUNT
                                    and GRAD_COUNT < NUM_GRADS)
+    SUMS_EACH: tl.constexpr = 1 if DS_ROWS_KNOWN else 2   # accumulators a parameter (sums)
     INTERLEAVED: tl.constexpr = TABLE_WIDTH > 0 and not DIST_SUMS   # (DIST_SUMS: the plain table)
     POS_GRADS: tl.constexpr = POSITIONS > 0 and not TABLE_POSITIONS and POSITION_GRADS
     # this program's query tile, and the rows and keys it lives in (a document's, VARLEN)
@@ -534,7 +534,7 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     # the registers would not hold a [BLOCK_M, 32] tile, they are reduced per key tile
     # (in-thread adds and two warp shuffles per row: the MMA layout keeps a row in one warp).
     # (sums[2 g], sums[2 g + 1]): parameter g's sum_j dS g and sum_j P g (DS_ROWS_KNOWN:
-    # sums[g], parameter g's sum_j (dS - rowsum(dS) P) g)
+    # sums[g], parameter g's sum_j (dS - rowsum(dS) P) g: SUMS_EACH)
     if DS_ROWS_KNOWN:
         ds_rows = tl.load(RowSums + stats_rows + offs_m, mask=row_ok, other=0.0)
     elif TILE_ROW_SUMS:
@@ -690,7 +690,9 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
             if DS_ROWS_KNOWN:
                 # each score's weight with the row's correction in it (one FFMA)
                 ds_w = tl.fma(-ds_rows[:, None], p, ds)
-            elif GRAD_COUNT > 0:
+            else:
+                ds_w = ds
+            if GRAD_COUNT > 0 and not DS_ROWS_KNOWN:
                 if TILE_ROW_SUMS:
                     ds_rows += tl.sum(ds, 1)
                 else:
@@ -726,22 +728,16 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
                     seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g] - centres[g]), 0.0)
                 else:
                     seen = tl.where(p > 0.0, _clamped(dlogit[GRAD_BASE + g]), 0.0)
-                if DS_ROWS_KNOWN:
-                    if TILE_GRAD_SUMS:
-                        new_sums = new_sums + (sums[g] + _row_dot(ds_w, seen),)
-                    else:
-                        new_sums = new_sums + (tl.fma(ds_w, seen, sums[g]),)
+                if TILE_GRAD_SUMS:
+                    new_sums = new_sums + (sums[SUMS_EACH * g] + _row_dot(ds_w, seen),)
                 else:
-                    if TILE_GRAD_SUMS:
-                        grad = sums[2 * g] + _row_dot(ds, seen)
-                    else:
-                        # tl.fma: one FFMA each (the kernels compile with contraction off, see FP_FUSION)
-                        grad = tl.fma(ds, seen, sums[2 * g])
+                    # tl.fma: one FFMA each (the kernels compile with contraction off, see FP_FUSION)
+                    new_sums = new_sums + (tl.fma(ds_w, seen, sums[SUMS_EACH * g]),)
+                if not DS_ROWS_KNOWN:
                     if TILE_ROW_SUMS:
-                        mean = sums[2 * g + 1] + _row_dot(p, seen)
+                        new_sums = new_sums + (sums[2 * g + 1] + _row_dot(p, seen),)
                     else:
-                        mean = tl.fma(p, seen, sums[2 * g + 1])
-                    new_sums = new_sums + (grad, mean)
+                        new_sums = new_sums + (tl.fma(p, seen, sums[2 * g + 1]),)
             sums = new_sums
             if WRITE_DQ:
                 if not SCORE_IS_S and not ROW_FACTORS:
@@ -778,10 +774,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
     grads = ()
     means = ()
     for g in tl.static_range(GRAD_COUNT):
-        if DS_ROWS_KNOWN:
-            grads = grads + (sums[g],)
-        else:
-            grads = grads + (sums[2 * g],)
+        grads = grads + (sums[SUMS_EACH * g],)
+        if not DS_ROWS_KNOWN:
             means = means + (sums[2 * g + 1],)
     if GRAD_COUNT > 0:
         if not TILE_ROW_SUMS and not DS_ROWS_KNOWN:
@@ -804,12 +798,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         if DS_ROWS_STORE:   # (for the later groups' launches: DS_ROWS_KNOWN)
             tl.store(RowSums + stats_rows + offs_m, ds_rows, mask=row_ok)
     for g in tl.static_range(GRAD_COUNT):
-        # the row's corrected sum, sum_j dS g - (sum_j dS)(sum_j P g)
-        if DS_ROWS_KNOWN:
-            corrected = grads[g]
-        elif ROW_SUMS:
-            corrected = grads[g]   # (not used: the caller corrects)
-        else:
+        # the row's corrected sum, sum_j dS g - (sum_j dS)(sum_j P g) (with ROW_SUMS the
+        # caller corrects; with DS_ROWS_KNOWN the weights did)
+        corrected = grads[g]
+        if not ROW_SUMS and not DS_ROWS_KNOWN:
             corrected = grads[g] - ds_rows * means[g]
         factor = 1.0
         if ROW_FACTORS:
