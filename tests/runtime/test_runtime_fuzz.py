@@ -16,6 +16,7 @@ Never a crash of another kind, a hang, a NaN where the reference is finite, or a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -420,28 +421,53 @@ def test_dead_row_with_a_nan_value(backend):
                                         poison=("v", 0, math.nan))) == "checked"
 
 
-@pytest.mark.xfail(strict=True, reason="open: the Triton dQ kernel's parameter sums take 0 * inf "
-                   "from a dead row (docs/reliability.md, 'A dead row's parameter sums')")
+# A dead row in each dQ kernel path that sums parameters: GGD's interleaved table in one launch,
+# the same in one launch a scalar (the first launch stores the rows' sums of dS, the later ones
+# read them: pinned(dq_group=1)), and BAM-SSMax's row factors. One query row at position 3 over
+# keys at 0-3, non-causal; the prior hides the keys in `hidden` (a log-prior of -inf, float32's
+# overflow: GGD with beta = 300 at |d - mu| = 2, BAM-SSMax with tb = 150 at |d| >= 2) and
+# not the others. (T5's per-distance sums have no such row: its buckets must be finite.)
+DEAD_ROW_PATHS = {
+    "table": ("generalized_gaussian", {"alpha": [1.0], "beta": [300.0], "mu": [1.0]}, None, (0,)),
+    "groups": ("generalized_gaussian", {"alpha": [1.0], "beta": [300.0], "mu": [1.0]}, 1, (0,)),
+    "row_factors": ("bam_ssmax", {"ta": [0.5], "tb": [150.0], "tm": [0.0], "ssmax": [0.4]}, None,
+                    (0, 1)),
+}
+
+
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
-def test_a_dead_row_gives_no_parameter_gradient_from_a_non_finite_value(poison):
-    """GGD with beta = 300: row 0's only key lies (14 / 0.5) ** 300 below the head's best, so the
-    row sees nothing, and that key's v holds NaN or inf. The prior's parameters should get 0
-    from the row, as on the torch path; the Triton dQ kernel's parameter sums take 0 * inf =
-    NaN from it (dq alone is zeroed after the loop)."""
-    mod = importlib.import_module("generated.generalized_gaussian")
+@pytest.mark.parametrize("path", list(DEAD_ROW_PATHS))
+def test_a_dead_row_gives_no_parameter_gradient_from_a_non_finite_value(path, poison):
+    """Batch 0's row sees only keys its prior hides (a key_mask hides the others), and one of
+    them has a v of NaN or inf: the row sees nothing, so the prior's parameters get 0 from it,
+    as on the torch path. The Triton dQ kernel's sums took 0 * inf = NaN from it inside the
+    loop (dS = P (dP - delta) with P = 0 and dP not finite); it now zeroes a dead row's sums
+    after the loop, as it does its dq. Batch 1's row, the same positions with every key seen and
+    finite values, gives the parameters their gradient: the same on both paths, and not 0."""
+    from bamgen.runtime.triton.launch import pinned
+    name, params, dq_group, hidden = DEAD_ROW_PATHS[path]
+    mod = importlib.import_module(f"generated.{name}")
+    g = torch.Generator().manual_seed(7)
+    q0, k0, v0, dout = (torch.randn(2, 1, n, 4, generator=g) for n in (1, 4, 4, 1))
+    v0[0, 0, hidden[0]] = poison
+    key_mask = torch.ones(2, 4, dtype=torch.bool)
+    key_mask[0] = False
+    key_mask[0, list(hidden)] = True
     grads = {}
     for backend in ("torch", "triton"):
-        q, k, v = (torch.ones(1, 1, 1, 1) for _ in range(3))
-        v[0, 0, 0, 0] = poison
-        params = {"alpha": torch.tensor([0.5], requires_grad=True),
-                  "beta": torch.tensor([300.0], requires_grad=True),
-                  "mu": torch.tensor([1.0], requires_grad=True)}
-        q.requires_grad_()
-        out = mod.attention(q, k, v, causal=False, q_offset=-3, k_offset=3, backend=backend, **params)
-        out.backward(torch.ones_like(out))   # (the output: NaN on the torch path, P V's 0 * NaN)
-        grads[backend] = [q.grad] + [t.grad for t in params.values()]
-    for name, t, r in zip(("q", "alpha", "beta", "mu"), grads["triton"], grads["torch"]):
-        assert torch.equal(t, r) and torch.equal(t, torch.zeros_like(t)), (name, t, r)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        ptensors = {n: torch.tensor(vals, requires_grad=n in mod.LEARNABLE) for n, vals in params.items()}
+        with pinned(dq_group=dq_group) if dq_group else contextlib.nullcontext():
+            out = mod.attention(q, k, v, causal=False, q_offset=3, k_offset=0, key_mask=key_mask,
+                                backend=backend, **ptensors)
+            out.backward(dout)   # (batch 0's output: NaN on the torch path, P V's 0 * NaN)
+        grads[backend] = [q.grad[0]] + [ptensors[n].grad for n in mod.LEARNABLE]
+    assert torch.equal(grads["triton"][0], torch.zeros(1, 1, 4)), grads["triton"][0]   # the dead row's dq
+    assert torch.equal(grads["torch"][0], grads["triton"][0])
+    for t, r in zip(grads["triton"][1:], grads["torch"][1:]):
+        assert bool(torch.isfinite(t).all()), (path, t, r)
+        torch.testing.assert_close(t, r, rtol=1e-5, atol=1e-6)
+    assert any(bool((t != 0).any()) for t in grads["triton"][1:]), grads["triton"]
 
 
 ONE_HOT_HUGE_FACTOR = [

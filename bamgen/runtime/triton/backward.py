@@ -792,6 +792,21 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         # (ROW_FACTORS: each row's sums times its row factors, clamped as the per-score
         # derivatives would be (_clamped): the factor multiplies the corrected row sum, not its
         # two terms apart, whose products may overflow where their difference does not.)
+        # A row that sees no key (l = 0) gives its parameters nothing, as it gives dQ nothing
+        # (above): its P is 0, but a hidden key whose V holds inf or NaN makes its dS 0 * inf,
+        # and its sums NaN. Zeroed per row here, after the loop, not per score inside it
+        # (docs/reliability.md, "A dead row's parameter sums")
+        dead = inv_l == 0.0
+        ds_rows = tl.where(dead, 0.0, ds_rows)
+        alive = ()
+        for g in tl.static_range(GRAD_COUNT):
+            alive = alive + (tl.where(dead, 0.0, grads[g]),)
+        grads = alive
+        if not DS_ROWS_KNOWN:
+            alive = ()
+            for g in tl.static_range(GRAD_COUNT):
+                alive = alive + (tl.where(dead, 0.0, means[g]),)
+            means = alive
         row_at = RowSums + (stats_rows + offs_m) * (1 + NUM_GRADS) + GRAD_BASE
         if ROW_SUMS and WRITE_DQ:
             tl.store(row_at, ds_rows, mask=row_ok)
