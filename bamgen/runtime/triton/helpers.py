@@ -236,7 +236,9 @@ def _pow64(base, exp):
     NaN for any other. The relative error, about |exp * log(base)| * 2**-53, is far below the
     float32 rounding the table then takes, except at a tie, which a float32 parameter times an
     integer distance often is: so the exponents 1, 2 and -1 (GGD's and KERPLE's usual initial
-    values) are taken exactly, as pow does."""
+    values) are taken exactly, as pow does. -0.0 takes +0.0's powers but for its odd integer
+    ones, which are signed (-0.0 ** -1 = -inf): a product such as a * d with a < 0 gives it
+    at d = 0."""
     size = tl.abs(base)
     mag = tl.where(size == 1.0, 1.0, tl.exp(exp * tl.log(size)))   # (+-1)**inf = 1: not inf * 0
     mag = tl.where(exp == 1.0, size, tl.where(exp == 2.0, size * size,
@@ -245,7 +247,9 @@ def _pow64(base, exp):
     # a negative base: its integer powers signed, -inf's others as +inf's, the rest NaN
     signed = tl.where(exp == tl.floor(exp), tl.where(even, mag, -mag),
                       tl.where(base == -float("inf"), mag, float("nan")))
-    out = tl.where(base < 0.0, signed, mag)
+    # -0.0 (the only base >= 0 whose reciprocal is negative): its odd integer powers signed
+    zero_signed = tl.where(exp == tl.floor(exp), tl.where(even, mag, -mag), mag)
+    out = tl.where(base < 0.0, signed, tl.where(1.0 / base < 0.0, zero_signed, mag))
     return tl.where(exp == 0.0, 1.0, tl.where(base == 1.0, 1.0, out))
 
 
