@@ -743,7 +743,8 @@ for index in sorted({1, len(groups) // 2, len(groups) - 2}):   # later groups: w
     k = compile_spec((name, fn, signature, dict(constexprs, GRAD_BASE=base, GRAD_COUNT=count),
                       warps, stages), arch)
     loop = k.main_loop
-    out.append([base, count, k.registers, k.stack_bytes, loop["total"], loop["fp32"]])
+    out.append([base, count, k.registers, k.stack_bytes, loop["total"], loop["fp32"],
+                loop["ld_local"], loop["st_local"]])
 print(json.dumps({"groups": len(groups), "first": constexprs["GRAD_COUNT"], "launches": out}))
 """
 
@@ -763,9 +764,12 @@ def test_fires_later_dq_groups_take_one_accumulator_a_parameter():
     registers fit in 255 with at most 8 bytes of stack (16 before)."""
     found = _dq_groups("fire", "sm_90", 128)
     assert (found["groups"], found["first"]) == (13, 8)
-    for base, count, registers, stack, total, fp32 in found["launches"]:
+    for base, count, registers, stack, total, fp32, ld_local, st_local in found["launches"]:
         assert count == 8 and registers <= 255 and stack <= 8, (base, registers, stack)
         assert total < 1100 and fp32 < 600, (base, total, fp32)
+        # what the 8 bytes are: two loop-invariant values stored once before the loop and
+        # read back once a pass, 2 local loads of ~1,050 instructions, no store in the loop
+        assert ld_local <= 2 and st_local == 0, (base, ld_local, st_local)
 
 
 @pytest.mark.slow
