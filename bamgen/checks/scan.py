@@ -379,7 +379,7 @@ def check_plan(plan, names: dict) -> None:
     rules are in the module docstring)."""
     ir, spec = plan.ir, plan.ir.spec
     params = [p for p in spec.params if not p.is_constant]
-    log_prior = guarded(ir.log_prior, "the log-prior")
+    log_prior = guarded(ir.log_prior, "the log-prior", value=True)
     exprs = [log_prior, ir.logit, *(g for _, g in ir.grads)]
     pos = position_symbols(spec.channels)
     # (with several channels, every channel takes the grid's values: d0 = d1 = d, ...)

@@ -9,7 +9,8 @@ to every learnable parameter, and makes every one of them safe to evaluate in fl
   ``Piecewise((limit, Eq(u, 0)), (expr, True))``. The limit is taken from ``|u| → 0+`` with the
   convention that the derivative of ``|u|`` at 0 is 0 (torch's subgradient), so a factor
   ``sign(u)`` is 0 there whatever it multiplies;
-* where that limit is infinite, the kink is clamped to ``|u| = KINK_EPSILON`` and a note says so.
+* where that limit is infinite, the kink is clamped to ``|u| = KINK_EPSILON`` and a note says so,
+  but for a limit of -oo of the logit or the log-prior itself: a zero of the prior, kept.
 
 Every expression is bounded in size (:data:`MAX_TREE` nodes, counted as the tree SymPy's own
 walks visit) after each step that can grow it, and the whole stage in CPU time
@@ -116,7 +117,7 @@ def split_for_table(ir: PriorIR) -> TableIR | None:
     symbols = runtime_symbols(spec)
     notes: list[str] = []    # the kinks are already reported by the inline analysis
     limits = [0]
-    value = _guard(ir.log_prior, "the log-prior", notes, limits=limits)
+    value = _guard(ir.log_prior, "the log-prior", notes, limits=limits, value=True)
     present = ir.log_prior.free_symbols
     tabulated = [label for label in learnable_labels(spec) if symbols[label] in present]
     value_grads = tuple(
@@ -134,7 +135,7 @@ def split_for_table(ir: PriorIR) -> TableIR | None:
         grads.append((label, _guard(_clean_derivative(g, label), f"d logit / d {label}", notes,
                                     limits=limits)))
     return TableIR(value=value, value_grads=value_grads,
-                   logit=_guard(logit, "the logit", notes, limits=limits),
+                   logit=_guard(logit, "the logit", notes, limits=limits, value=True),
                    dlogit_ds=_guard(dlds, "d logit / d s", notes, limits=limits), grads=tuple(grads))
 
 
@@ -187,7 +188,7 @@ def _analyse(spec: PriorSpec) -> PriorIR:
                         field=field, hint="use fewer or smaller vectors, or simplify the formula")
     with working_on(field, "guarding the kinks of the formula"):
         limits = [0]
-        logit = _guard(logit, "the logit", notes, field, limits)
+        logit = _guard(logit, "the logit", notes, field, limits, value=True)
         dlds = _guard(dlds, "d logit / d s", notes, field, limits)
         grads = tuple((name, _guard(g, f"d logit / d {name}", notes, field, limits))
                       for name, g in grads)
@@ -254,9 +255,10 @@ def _check_real_constants(expr: sp.Basic, field: str, what: str) -> None:
                         hint="the formula must be real for every position and parameter value")
 
 
-def guarded(expr: sp.Expr, what: str) -> sp.Expr:
-    """``expr`` with its removable singularities at kinks replaced by their limits."""
-    return _guard(expr, what, [])
+def guarded(expr: sp.Expr, what: str, value: bool = False) -> sp.Expr:
+    """``expr`` with its removable singularities at kinks replaced by their limits (value: a
+    log-prior or a logit, whose limit of -oo is kept: _guard)."""
+    return _guard(expr, what, [], value=value)
 
 
 def _canonical_positions(expr: sp.Expr) -> sp.Expr:
@@ -321,9 +323,11 @@ def _ill_defined(expr: sp.Expr) -> bool:
 
 
 def _guard(expr: sp.Expr, what: str, notes: list[str], field: str = "log_prior",
-           limits: list[int] | None = None) -> sp.Expr:
+           limits: list[int] | None = None, value: bool = False) -> sp.Expr:
     """Replace removable singularities at kinks by their limits (see the module docstring).
-    limits: a one-item counter of the limits taken, shared by one build's calls."""
+    limits: a one-item counter of the limits taken, shared by one build's calls. value: expr
+    is the logit or the log-prior, not a derivative, so a limit of -oo is the prior's zero
+    there, kept, not clamped (the parameters' symbols carry their domains' signs)."""
     kinks = _kink_arguments(expr)
     if len(kinks) > MAX_KINKS * MAX_SUM_TERMS:
         raise SpecError(f"{what} has {len(kinks)} distinct kinks Abs(...); the limit is "
@@ -361,6 +365,8 @@ def _guard(expr: sp.Expr, what: str, notes: list[str], field: str = "log_prior",
         # in floating point for beta = 0 (exp2(0 * log2(0)) on the GPU): clamp those too
         if limit.is_finite and not limit.free_symbols & {r} and not _ill_defined(limit):
             notes.append(f"{what}: at {u} = 0 the value is its limit {limit}")
+        elif value and limit == -sp.oo:
+            notes.append(f"{what}: at {u} = 0 the value is its limit -oo (a zero of the prior)")
         else:
             limit = _at_kink(expr, u, sp.Float(KINK_EPSILON))
             notes.append(f"{what}: the limit at {u} = 0 is not finite; "

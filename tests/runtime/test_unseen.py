@@ -99,7 +99,24 @@ UNSEEN = {
         None,
         {"ta": [-1.0, 0.5], "tb": [0.05, -0.2], "tm": [0.0, 0.0]},
     ),
+    # A density that is 0 at d = 0 (a Gamma shape: never attend to yourself): the log-prior's
+    # limit there is -oo, kept as the prior's zero, not clamped to a finite value at |d| = 1e-5.
+    "gamma_density_unseen": (
+        """
+        name: gamma_density_unseen
+        density: Abs(d)**k1 * exp(-Abs(d)/b)
+        params:
+          k1: {init: 0.5, domain: positive}
+          b: {init: 8.0, domain: positive}
+        """,
+        lambda d, p: p["k1"] * torch.log(torch.abs(d)) - torch.abs(d) / p["b"],
+        None,
+        {"k1": [0.5, 2.0], "b": [3.0, 8.0]},
+    ),
 }
+# where a reference gradient is 0 * inf at a kink, which the contract makes 0 (tests/reference.py):
+# the Gamma density's d/dk1 = log|d| at d = 0, where P is 0
+KINKS = {"gamma_density_unseen": lambda d, p: d == 0}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +154,7 @@ def test_unseen_prior_matches_reference(modules, name, backend, causal):
     out = module.attention(*leaves, **p_leaves, causal=causal, q_offset=Nk - Nq + 3,
                            backend=backend)
     grads = torch.autograd.grad(out, leaves + [p_leaves[n] for n in learnable], dout)
-    kw = dict(causal=causal, q_offset=Nk - Nq + 3, score=score, dout=dout)
+    kw = dict(causal=causal, q_offset=Nk - Nq + 3, score=score, dout=dout, kink=KINKS.get(name))
     ref = reference_attention(q, k, v, params, log_prior, **kw)
     pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
     results = [("out", out, ref.out, pt.out), ("dq", grads[0], ref.dq, pt.dq),
