@@ -249,6 +249,9 @@ def show(file: Path, heads: int) -> None:
     from .driver.build import plan_prior as make_plan
     ir = _load_ir(file)
     spec = ir.spec
+    with _reported(file, "planning"):   # (the plan scans the printed code over the domain)
+        kernel_plan = make_plan(ir)
+        analysis = analyse_prior(ir, num_heads=heads)
     click.echo(f"prior '{spec.name}' ({file})" + (f": {spec.description}" if spec.description else ""))
     if spec.source:
         click.echo(f"source: {spec.source}")
@@ -259,7 +262,6 @@ def show(file: Path, heads: int) -> None:
         click.echo(f"d logit / d {name:6s} = {grad}")
     for note in ir.notes:
         click.echo(f"note: {note}")
-    kernel_plan = make_plan(ir)
     block = kernel_plan.triton_bwd
     click.echo(f"\nplan: strategy {kernel_plan.strategy}; positions used: "
                f"{', '.join(ir.positions_used) or 'none'}; distance-only: "
@@ -288,7 +290,6 @@ def show(file: Path, heads: int) -> None:
     labels += [f"d logit / d {n}" for n, _ in ir.grads]
     for label, code in zip(labels, block.outputs):
         click.echo(f"    {label}: {code}")
-    analysis = analyse_prior(ir, num_heads=heads)
     where = "" if analysis.distance_only else " (depends on i too: at query position 1024)"
     click.echo(f"\nanalysis at init, {heads} heads{where}:")
     click.echo(f"  symmetric in d: {'yes' if analysis.symmetric else 'no'}")

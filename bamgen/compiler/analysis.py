@@ -98,12 +98,18 @@ def analyse_prior(ir: PriorIR, num_heads: int = 8, scan: int = 4096) -> PriorAna
         lps = {d: f(d) for d in range(-scan, scan + 1)}
         finite = {d: v for d, v in lps.items() if math.isfinite(v)}
         mode = max(finite, key=lambda d: (finite[d], -abs(d))) if finite else 0
-        symmetric &= all(abs(f(d) - f(-d)) <= 1e-9 * (1 + abs(f(d))) for d in (1, 3, 17, 250, 4000))
+        symmetric &= all(_same(f(d), f(-d)) for d in (1, 3, 17, 250, 4000))
         heads.append(HeadAnalysis(head=head, mode=mode, reach=_reach(f, mode),
                                   params=tuple((s.name, v) for s, v in values.items())))
     tail, normalisable = _tail(fns)
     return PriorAnalysis(symmetric=symmetric, tail=tail, normalisable=normalisable,
                          heads=tuple(heads), distance_only=ir.distance_only)
+
+
+def _same(a: float, b: float) -> bool:
+    """a and b equal to rounding, or the same infinity (a window's -oo on both sides: their
+    difference is nan)."""
+    return a == b or abs(a - b) <= 1e-9 * (1 + abs(a))
 
 
 def _reach(f, mode: int) -> float | None:
@@ -132,6 +138,10 @@ def _tail(fns) -> tuple[str, bool | None]:
     slowest = None
     for f in fns:
         far = [-f(d) for d in FAR]
+        if all(v == math.inf for v in far):   # a window: the prior is 0 far away
+            kind = (2, 0.0, "compact (the prior is 0 far away)", True)   # (the fastest decay)
+            slowest = kind if slowest is None or kind[:2] < slowest[:2] else slowest
+            continue
         if not all(math.isfinite(v) for v in far):
             return "undefined far away", None
         if far[-1] - far[0] <= 1e-9 * (1 + abs(far[0])):

@@ -33,11 +33,11 @@ def plan_prior(ir, strategy: str | None = None) -> lower.KernelPlan:
 def compile_spec(spec: PriorSpec, strategy: str | None = None, *, standalone: bool = False) -> Artifact:
     """A validated prior file -> its module (no file is touched); standalone: the runtime
     inlined (bamgen/driver/standalone.py)."""
-    try:
+    try:   # (every stage's error names the file: the stages below the spec do not know it)
         check_inits(spec)
+        artifact = render(spec, plan_prior(analyse(spec), strategy))
     except SpecError as err:
         raise err.located(spec.path) from None
-    artifact = render(spec, plan_prior(analyse(spec), strategy))
     if standalone:
         return Artifact(name=artifact.name, filename=artifact.filename,
                         text=inline_runtime(artifact.text), build_hash=artifact.build_hash,

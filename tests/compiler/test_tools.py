@@ -56,6 +56,31 @@ def test_show_reports_a_bad_file_in_one_line(tmp_path):
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
 
 
+def test_analysis_of_a_window_prior(tmp_path):
+    """A hard window is -oo on both sides beyond it: symmetric (the same infinity, not a nan
+    difference), its tail compact and normalisable."""
+    prior = write_prior(tmp_path, """
+        name: window
+        log_prior: Piecewise((-Abs(d) / b, Abs(d) <= 6), (-oo, True))
+        params:
+          b: {init: 4.0, domain: positive}
+        """)
+    analysis = analyse_prior(analyse(load_spec(prior)), num_heads=2)
+    assert analysis.symmetric is True
+    assert analysis.tail.startswith("compact") and analysis.normalisable is True
+
+
+def test_show_reports_a_formula_the_domain_scan_refuses_in_one_line(tmp_path):
+    """A file that parses but is nan somewhere in the domain (log of a negative number far
+    away): show plans the kernels, whose scan refuses it, in one line naming the field, exit 2,
+    as build does, not with a traceback."""
+    bad = write_prior(tmp_path, "name: far_nan\nlog_prior: log(10 - Abs(d))\n")
+    res = run_cli("show", str(bad))
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert "field 'log_prior'" in res.stderr and str(bad) in res.stderr
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "p.png"

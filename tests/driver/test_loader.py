@@ -82,6 +82,17 @@ def test_an_unknown_name_lists_the_shipped_priors(tmp_path):
     assert "laplace" in message
 
 
+def test_an_error_found_after_parsing_names_the_file(tmp_path):
+    """A formula the domain scan refuses (nan far away) is reported with the file's path, as a
+    parse error is, not as '<prior>'."""
+    bad = tmp_path / "far_nan.yaml"
+    bad.write_text("name: far_nan\nlog_prior: log(10 - Abs(d))\n")
+    with pytest.raises(SpecError) as err:
+        bamgen.load(bad, cache_dir=tmp_path / "cache")
+    message = str(err.value)
+    assert message.startswith(str(bad)) and "field 'log_prior'" in message, message
+
+
 def test_a_file_in_the_current_folder_wins_over_a_shipped_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_prior(tmp_path, PRIOR.replace("my_laplace", "laplace"), "laplace")
