@@ -413,6 +413,12 @@ class _Builder:
             raise self.fail(f"the index of {name}[{_short(index)}] is not integer-valued",
                             "an index is an integer, d, i, j, n, a Sum's index, floor(...) or "
                             "ceiling(...), or Min, Max, Piecewise, +, - and * of those")
+        size = len(self.vectors[name])
+        if index.is_Number and not 0 <= index <= size - 1:
+            # (a computed index is clamped; a constant one outside is a slip for every use)
+            raise self.fail(f"the index of {name}[{_short(index)}] is outside its {size} "
+                            f"elements", f"write an index from 0 to {size - 1} (there are no "
+                            f"negative indices: {name}[{size - 1}] is the last element)")
         return Gather(index, *self.vectors[name])
 
     def _sum(self, node: ast.Call, depth: int):
@@ -452,9 +458,16 @@ class _Builder:
                             "make the bodies shorter or sum over fewer elements")
         written = [a.args[0] for a in body.atoms(sp.Abs)
                    if any(sym.name in POSITION_NAMES for sym in a.args[0].free_symbols)]
+        reads = [g for g in body.atoms(Gather) if g.args[0].has(index)]
         terms = []
         for k in range(lo, hi + 1):
             at = {index: sp.Integer(k)}
+            for g in reads:   # (w[m] past w's end is a slip for every use, as w[40] is)
+                at_k = g.args[0].xreplace(at)
+                if at_k.is_Number and not 0 <= at_k <= len(g.args) - 2:
+                    raise self.fail(f"the Sum reads element {at_k} of a vector of {len(g.args) - 1} "
+                                    f"at {name} = {k}", f"keep the index of every element the "
+                                    f"Sum reads within 0 to {len(g.args) - 2}")
             terms.append(body.xreplace(at))
             for u in written:
                 self.kinks[u.xreplace(at)] = self.kinks.get(u, u)

@@ -122,6 +122,11 @@ EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "constant_float32_overflow.yaml": ("log_prior", ("in the GPU kernels (float32)",
                                                      "is nan at d = 0", "where its value is -0")),
     "constant_comparison.yaml": ("log_prior", ("cannot be decided in floating point",)),
+    # a constant index outside its vector (a computed one is clamped: docs/priors.md)
+    "vector_index_negative.yaml": ("log_prior", ("the index of w[-1] is outside its 9 elements",
+                                                 "w[8] is the last element")),
+    "vector_index_past_end.yaml": ("log_prior", ("the index of w[40] is outside its 9 elements",)),
+    "sum_past_vector_end.yaml": ("log_prior", ("the Sum reads element 9 of a vector of 9 at m = 8",)),
     # parameters
     "init_negative.yaml": ("params.b.init", ("gives -1.0", "outside the domain positive")),
     "init_uses_d.yaml": ("params.b.init", ("unknown symbol 'd'",)),
