@@ -164,6 +164,11 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if dropout:
         raise ValueError(f"attention_dropout={dropout}: bamgen's attention has no dropout; "
                          f"set config.attention_dropout = 0.0")
+    for name, what in _UNHONOURED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"model type {_family(module)!r}: its attention passes {name} "
+                             f"({what}), which bamgen's attention does not model; use a family "
+                             f"whose attention passes none")
     packed = _packed_documents(layout, query, key, kwargs) or (None, None)
     call = dict(causal=getattr(module, "is_causal", True), scale=scaling,
                 q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
@@ -174,6 +179,15 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     else:
         out = prior.forward_with(_variant(module, prior, extras), query, key, value, **call)
     return out.transpose(1, 2).contiguous(), None
+
+
+# What some families add to the logit that the prior does not model: refused by apply_prior
+# (_check_model), and here again should a call pass it anyway.
+_UNHONOURED = {"s_aux": "attention sinks: a learned per-head logit in every softmax"}
+
+
+def _family(module) -> str:
+    return getattr(getattr(module, "config", None), "model_type", None) or type(module).__name__
 
 
 # (the layer prior's class, the extras) -> the derived prior (bamgen.runtime Prior), filled by
@@ -351,9 +365,17 @@ def _check_model(model, rope: str) -> None:
         raise ValueError(f"model: expected a Hugging Face transformers model, got "
                          f"{type(model).__name__}")
     family = getattr(config, "model_type", type(model).__name__)
-    if not _attention_layers(model):
+    layers = _attention_layers(model)
+    if not layers:
         raise ValueError(f"model type {family!r}: no attention layer dispatches through "
                          f"transformers' ALL_ATTENTION_FUNCTIONS, so bamgen cannot replace it")
+    for attention in layers:
+        source = forward_source(type(attention))
+        if "s_aux" in source and getattr(attention, "sinks", True) is not None:
+            raise ValueError(f"model type {family!r}: its attention has sinks (s_aux: a "
+                             f"learned per-head logit in every softmax), which the prior does "
+                             f"not model (its outputs would change); bamgen cannot take over "
+                             f"this family's attention: use a model without attention sinks")
     if rope == "remove" and not _rotary_modules(model):
         raise ValueError(f"model type {family!r}: rope='remove' found no rotary embedding (a "
                          f"module with an inv_freq buffer) to remove; its positions come from "

@@ -325,6 +325,30 @@ def test_unsupported_model_and_bad_arguments_are_named():
         apply_prior(llama, ggd, sigma=1.0)
 
 
+def tiny_auto(family, **config):
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(family, **config)
+    auto = (transformers.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder
+            else transformers.AutoModelForCausalLM)
+    return auto.from_config(cfg).eval()
+
+
+def assert_untouched(model):
+    assert model.config._attn_implementation != "bamgen" and not hasattr(model.config, "bamgen")
+    assert not any("bamgen_prior" in name for name, _ in model.named_parameters())
+
+
+def test_a_family_with_attention_sinks_is_refused():
+    """gpt-oss adds a learned per-head logit (a sink) to every softmax: the prior does not
+    model it, so taking its attention over would change the model (silently, were it taken)."""
+    model = tiny_auto("gpt_oss", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=32, vocab_size=128,
+                      num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"model type 'gpt_oss': its attention has sinks"):
+        apply_prior(model, "uniform", rope="keep")
+    assert_untouched(model)
+
+
 def test_documents_packed_by_position_ids_each_see_only_themselves(absolute):
     """HF's packed training format (DataCollatorWithFlattening): one row, no attention_mask,
     position_ids restarting at every document; each document gives what it gives alone."""
