@@ -183,7 +183,8 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 # What some families add to the logit that the prior does not model: refused by apply_prior
 # (_check_model), and here again should a call pass it anyway.
-_UNHONOURED = {"s_aux": "attention sinks: a learned per-head logit in every softmax"}
+_UNHONOURED = {"s_aux": "attention sinks: a learned per-head logit in every softmax",
+               "position_bias": "a relative position bias added to the logits"}
 
 
 def _family(module) -> str:
@@ -369,6 +370,12 @@ def _check_model(model, rope: str) -> None:
     if not layers:
         raise ValueError(f"model type {family!r}: no attention layer dispatches through "
                          f"transformers' ALL_ATTENTION_FUNCTIONS, so bamgen cannot replace it")
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(f"model type {family!r}: encoder-decoder models (and decoders with "
+                         f"cross-attention) are not supported: bamgen's attention takes a "
+                         f"decoder's self-attention, not cross-attention to an encoder's tokens "
+                         f"(and their padding) nor an encoder's relative position bias (T5's); "
+                         f"use a decoder-only model")
     for attention in layers:
         source = forward_source(type(attention))
         if "s_aux" in source and getattr(attention, "sinks", True) is not None:

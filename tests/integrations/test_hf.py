@@ -349,6 +349,24 @@ def test_a_family_with_attention_sinks_is_refused():
     assert_untouched(model)
 
 
+ENCODER_DECODERS = {
+    "t5": dict(d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2, vocab_size=64),
+    "bart": dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=64),
+}
+
+
+@pytest.mark.parametrize("family", list(ENCODER_DECODERS))
+def test_encoder_decoder_models_are_refused(family):
+    """T5's relative position bias and BART's cross-attention over a padded encoder batch are
+    not what bamgen's attention takes: refused by name, the model left as it was."""
+    model = tiny_auto(family, **ENCODER_DECODERS[family])
+    with pytest.raises(ValueError, match=rf"model type '{family}': encoder-decoder models .* "
+                                         rf"use a decoder-only model"):
+        apply_prior(model, "uniform", rope="keep")
+    assert_untouched(model)
+
+
 def test_documents_packed_by_position_ids_each_see_only_themselves(absolute):
     """HF's packed training format (DataCollatorWithFlattening): one row, no attention_mask,
     position_ids restarting at every document; each document gives what it gives alone."""
