@@ -57,6 +57,7 @@ def apply_prior(model, prior, rope: str = "remove", shared: bool = False, **init
         raise ValueError(f"shared: expected True (one prior for every layer) or False (one per "
                          f"layer), got {shared!r}")
     module = resolve_prior(prior)
+    _check_positions(module)
     _install(model, module, rope, init or None, shared)
     model.config.bamgen = {**prior_record(module), "rope": rope, "shared": shared}
     return model
@@ -90,6 +91,19 @@ def resolve_prior(prior) -> ModuleType:
         return bamgen.load(prior)
     raise ValueError(f"prior: expected a shipped prior's name, a prior file's path or a generated "
                      f"module, got {type(prior).__name__}")
+
+
+def _check_positions(module: ModuleType) -> None:
+    """A prior over several position channels (``positions: C``) reads its positions from
+    tensors only (pos_q, pos_k), which a transformers model never passes to its attention:
+    every forward would fail, so it is refused here (docs/huggingface.md, "Reference")."""
+    channels = getattr(module.TRAITS, "channels", 1)
+    if channels > 1:
+        raise ValueError(f"prior: {module.PRIOR['name']!r} reads {channels} position channels "
+                         f"(positions: {channels}), given only as pos_q and pos_k tensors, which "
+                         f"a Hugging Face model does not pass to its attention; use a prior of "
+                         f"token positions (one channel: d, i, j), or call the prior module "
+                         f"yourself with pos_q and pos_k")
 
 
 def prior_record(module: ModuleType) -> dict:

@@ -367,6 +367,19 @@ def test_encoder_decoder_models_are_refused(family):
     assert_untouched(model)
 
 
+def test_a_prior_that_needs_position_tensors_is_refused_and_one_of_tokens_runs():
+    """alibi_2d reads two position channels, given only as pos_q / pos_k, which no HF model
+    passes: refused up front, not at every forward. forget_gate reads one channel, so it runs
+    on the token positions (d = i - j) like any prior of d."""
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    with pytest.raises(ValueError, match=r"prior: 'alibi_2d' reads 2 position channels .* "
+                                         r"pos_q and pos_k"):
+        apply_prior(model, "alibi_2d")
+    assert_untouched(model)
+    ids = torch.randint(1, 100, (1, 7), generator=torch.Generator().manual_seed(4))
+    assert torch.isfinite(apply_prior(model, "forget_gate")(ids).logits).all()
+
+
 def test_documents_packed_by_position_ids_each_see_only_themselves(absolute):
     """HF's packed training format (DataCollatorWithFlattening): one row, no attention_mask,
     position_ids restarting at every document; each document gives what it gives alone."""
