@@ -176,8 +176,7 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             f"{' of shape ' + str(tuple(layout.shape)) if hasattr(layout, 'shape') else ''}; "
             f"pass a 2-D attention_mask (or none), not a prepared 4-D mask")
     if dropout:
-        raise ValueError(f"attention_dropout={dropout}: bamgen's attention has no dropout; "
-                         f"set config.attention_dropout = 0.0")
+        raise ValueError(_dropout_message(module, dropout))
     for name, what in _UNHONOURED.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"model type {_family(module)!r}: its attention passes {name} "
@@ -203,6 +202,24 @@ _UNHONOURED = {"s_aux": "attention sinks: a learned per-head logit in every soft
 
 def _family(module) -> str:
     return getattr(getattr(module, "config", None), "model_type", None) or type(module).__name__
+
+
+def _dropout_message(module, dropout: float) -> str:
+    """Which setting gives the layer its attention dropout, as the family names it: the layer
+    reads an attribute copied from the config when it was built (GPT-2's attn_dropout.p from
+    attn_pdrop, BioGPT's dropout from attention_probs_dropout_prob, Llama's attention_dropout),
+    so the config field whose value it is, among those of attention dropout."""
+    config = getattr(module, "config", None)
+    fields = config.to_dict() if hasattr(config, "to_dict") else {}
+    names = [name for name, value in fields.items()
+             if "drop" in name and "att" in name and isinstance(value, (int, float))
+             and not isinstance(value, bool) and float(value) == float(dropout)]
+    setting = (" or ".join(f"config.{name}" for name in names) if names
+               else "the attention dropout probability of its config")
+    example = f" (from_pretrained(..., {names[0]}=0.0))" if names else ""
+    return (f"model type {_family(module)!r}: attention dropout {dropout} (from {setting}) is "
+            f"not supported, bamgen's attention has no dropout; build the model with "
+            f"{setting} = 0.0{example}: its layers read it when they are built")
 
 
 # (the layer prior's class, the extras) -> the derived prior (bamgen.runtime Prior), filled by

@@ -380,6 +380,30 @@ def test_a_prior_that_needs_position_tensors_is_refused_and_one_of_tokens_runs()
     assert torch.isfinite(apply_prior(model, "forget_gate")(ids).logits).all()
 
 
+DROPOUT_FIELDS = {
+    "gpt2": ("attn_pdrop", dict(n_embd=32, n_layer=1, n_head=2, vocab_size=64)),
+    "gpt_bigcode": ("attn_pdrop", dict(n_embd=32, n_layer=1, n_head=2, vocab_size=64)),
+    "biogpt": ("attention_probs_dropout_prob",
+               dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=32, vocab_size=64)),
+    "llama": ("attention_dropout", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=32, vocab_size=64)),
+}
+
+
+@pytest.mark.parametrize("family", list(DROPOUT_FIELDS))
+def test_the_dropout_error_names_the_config_field_the_family_reads(family):
+    """Each family reads its attention dropout from its own config field: the error names that
+    one, and building the model with it at 0.0 trains."""
+    field, config = DROPOUT_FIELDS[family]
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    model = apply_prior(tiny_auto(family, **config, **{field: 0.25}), "uniform", rope="keep")
+    with pytest.raises(ValueError, match=rf"model type '{family}': attention dropout 0.25 "
+                                         rf"\(from config\.{field}\) .* config\.{field} = 0\.0"):
+        model.train()(ids)
+    model = apply_prior(tiny_auto(family, **config, **{field: 0.0}), "uniform", rope="keep")
+    model.train()(ids, labels=ids).loss.backward()
+
 def test_documents_packed_by_position_ids_each_see_only_themselves(absolute):
     """HF's packed training format (DataCollatorWithFlattening): one row, no attention_mask,
     position_ids restarting at every document; each document gives what it gives alone."""
