@@ -271,6 +271,11 @@ def _canonical_positions(expr: sp.Expr) -> sp.Expr:
 def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
     expr = _canonical_positions(spec.log_prior)
     if spec.from_density:
+        # the log of a piecewise density taken per branch, a branch of 0 as -oo (a window:
+        # Piecewise((0, Abs(d) >= W), (density, True))), so that each branch simplifies below
+        expr = expr.replace(lambda e: isinstance(e, sp.log) and isinstance(e.args[0], sp.Piecewise),
+                            lambda e: sp.Piecewise(*[(-sp.oo if v == 0 else sp.log(v), c)
+                                                     for v, c in e.args[0].args]))
         # log of an unnormalised density: split products and powers so log(exp(x)) -> x.
         expr = sp.expand_log(expr, force=True)
         expr = sp.powsimp(sp.expand_log(sp.logcombine(expr, force=True), force=True))

@@ -223,6 +223,26 @@ def test_a_windowed_layer_runs_a_prior_that_is_minus_infinity_beyond_the_window(
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_windowed_layer_runs_a_prior_written_as_a_density():
+    """The shipped Cauchy prior is a density, which a window makes 0 beyond it (the derived
+    file's Piecewise((0, Abs(d) >= W), (density, True))): its log is taken per branch (-oo
+    beyond the window), where it was refused with a division by zero on every windowed family,
+    Mistral's default config among them."""
+    from bamgen.integrations.hf_variants import LayerExtras, layer_extras
+    model = apply_prior(family_model("gemma2"), "cauchy")
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert layer_extras(layers[0], model.config) == LayerExtras(4, 1.0)
+    local = transformers_variant(layers[0])
+    q, k, v = (torch.randn(1, 4, 9, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    got = layers[0].bamgen_prior.forward_with(local, q, k, v)
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) / 4.0
+    d = torch.arange(9)[:, None] - torch.arange(9)[None, :]
+    values = {n: t.double()[:, None, None] for n, t in layers[0].bamgen_prior.prior_params().items()}
+    prior = -torch.log1p(((d - values["mu"]) / values["gamma"]) ** 2)
+    logits = (torch.tanh(scores) + prior).masked_fill((d < 0) | (d >= 4), -torch.inf)
+    want = torch.softmax(logits, -1) @ v.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_windowed_families_generate_alike_with_every_cache(family):

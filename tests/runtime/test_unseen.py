@@ -113,6 +113,18 @@ UNSEEN = {
         None,
         {"k1": [0.5, 2.0], "b": [3.0, 8.0]},
     ),
+    # A density with a window, 0 beyond it: its log taken per branch, -oo beyond the window.
+    "windowed_density_unseen": (
+        """
+        name: windowed_density_unseen
+        density: Piecewise((0, Abs(d) >= 6), (1 / (1 + (d / g)**2), True))
+        params:
+          g: {init: 2.0, domain: positive}
+        """,
+        lambda d, p: torch.where(torch.abs(d) >= 6, -torch.inf, -torch.log1p((d / p["g"]) ** 2)),
+        None,
+        {"g": [1.5, 4.0]},
+    ),
 }
 # where a reference gradient is 0 * inf at a kink, which the contract makes 0 (tests/reference.py):
 # the Gamma density's d/dk1 = log|d| at d = 0, where P is 0
