@@ -414,7 +414,13 @@ def _check_model(model, rope: str) -> None:
                              f"learned per-head logit in every softmax), which the prior does "
                              f"not model (its outputs would change); bamgen cannot take over "
                              f"this family's attention: use a model without attention sinks")
-    if rope == "remove" and not _rotary_modules(model):
+    removed = any(isinstance(m, IdentityRotary) for m in model.modules())
+    if rope == "keep" and removed:
+        raise ValueError(f"model type {family!r}: rope='keep', but an earlier apply_prior removed "
+                         f"this model's rotary embedding (rope='remove'), so there is none to "
+                         f"keep: pass rope='remove' to replace its prior, or start from the model "
+                         f"as it was built to add a prior to RoPE")
+    if rope == "remove" and not _rotary_modules(model) and not removed:
         raise ValueError(f"model type {family!r}: rope='remove' found no rotary embedding (a "
                          f"module with an inv_freq buffer) to remove; its positions come from "
                          f"elsewhere (absolute embeddings?): pass rope='keep' to add the prior "

@@ -99,6 +99,25 @@ def test_save_and_reload_restores_the_learned_prior(tmp_path):
     assert torch.equal(loaded(ids).logits, want)
 
 
+def test_a_second_prior_replaces_the_first_and_reloads_alike(tmp_path):
+    """apply_prior on a model that already has one (RoPE removed by it): rope='remove' replaces
+    the prior (there is no rotary embedding left to remove, and none comes back on reload);
+    rope='keep' is refused, since the model no longer has the RoPE it would keep (it was once
+    recorded, and the reload rebuilt a rotary embedding the model had not run: logits off by 6)."""
+    model = tiny_llama(prior="laplace")
+    with pytest.raises(ValueError, match="rope='keep'.* an earlier apply_prior removed"):
+        apply_prior(model, "t5", rope="keep")
+    assert model.config.bamgen["prior"] == "laplace"   # (the refusal changed nothing)
+    model = apply_prior(model, "t5")
+    assert model.config.bamgen["prior"] == "t5" and model.config.bamgen["rope"] == "remove"
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    want = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path)
+    assert isinstance(loaded.model.rotary_emb, IdentityRotary)
+    assert torch.equal(loaded.eval()(ids).logits, want)
+
+
 def test_a_plain_load_reports_the_prior_as_unexpected(tmp_path):
     """Why from_pretrained exists: HF's own loader drops the prior and goes back to sdpa."""
     tiny_llama().save_pretrained(tmp_path)
