@@ -279,11 +279,29 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
         # log of an unnormalised density: split products and powers so log(exp(x)) -> x.
         expr = sp.expand_log(expr, force=True)
         expr = sp.powsimp(sp.expand_log(sp.logcombine(expr, force=True), force=True))
+        expr = expr.replace(_positive_sum_log, _log_sum_exp)
     if expr.has(sp.zoo, sp.nan) or expr == sp.oo:
         field = "density" if spec.from_density else "log_prior"
         raise SpecError("the formula is not finite (division by zero or log of zero)",
                         field=field, hint="check constants; use Abs(...) + eps under logs")
     return expr
+
+
+def _positive_sum_log(e: sp.Basic) -> bool:
+    """log(t_1 + ... + t_n) of terms that are each positive (a mixture density)."""
+    return (isinstance(e, sp.log) and isinstance(e.args[0], sp.Add)
+            and all(t.is_positive for t in e.args[0].args))
+
+
+def _log_sum_exp(e: sp.log) -> sp.Expr:
+    """log(sum_k t_k) as M + log(sum_k exp(log t_k - M)), M = Max_k log t_k: the terms of a
+    mixture of Gaussians underflow far away (exp(-d**2 / 2 s**2) is 0 in float64 at
+    |d| > 39 s), where their sum's log and its derivatives (t_k' / sum) were -inf and 0/0;
+    here the largest term is exp(0) = 1 and the others at most 1, so the log stays finite
+    and so do its derivatives."""
+    logs = [sp.expand_log(sp.log(t), force=True) for t in e.args[0].args]
+    top = sp.Max(*logs)
+    return top + sp.log(sp.Add(*[sp.exp(x - top) for x in logs]))
 
 
 def _clean_derivative(expr: sp.Expr, wrt: str) -> sp.Expr:

@@ -125,6 +125,22 @@ UNSEEN = {
         None,
         {"g": [1.5, 4.0]},
     ),
+    # A mixture of two Gaussians (a weight and two scales learnable): its log is a log-sum-exp,
+    # whose terms underflow far from d = 0, where the plain log of the sum was refused (0/0).
+    "gaussian_mixture_unseen": (
+        """
+        name: gaussian_mixture_unseen
+        density: exp(-d**2 / (2 * s1**2)) + a * exp(-d**2 / (2 * s2**2))
+        params:
+          a: {init: 0.1, domain: positive}
+          s1: {init: 2.0, domain: positive}
+          s2: {init: 50.0, domain: positive}
+        """,
+        lambda d, p: torch.logaddexp(-d**2 / (2 * p["s1"]**2),
+                                     torch.log(p["a"]) - d**2 / (2 * p["s2"]**2)),
+        None,
+        {"a": [0.1, 2.0], "s1": [2.0, 0.7], "s2": [50.0, 6.0]},
+    ),
 }
 # where a reference gradient is 0 * inf at a kink, which the contract makes 0 (tests/reference.py):
 # the Gamma density's d/dk1 = log|d| at d = 0, where P is 0
