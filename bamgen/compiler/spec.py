@@ -536,6 +536,11 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
 def _check_name(name, field: str, line: int | None, what: str) -> None:
     """A parameter's or sub-formula's name: an identifier that is not a name of the formula
     language, a Python keyword or an argument of attention() (docs/priors.md, "Names")."""
+    if isinstance(name, (bool, int, float)) or name is None:
+        # YAML reads the keys true/false/yes/no/on/off/null and numbers as such, not as text
+        raise SpecError(f"invalid {what} name {_show(name)}: YAML reads that key as "
+                        f"{type(name).__name__}, not as a name", field=field, line=line,
+                        hint="quote it (\"true\": ...) or choose another name")
     if not isinstance(name, str) or not IDENTIFIER_RE.fullmatch(name):
         raise SpecError(f"invalid {what} name {_show(name)}", field=field, line=line,
                         hint="use ASCII letters, digits and '_', not starting with a digit "

@@ -183,7 +183,9 @@ def param_block(param: ParamTraits, value, num_heads, device, dtype=torch.float3
     # (head_rows: the block API, whose caller, the ring, holds every parameter per head)
     heads_ok = rows == 1 or ((param.per_head or head_rows) and rows == num_heads)
     if not (shape[-1:] == (size,) and (len(shape) == 1 or heads_ok)):
-        raise ValueError(f"{param.name} must be {what}, got shape {shape}")
+        got = f"{value.item()!r}, one number" if not shape else f"shape {shape}"
+        raise ValueError(f"{param.name} must be {what}, got {got} (a vector of {size} elements: "
+                         f"e.g. torch.full(({size},), x) for one value in every element)")
     value = _on(value, device, dtype)
     return value if rows == num_heads else value.reshape(1, size).expand(num_heads, size)
 

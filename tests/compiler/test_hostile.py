@@ -128,6 +128,8 @@ EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "vector_index_past_end.yaml": ("log_prior", ("the index of w[40] is outside its 9 elements",)),
     "sum_past_vector_end.yaml": ("log_prior", ("the Sum reads element 9 of a vector of 9 at m = 8",)),
     # parameters
+    "yaml_key_true.yaml": ("params.True", ("invalid parameter name True: YAML reads that key as bool",
+                                           "quote it")),
     "init_negative.yaml": ("params.b.init", ("gives -1.0", "outside the domain positive")),
     "init_uses_d.yaml": ("params.b.init", ("unknown symbol 'd'",)),
     "init_overflow.yaml": ("params.b.init", ("cannot be computed", "overflows a float")),

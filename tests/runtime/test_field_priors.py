@@ -142,7 +142,8 @@ def test_vectors_take_the_shapes_a_user_has():
     (torch.zeros(4, 31), r"w must be a tensor of shape \[4, 32\] \(a row per query head\) or "
                          r"\[32\], got shape \(4, 31\)"),
     (torch.zeros(3, 32), r"got shape \(3, 32\)"),
-    (0.5, r"w must be a tensor of shape \[4, 32\]"),
+    (0.5, r"w must be a tensor of shape \[4, 32\].*got 0.5, one number \(a vector of 32 "
+          r"elements: e.g. torch.full\(\(32,\), x\)"),
     (torch.zeros(4, 32, dtype=torch.int64), "floating-point"),
 ])
 def test_a_vector_of_the_wrong_shape_is_named(value, words):
