@@ -163,9 +163,6 @@ def variant_module(module: ModuleType, extras: LayerExtras, family: str) -> Modu
         raise ValueError(f"{what} is honoured by a prior derived from the prior file, but the "
                          f"module {module.__name__} carries no prior file; pass the prior's file "
                          f"or a shipped prior's name to apply_prior")
-    if getattr(module.TRAITS, "channels", 1) > 1:
-        raise ValueError(f"{what} counts tokens, but the prior {module.PRIOR['name']!r} reads "
-                         f"{module.TRAITS.channels} position channels, not token distances")
     return _build(derived_source(found.text, extras), Path(found.file_name or "prior").stem)
 
 

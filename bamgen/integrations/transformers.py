@@ -57,7 +57,6 @@ def apply_prior(model, prior, rope: str = "remove", shared: bool = False, **init
         raise ValueError(f"shared: expected True (one prior for every layer) or False (one per "
                          f"layer), got {shared!r}")
     module = resolve_prior(prior)
-    _check_positions(module)
     _install(model, module, rope, init or None, shared)
     model.config.bamgen = {**prior_record(module), "rope": rope, "shared": shared}
     return model
@@ -326,6 +325,7 @@ class IdentityRotary(torch.nn.Module):
 def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bool = False) -> None:
     """Attach a prior to every attention layer (shared: one prior, a submodule of the base
     model, that every layer reads), remove RoPE if asked, switch attention."""
+    _check_positions(module)   # (apply_prior's and from_pretrained's way in alike)
     register()
     config = model.config
     cls = getattr(module, module.PRIOR["class_name"])
