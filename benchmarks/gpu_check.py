@@ -150,6 +150,7 @@ class Outcome:
     seconds: float
     summary: str             # the step's last non-empty output line
     failures: tuple[str, ...] = ()   # the tests it named as failed (FAILED <id>), in order
+    causes: tuple[tuple[str, str], ...] = ()   # (test id, the end of its error), as printed
 
     @property
     def passed(self) -> bool:
@@ -261,7 +262,7 @@ def run_step(step: Step) -> Outcome:
     proc = subprocess.Popen(step.argv, cwd=ROOT, env={**os.environ, **dict(step.env)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    last, failures = [""], []
+    last, failures, tails = [""], [], FailureTails()
 
     def pump():
         for line in proc.stdout:
@@ -271,6 +272,7 @@ def run_step(step: Step) -> Outcome:
             failed = failed_test(line)
             if failed and failed not in failures:
                 failures.append(failed)
+            tails.feed(line)
         sys.stdout.flush()
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -282,7 +284,7 @@ def run_step(step: Step) -> Outcome:
         returncode = None
     reader.join(timeout=10)
     return Outcome(step, returncode, time.monotonic() - t0, last[0].strip("= ")[:200],
-                   tuple(failures))
+                   tuple(failures), tuple(tails.causes))
 
 
 def failed_test(line: str) -> str | None:
@@ -293,14 +295,47 @@ def failed_test(line: str) -> str | None:
 
 
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: \((?:setup|call|teardown)\)| - .*)?$")
+AT_ONCE_LINE = re.compile(r"^FAILED (.+?) \((?:setup|call|teardown)\)$")
+FAILURE_END = "END FAILED "   # tests/conftest.py closes each failure's tail with it
+
+
+class FailureTails:
+    """The end of each failed test's error, from the blocks tests/conftest.py prints as a test
+    fails (`FAILED <id> (<phase>)`, its error's last lines, `END FAILED <id>`): the report keeps
+    them, so a GPU run that fails says why without another command on the GPU (the compile
+    step of an H200 named three failures and kept no cause)."""
+
+    def __init__(self):
+        self.causes: list[tuple[str, str]] = []
+        self._open: tuple[str, list[str]] | None = None
+
+    def feed(self, line: str) -> None:
+        line = line.rstrip("\n")
+        if self._open is not None:
+            test, lines = self._open
+            if line == FAILURE_END + test:
+                self.causes.append((test, "\n".join(lines)))
+                self._open = None
+            else:
+                lines.append(line)
+            return
+        found = AT_ONCE_LINE.match(line)
+        if found:
+            self._open = (found.group(1), [])
+
+
+CAUSES_KEPT = 5   # failures per step whose error the report quotes
 
 
 def finish_report(report: Path, outcomes: list[Outcome]) -> None:
-    """Append the outcome of every step to the benchmark's report."""
+    """Append the outcome of every step to the benchmark's report, with the end of the error of
+    each step's first CAUSES_KEPT failures."""
     lines = ["", "## The checks of this run (`make gpu-check`)", ""]
     for o in outcomes:
         lines.append(f"* {o.line()}")
         lines.append(f"  `{o.step.shell()}`")
+        for test, tail in o.causes[:CAUSES_KEPT]:
+            lines += ["", f"  {test}:", "", "  ```", *(f"  {t}" for t in tail.splitlines()), "  ```"]
     with report.open("a") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -286,6 +286,36 @@ def test_a_killed_test_step_still_names_the_tests_that_failed(tmp_path):
     assert len(outcome.failures) == 1, outcome.failures
     assert outcome.failures[0].endswith("test_two.py::test_fails"), outcome.failures
     assert "failed: " in outcome.line() and "test_fails" in outcome.line()
+    (test, tail), = outcome.causes   # and why it failed
+    assert test == outcome.failures[0] and "AssertionError: arithmetic" in tail, tail
+
+
+def test_the_report_quotes_each_failure_s_error(tmp_path):
+    """A GPU's compile step named three failures and kept no cause, so finding one took another
+    command on the GPU: the report now quotes the end of each failure's error, as the test step
+    printed it (tests/conftest.py's blocks, interleaved with pytest's other output)."""
+    gc = _load_script()
+    tails = gc.FailureTails()
+    for line in ["..F.", "FAILED tests/a.py::test_x[bf16] (call)", "    wrap(kernel)",
+                 "E   RuntimeError: wrap_triton only works on functions annotated with triton.jit",
+                 "END FAILED tests/a.py::test_x[bf16]", "..", "FAILED tests/a.py::test_y (setup)",
+                 "E   fixture 'z' not found", "END FAILED tests/a.py::test_y",
+                 "FAILED tests/a.py::test_x[bf16] - RuntimeError: wrap_triton"]:   # (the summary)
+        tails.feed(line + "\n")
+    assert tails.causes == [
+        ("tests/a.py::test_x[bf16]", "    wrap(kernel)\nE   RuntimeError: wrap_triton only works "
+                                     "on functions annotated with triton.jit"),
+        ("tests/a.py::test_y", "E   fixture 'z' not found")]
+    report = tmp_path / "report.md"
+    report.write_text("| peer |\n|---|\n")
+    failed = gc.Outcome(gc.Step("compile", ("pytest",), (), 60), 1, 2.0, "2 failed",
+                        ("tests/a.py::test_x[bf16]", "tests/a.py::test_y"), tuple(tails.causes))
+    passed = gc.Outcome(gc.Step("aot", ("pytest",), (), 60), 0, 1.0, "3 passed")
+    gc.finish_report(report, [passed, failed])
+    text = report.read_text()
+    assert "* compile: failed (exit 1)" in text and "  tests/a.py::test_x[bf16]:" in text
+    assert "  E   RuntimeError: wrap_triton only works" in text and "  E   fixture 'z'" in text
+    assert text.count("  ```") == 4   # one quoted block per cause
 
 
 def test_failed_test_reads_pytest_s_failure_lines():

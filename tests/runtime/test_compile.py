@@ -365,6 +365,33 @@ def test_triton_decode_steps_compile_once(module):
     assert graph_breaks() == 0
 
 
+@pytest.mark.skipif(GPU, reason="the interpreter's kernels: on a GPU they are JITFunctions")
+def test_interpreted_kernels_launch_without_wrap_triton(monkeypatch):
+    """torch 2.11's wrap_triton takes only a JITFunction or an Autotuner, and refuses the
+    interpreter's kernels (torch 2.13 hands them back): under TRITON_INTERPRET=1 the triton ops
+    are opaque custom ops, so their kernels launch as they are, with either torch."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+    real = torch.library.wrap_triton
+
+    def as_torch_2_11(kernel):
+        if not isinstance(kernel, (JITFunction, Autotuner)):
+            raise RuntimeError("wrap_triton only works on functions annotated with triton.jit "
+                               "or triton.autotune")
+        return real(kernel)
+
+    monkeypatch.setattr(torch.library, "wrap_triton", as_torch_2_11)
+    params = uniform.default_params(4)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 21, 16), torch.randn(1, 2, 21, 16)
+
+    def step(q, k, v):
+        return uniform.attention(q, k, v, **params, q_offset=20, backend="triton")
+
+    with torch.no_grad():
+        got = torch.compile(step, fullgraph=True, dynamic=True, backend=traced_ops(set()))(q, k, v)
+    assert_same(got, step(q, k, v))
+
+
 def test_triton_errors_under_compile_are_eager_errors():
     """The prepare op checks what eager checks, when it runs: the same ValueError."""
     q, k, v = (torch.randn(1, 2, 6, 8, device=DEVICE) for _ in range(3))

@@ -563,8 +563,11 @@ def eager_kernel(kernel):
 def traced_kernel(kernel):
     """How a triton op (api: _TritonOps) launches a kernel: through torch.library.wrap_triton,
     which under torch.compile records the launch in the graph, where inductor sees it, and
-    launches it as it is otherwise (and under TRITON_INTERPRET=1, whose kernels it cannot
-    trace)."""
+    launches it as it is otherwise. Under TRITON_INTERPRET=1 the ops are opaque custom ops
+    (ops.TritonOps), so an interpreted kernel (not a JITFunction) launches as it is: torch
+    2.13's wrap_triton passes it through, torch 2.11's refuses it."""
+    if interpreting():
+        return kernel
     return torch.library.wrap_triton(kernel)
 
 
