@@ -10,6 +10,7 @@ are computed here too (init_formula, init_random).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -102,12 +103,20 @@ class DomainCheck:
     check_domains where it fails. Keeps, per device and dtype, the bounds as tensors, and the
     bits of CPU parameter sets that passed: a decode loop passes the same values every step
     (and every torch or numpy operation costs a step 10-30 us once its K and V have swept the
-    caches)."""
+    caches).
+
+    On a GPU the test reads a value on the host, which waits for every kernel queued before it
+    (a stream synchronisation). So a call that names its values (``sources``, the user's values
+    in slot order) reads none when each is a Python number, tested here on the host, or a
+    tensor already found in its domain and not changed since: the same object at the same
+    version (``Tensor._version`` counts in-place writes, which an optimiser's step makes). A
+    loop that passes the same parameter tensors, or numbers, then runs ahead of the GPU."""
 
     def __init__(self, traits: PriorTraits):
         self.traits = traits
         self.bounds = {}
         self.in_domain = set()
+        self.passed = {}   # id(tensor) -> (weak reference, version) of tensors found in domain
 
     def _bounds(self, theta):
         """Per slot of theta, (lower open, lower closed, upper open) bounds of its domain as
@@ -118,23 +127,23 @@ class DomainCheck:
         if key not in self.bounds:
             rows = []
             for p in self.traits.params:
-                rows += [{"positive": (0.0, -math.inf, math.inf),
-                          "nonnegative": (-math.inf, 0.0, math.inf),
-                          "interval": (p.lo, -math.inf, p.hi)}.get(
-                              p.domain, (-math.inf, -math.inf, math.inf))] * p.width
+                rows += [domain_bounds(p)] * p.width
             lo_open, lo_closed, hi_open = torch.tensor(rows, dtype=theta.dtype).T.to(theta.device).unbind(0)
             closed = any(p.domain == "nonnegative" for p in self.traits.params)
             self.bounds[key] = (lo_open, lo_closed if closed else None, hi_open)
         return self.bounds[key]
 
-    def __call__(self, theta, what: str = ""):
+    def __call__(self, theta, what: str = "", sources=None):
         if theta.shape[1] == 0:
+            return
+        if sources is not None and self._known(sources):
             return
         values = theta.detach()
         seen = None
         if values.device.type == "cpu":
             seen = (values.dtype, values.shape, values.numpy().tobytes())
             if seen in self.in_domain:
+                self._remember(sources)
                 return
         lo_open, lo_closed, hi_open = self._bounds(theta)
         ok = (values > lo_open) & (values < hi_open)
@@ -148,6 +157,43 @@ class DomainCheck:
             if len(self.in_domain) >= 1024:
                 self.in_domain.clear()
             self.in_domain.add(seen)
+        self._remember(sources)
+
+    def _known(self, sources) -> bool:
+        """Whether every value is a number in its domain or a tensor that passed, unchanged."""
+        for param, value in zip(self.traits.params, sources):
+            if isinstance(value, torch.Tensor):
+                entry = self.passed.get(id(value))
+                if entry is None or entry[0]() is not value or entry[1] != value._version:
+                    return False
+            elif not (isinstance(value, (int, float)) and _number_in_domain(param, value)):
+                return False   # (a list, or a number outside: the full test, and its message)
+        return True
+
+    def _remember(self, sources):
+        """Mark the tensors among sources as passed, at their current versions."""
+        for value in sources or ():
+            if isinstance(value, torch.Tensor):
+                key = id(value)
+                if key not in self.passed and len(self.passed) >= 1024:
+                    self.passed.clear()
+                self.passed[key] = (weakref.ref(value, lambda _, key=key: self.passed.pop(key, None)),
+                                    value._version)
+
+
+def domain_bounds(param: ParamTraits) -> tuple[float, float, float]:
+    """(lower open, lower closed, upper open) bounds of the parameter's domain (DomainCheck)."""
+    return {"positive": (0.0, -math.inf, math.inf),
+            "nonnegative": (-math.inf, 0.0, math.inf),
+            "interval": (param.lo, -math.inf, param.hi)}.get(
+                param.domain, (-math.inf, -math.inf, math.inf))
+
+
+def _number_in_domain(param: ParamTraits, value) -> bool:
+    if isinstance(value, bool):
+        return False
+    lo_open, lo_closed, hi_open = domain_bounds(param)
+    return lo_open < value and lo_closed <= value and value < hi_open   # (NaN: False)
 
 
 def param_column(name, value, num_heads, device, dtype=torch.float32):
@@ -155,6 +201,9 @@ def param_column(name, value, num_heads, device, dtype=torch.float32):
     inputs), autograd flowing back to a tensor value: a float, a 0-d tensor, [1] or
     [num_heads]."""
     what = f"a float or a tensor of shape [{num_heads}]"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # filled where it is used: a host tensor copied to a GPU would wait for its queue
+        return torch.full((num_heads,), float(value), dtype=dtype, device=device)
     value = _as_tensor(name, value, what)
     if value.dim() > 1 or (value.numel() != 1 and value.numel() != num_heads):
         raise ValueError(f"{name} must be {what} (one value per query head), got shape "
@@ -228,7 +277,7 @@ def theta(traits: PriorTraits, q, values, grad, check=None, head_rows=False):
         blocks.append(block if p.learnable else block.detach())   # a buffer: no gradient
     stacked = torch.cat(blocks, dim=1)
     if check is not None:
-        check(stacked)
+        check(stacked, sources=[values[p.name] for p in traits.params])
     return stacked if grad else stacked.detach()
 
 

@@ -109,3 +109,83 @@ def test_module_imports_no_triton_on_cpu():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=str(__import__("tests.helpers").helpers.ROOT))
     assert res.stdout.strip() == "False", res.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# A call's host work: what would wait for a GPU's queue. On a GPU, reading a value on the host
+# (a domain test) and copying host data to the device (a float parameter made a tensor, then
+# moved) each wait for every kernel queued before them, so a loop cannot run ahead of the GPU
+# (docs/performance.md, "Where a call's host time goes").
+
+
+class _Launches:
+    """Kernels that launch nothing: the host code of a GPU-path call, alone."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _host_ops(call):
+    """The aten ops a call dispatches, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        call()
+    return record.names
+
+
+@pytest.mark.parametrize("nq", [1, 17], ids=["decode", "prefill"])
+def test_a_call_that_repeats_its_parameters_reads_and_copies_nothing(monkeypatch, nq):
+    """GGD with alpha a tensor and beta, mu floats, on the Triton path (its kernels skipped):
+    the floats become tensors where they are used (torch.full: no host tensor to copy), and the
+    domain test neither reads alpha again nor makes a host tensor, the second call on."""
+    from bamgen.runtime.triton import launch
+    from bamgen.runtime.triton.variant import KernelVariant
+    kernels = ggd._prior.kernels()
+    monkeypatch.setattr(ggd._prior, "_kernels",
+                        KernelVariant({name: _Launches() for name in kernels.kernels}, kernels.namespace))
+    q, k, v = qkv(Nq=nq, Nk=23)
+    alpha = torch.full((4,), 2.0)
+
+    def call():
+        with launch.pinned(table="device"):   # (as CUDA tensors build it; the interpreter's default is the host)
+            ggd.attention(q, k, v, alpha=alpha, beta=2.0, mu=0.0, q_offset=23 - nq, backend="triton")
+
+    call()
+    ops = _host_ops(call)
+    assert "_local_scalar_dense" not in ops and "lift_fresh" not in ops, ops
+    assert "_to_copy" not in ops and "copy_" not in ops, ops
+    assert ops.count("full") == 2   # beta and mu
+
+
+def test_the_domain_test_remembers_a_tensor_until_it_changes():
+    """A tensor found in its domain is not read again while it is the same object at the same
+    version (in-place writes bump it): a meta-device theta, which cannot be read, shows the skip.
+    Changed in place, or a new object, it is tested again, and a bad value is refused."""
+    check = ggd._prior.domain_check
+    alpha = torch.full((4,), 2.0)
+    theta = torch.tensor([[2.0, 1.0, 0.0]] * 4)
+    check(theta, sources=[alpha, 1.0, 0.0])
+    check(theta.to("meta"), sources=[alpha, 1.0, 0.0])   # remembered: nothing read
+    with pytest.raises(RuntimeError, match="meta"):   # a tensor it has not seen: read
+        check(theta.to("meta"), sources=[alpha.clone(), 1.0, 0.0])
+    with pytest.raises(RuntimeError, match="meta"):   # a number outside its domain: read, for its message
+        check(theta.to("meta"), sources=[alpha, -1.0, 0.0])
+    alpha[1] = -3.0   # in place: a new version
+    with pytest.raises(ValueError, match="alpha must be positive .* got -3.0 for head 1"):
+        ggd.attention(*qkv(), alpha=alpha, beta=1.0, mu=0.0)
+
+
+@pytest.mark.parametrize("value, shown", [(-1.0, "-1.0"), (float("nan"), "nan"), (0.0, "0.0")])
+def test_a_float_outside_its_domain_is_refused_as_before(value, shown):
+    with pytest.raises(ValueError, match=f"beta must be positive .* got {shown} for head 0"):
+        ggd.attention(*qkv(), alpha=2.0, beta=value, mu=0.0)
