@@ -263,6 +263,9 @@ def show(file: Path, heads: int) -> None:
     for note in ir.notes:
         click.echo(f"note: {note}")
     block = kernel_plan.triton_bwd
+    if spec.causal_only:
+        click.echo("\ncausal only (causal_only: true): checked at d = i - j >= 0 alone; calls "
+                   "with causal=False or with pos_q, pos_k are refused")
     click.echo(f"\nplan: strategy {kernel_plan.strategy}; positions used: "
                f"{', '.join(ir.positions_used) or 'none'}; distance-only: "
                f"{'yes' if ir.distance_only else 'no'}")
@@ -292,10 +295,14 @@ def show(file: Path, heads: int) -> None:
         click.echo(f"    {label}: {code}")
     where = "" if analysis.distance_only else " (depends on i too: at query position 1024)"
     click.echo(f"\nanalysis at init, {heads} heads{where}:")
-    click.echo(f"  symmetric in d: {'yes' if analysis.symmetric else 'no'}")
+    if analysis.causal_only:
+        click.echo("  causal only: yes (analysed at d >= 0)")
+    else:
+        click.echo(f"  symmetric in d: {'yes' if analysis.symmetric else 'no'}")
     click.echo(f"  tail: {analysis.tail}")
     norm = {True: "yes", False: "no", None: "unknown"}[analysis.normalisable]
-    click.echo(f"  normalisable over the integers: {norm}")
+    over = "d >= 0" if analysis.causal_only else "the integers"
+    click.echo(f"  normalisable over {over}: {norm}")
     click.echo(f"  {'head':>4s} {'mode':>6s} {'-20 nats beyond |d|':>20s}  params")
     for h in analysis.heads:
         reach = f"{h.reach:.0f}" if h.reach is not None else "never (< 2^30)"
@@ -336,7 +343,8 @@ def plot(file: Path, out_file: Path, heads: int, max_distance: int) -> None:
     if out_file.suffix.lower() != ".png":
         _fail(f"--out {out_file}: give a .png file name")
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
-    distances = list(range(-max_distance // 8, max_distance + 1))
+    start = 0 if ir.spec.causal_only else -max_distance // 8   # (causal only: d >= 0 alone)
+    distances = list(range(start, max_distance + 1))
     for head, values in enumerate(init_values(ir, heads)):
         f = log_prior_function(ir, values)
         ax.plot(distances, [f(d) for d in distances], label=f"head {head}", linewidth=1.2)

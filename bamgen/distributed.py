@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .runtime.checks import check_causal
 from .runtime.params import param_block
 from .runtime.positions import given_positions
 
@@ -745,6 +746,7 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     _check_shards(q, k, v)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
+    check_causal(mod.TRAITS, causal, pos_q, pos_k)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")

@@ -217,11 +217,21 @@ def _counts() -> list[int]:
                                        if 2 ** k + o <= MAX_POSITION})
 
 
-def _position_grid(used: set[str], extra: set[int]) -> dict[str, torch.Tensor]:
+def _position_grid(used: set[str], extra: set[int], causal_only: bool = False) -> dict[str, torch.Tensor]:
     """Float64 position tensors (1-D, one entry per point) for the positions a formula uses.
     d-only: every distance of _distances. With i, j or n: i and j on _absolute_positions
     (d = i - j), and n on _counts, taken in turn so every value meets many positions, plus a
-    full block of small i, j and every n."""
+    full block of small i, j and every n. causal_only: only the points whose key is at or
+    before its query (d >= 0, j <= i); n keeps its range (offsets and masks set it apart)."""
+    grid = _full_grid(used, extra)
+    if not causal_only:
+        return grid
+    keep = grid["d"] >= 0
+    return {name: values[keep] for name, values in grid.items()}
+
+
+def _full_grid(used: set[str], extra: set[int]) -> dict[str, torch.Tensor]:
+    """_position_grid's points, keys after their query included."""
     if not used & {"i", "j", "n"}:
         d = _distances(extra)
         return {"d": d}
@@ -390,11 +400,11 @@ def check_plan(plan, names: dict) -> None:
     # combinations (never fewer than MIN_COMBINATIONS), so a build's outcome never depends on
     # the machine's load
     operations = checker.operations()
-    grid = _position_grid(used, set())
+    grid = _position_grid(used, set(), spec.causal_only)
     points = next(iter(grid.values())).numel()
     limit = max(MIN_COMBINATIONS, SCAN_OPERATIONS // max(points * operations, 1))
     combos = _combinations(params, limit)
-    grid = _position_grid(used, _roots(exprs, params, combos))
+    grid = _position_grid(used, _roots(exprs, params, combos), spec.causal_only)
     points = next(iter(grid.values())).numel()
     s = torch.tensor(SCORES, dtype=torch.float64)[torch.arange(points) % len(SCORES)]
     threads = torch.get_num_threads()
@@ -553,12 +563,13 @@ class _Checker:
         self._fail_if(ok & (v32 == -math.inf) & (v64 > -MODERATE), where, field,
                       f"in {target} {what} is -inf", _F32_HINT, v64)
 
-    @staticmethod
-    def _fail_if(bad, where, field, message, hint, exact=None):
+    def _fail_if(self, bad, where, field, message, hint, exact=None):
         if not bool(bad.any()):
             return
         c, k = (int(x) for x in torch.nonzero(bad)[0])
         detail = "" if exact is None else f" where its value is {float(exact[c, k]):.6g}"
+        if self.spec.channels == 1 and where.key_after_query(k):
+            hint += _CAUSAL_HINT
         raise SpecError(f"{message} at {where.point(c, k)}{detail}", field=field, hint=hint)
 
 
@@ -575,6 +586,10 @@ class _Where:
     def __init__(self, grid, s, chunk, identity):
         self.grid, self.s, self.chunk, self.identity = grid, s, chunk, identity
 
+    def key_after_query(self, k: int) -> bool:
+        """Point k has its key after its query (d < 0): a causal-only prior never sees it."""
+        return bool(self.grid["d"][k] < 0)
+
     def point(self, c: int, k: int) -> Point:
         values = [(name, float(v[k])) for name, v in self.grid.items()]
         if not self.identity:
@@ -587,6 +602,8 @@ class _Where:
 _NAN_HINT = ("the formula must be a real number for every distance |d| <= 2**25, position "
              "|i|, |j| <= 2**24 and parameter value in its domain: guard logs and fractional "
              "powers (log(1 + Abs(x)), Abs(x)**b), avoid poles, or split the cases with Piecewise")
+_CAUSAL_HINT = ("; if the prior is for causal attention only, say so with causal_only: true, "
+                "and it is checked at d >= 0 alone")
 _INF_HINT = ("a log-prior may be -oo (a zero of the prior) but never +inf: a pole, or a "
              "growth without bound; bound it, e.g. Min(..., 1e4)")
 _F32_HINT = ("the kernels compute in float32 (1.2e-38 to 3.4e38): an intermediate value leaves "

@@ -37,6 +37,7 @@ class PriorAnalysis:
     normalisable: bool | None      # sum over the integers of exp(log_prior) finite
     heads: tuple[HeadAnalysis, ...]
     distance_only: bool
+    causal_only: bool = False      # declared: analysed at d >= 0 alone (symmetric is then False)
 
 
 def init_values(ir: PriorIR, num_heads: int, seed: int = 0) -> list[dict[sp.Symbol, float]]:
@@ -90,20 +91,24 @@ def log_prior_function(ir: PriorIR, values: dict[sp.Symbol, float]):
 
 
 def analyse_prior(ir: PriorIR, num_heads: int = 8, scan: int = 4096) -> PriorAnalysis:
-    heads, symmetric = [], True
+    """The analysis at init. A causal-only prior is read at d >= 0 alone: keys after the
+    query never meet it, and it need not be defined there."""
+    causal_only = ir.spec.causal_only
+    heads, symmetric = [], not causal_only
     fns = []
     for head, values in enumerate(init_values(ir, num_heads)):
         f = log_prior_function(ir, values)
         fns.append(f)
-        lps = {d: f(d) for d in range(-scan, scan + 1)}
+        lps = {d: f(d) for d in range(0 if causal_only else -scan, scan + 1)}
         finite = {d: v for d, v in lps.items() if math.isfinite(v)}
         mode = max(finite, key=lambda d: (finite[d], -abs(d))) if finite else 0
-        symmetric &= all(_same(f(d), f(-d)) for d in (1, 3, 17, 250, 4000))
+        symmetric = symmetric and all(_same(f(d), f(-d)) for d in (1, 3, 17, 250, 4000))
         heads.append(HeadAnalysis(head=head, mode=mode, reach=_reach(f, mode),
                                   params=tuple((s.name, v) for s, v in values.items())))
     tail, normalisable = _tail(fns)
     return PriorAnalysis(symmetric=symmetric, tail=tail, normalisable=normalisable,
-                         heads=tuple(heads), distance_only=ir.distance_only)
+                         heads=tuple(heads), distance_only=ir.distance_only,
+                         causal_only=causal_only)
 
 
 def _same(a: float, b: float) -> bool:

@@ -78,7 +78,8 @@ def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
         center_grads=(plan.strategy == "inline" and plan.score_is_identity and plan.ramp is None
                       and bool(plan.learnable) and bool(set(plan.positions_used) & {"i", "j", "n"})),
         dist_sums=dist_sums(plan), channels=spec.channels, tensor_positions=plan.tensor_positions,
-        position_grads=any(g != 0 for _, g in plan.ir.position_grads))
+        position_grads=any(g != 0 for _, g in plan.ir.position_grads),
+        causal_only=spec.causal_only)
 
 
 # A table prior with more tabulated learnable scalars than this sums dS per distance in the dQ
@@ -531,6 +532,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         "constants": {p.name: p.value for p in spec.params if p.is_constant},
         "strategy": plan.strategy,
         "skip_below": spec.skip_below,
+        **({"causal_only": True} if spec.causal_only else {}),
         "notes": list(plan.ir.notes),
         "bamgen_version": __version__,
         "source_hash": spec.source_hash,

@@ -42,7 +42,7 @@ MAX_CHANNELS = 4
 SCORE_SYMBOLS = ("s", "log_prior")
 INIT_SYMBOLS = ("h", "H")
 TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params",
-                    "let", "skip_below", "positions")
+                    "let", "skip_below", "positions", "causal_only")
 MAX_SKIP_BELOW = 1000.0   # nats; beyond this float32 softmax cannot tell the difference anyway
 PARAM_FIELDS = ("init", "domain", "learnable", "per_head", "value", "size")
 DOMAINS = ("real", "positive", "nonnegative")
@@ -157,6 +157,9 @@ class PriorSpec:
     # on kinks counts a body once (formula.parse_formula)
     sum_kinks: tuple[tuple[sp.Expr, sp.Expr], ...] = ()
     channels: int = 1          # position channels: 1 (d, i, j) or C (d0, i0, j0, ...)
+    # the prior is for causal attention only: its formulas are checked, and its module called,
+    # only where a key is at or before its query (d = i - j >= 0, j <= i)
+    causal_only: bool = False
 
     @property
     def class_name(self) -> str:
@@ -285,6 +288,7 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
     source = _string(data, "source", lines, default="")
 
     channels = _channels(data, lines)
+    causal_only = _causal_only(data, lines, channels)
     params = _parse_params({} if data.get("params") is None else data["params"], lines)
     _check_channel_names(channels, params, data.get("let"), lines)
     symbols = {**position_symbols(channels),
@@ -311,7 +315,7 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
         if sp.Symbol("s", real=True) not in score.free_symbols:
             raise SpecError("the score does not use s, the content score", field="score",
                             line=lines.get("score"), hint="e.g. (s + log_prior) * t * log(n)")
-    _check_evaluable(expr, score, params, field, lines, channels)
+    _check_evaluable(expr, score, params, field, lines, channels, causal_only)
     formulas = tuple((f, str(data[f])) for f in ("log_prior", "density", "score")
                      if data.get(f) is not None)
     return PriorSpec(name=name, description=description, source=source, log_prior=expr,
@@ -321,7 +325,23 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
                      lets=tuple((name, str(text)) for name, text in data["let"].items())
                      if lets else (),
                      sum_kinks=tuple(sorted(kinks.items(), key=lambda kv: sp.default_sort_key(kv[0]))),
-                     channels=channels)
+                     channels=channels, causal_only=causal_only)
+
+
+def _causal_only(data: dict, lines: dict, channels: int) -> bool:
+    """`causal_only: true`: the prior is for causal attention, so its formulas need to hold
+    only where a key is at or before its query (d >= 0). A prior over several channels takes
+    its positions as tensors, where no mask says which key comes first: refused."""
+    value = data.get("causal_only", False)
+    if not isinstance(value, bool):
+        raise SpecError(f"expected true or false, got {_show(value)}", field="causal_only",
+                        line=lines.get("causal_only"), hint="causal_only: true")
+    if value and channels > 1:
+        raise SpecError(f"a prior over {channels} position channels cannot be causal only: its "
+                        f"positions come as tensors, and no mask keeps their distances d0, d1, "
+                        f".. at or above 0", field="causal_only", line=lines.get("causal_only"),
+                        hint="remove causal_only, and make the formula hold for every distance")
+    return value
 
 
 def _channels(data: dict, lines: dict) -> int:
@@ -724,10 +744,11 @@ def _check_init(expr: sp.Expr, domain: Domain, field: str, line: int | None) -> 
 
 
 def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSpec, ...],
-                     field: str, lines: dict, channels: int = 1) -> None:
+                     field: str, lines: dict, channels: int = 1, causal_only: bool = False) -> None:
     """Compute the log-prior and the score in float64 at CHECK_POINTS with the initial parameters,
     and refuse what overflows where no float can carry it (exp(exp(exp(d))), d**d**d): SymPy,
-    which computes exactly, would need numbers of billions of digits for such a formula."""
+    which computes exactly, would need numbers of billions of digits for such a formula. A
+    causal-only prior is computed only at the points whose key is at or before the query."""
     h, H = sp.Symbol("h", integer=True, nonnegative=True), sp.Symbol("H", integer=True, nonnegative=True)
     values = {sym: evaluate(p.init_expr, {h: 0, H: 8}) for p in params if not p.is_constant
               for sym in p.symbols()}
@@ -737,6 +758,8 @@ def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSp
         checks.append(("score", score.xreplace({sp.Symbol("log_prior", real=True): expr})))
     for where, formula in checks:
         for i, j in CHECK_POINTS:
+            if causal_only and j > i:
+                continue
             point = {pos["n"]: i + 1, sp.Symbol("s", real=True): 0.5}
             for c in (("",) if channels == 1 else range(channels)):
                 point.update({pos[f"d{c}"]: i - j, pos[f"i{c}"]: i, pos[f"j{c}"]: j})

@@ -270,6 +270,8 @@ def _canonical_positions(expr: sp.Expr) -> sp.Expr:
 
 def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
     expr = _canonical_positions(spec.log_prior)
+    if spec.causal_only:
+        expr = _causal_side(expr)
     if spec.from_density:
         # the log of a piecewise density taken per branch, a branch of 0 as -oo (a window:
         # Piecewise((0, Abs(d) >= W), (density, True))), so that each branch simplifies below
@@ -285,6 +287,22 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
         raise SpecError("the formula is not finite (division by zero or log of zero)",
                         field=field, hint="check constants; use Abs(...) + eps under logs")
     return expr
+
+
+def _causal_side(expr: sp.Expr) -> sp.Expr:
+    """A causal-only prior's Abs(a*d + c) whose kink lies at d < 0 (a, c of one sign, c != 0)
+    as the line it is at d >= 0: the singularity analysis then sees no kink where no key is."""
+    d = position_symbols()["d"]
+
+    def unreachable(e) -> bool:
+        if not isinstance(e, sp.Abs) or e.args[0].free_symbols != {d}:
+            return False
+        u = e.args[0]
+        if not (u.is_polynomial(d) and sp.degree(u, d) == 1):
+            return False
+        a, c = sp.Poly(u, d).all_coeffs()
+        return bool(a.is_number and c.is_number and c != 0 and (a > 0) == (c > 0))
+    return expr.replace(unreachable, lambda e: e.args[0] * sp.sign(e.args[0].coeff(d)))
 
 
 def _positive_sum_log(e: sp.Basic) -> bool:

@@ -30,6 +30,7 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
     pos_q, pos_k: the rows' and keys' positions as tensors (docs/positions.md), read by the
     prior; the offsets still place the block for the causal mask."""
     checks.check_inputs(q, k, v, causal, scale, backend)
+    checks.check_causal(prior.traits, causal, pos_q, pos_k)
     checks.check_block_offsets(q, k, q_offset, k_offset)
     pos = given_positions(prior, q, k, pos_q, pos_k)
     theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check,
@@ -63,6 +64,7 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
     compute dtype: this block's shares of the rows' sums of dS * d logit / d i_c and the keys'
     sums of dS * d logit / d j_c (no row correction: they add up over the blocks as they are)."""
     checks.check_inputs(q, k, v, causal, scale, backend)
+    checks.check_causal(prior.traits, causal, pos_q, pos_k)
     checks.check_block_offsets(q, k, q_offset, k_offset)
     pos = given_positions(prior, q, k, pos_q, pos_k)
     for name, t in (("dout", dout), ("out", out)):
@@ -106,6 +108,10 @@ def log_prior_at(prior, d, values, num_heads=None):
     d = torch.as_tensor(d)
     if d.dim() != 1 or d.is_floating_point() and not bool((d == d.round()).all()):
         raise ValueError("d must be a 1-D tensor of integer distances")
+    if prior.traits.causal_only and bool((d < 0).any()):
+        raise ValueError(f"d holds {int(d.min())}: the prior {prior.traits.name!r} declares "
+                         f"causal_only: true, its log-prior defined only at d >= 0 (a key at or "
+                         f"before its query)")
     heads = num_heads or max([1] + [_heads_of(prior.traits.param(name), x)
                                     for name, x in values.items()])
     theta = torch.cat([param_block(p, values[p.name], heads, d.device, torch.float64, True)

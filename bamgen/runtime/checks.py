@@ -46,6 +46,24 @@ def check_inputs(q, k, v, causal, scale, backend):
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
+def check_causal(traits, causal, pos_q=None, pos_k=None):
+    """A prior declared causal_only (its formulas were checked only where a key is at or before
+    its query, d >= 0) attends causally, at token positions: the causal mask then hides every
+    key after its query, whatever the offsets. Without it, or with positions as tensors (whose
+    order no mask follows), a key could sit after its query, where the prior may be nan."""
+    if not traits.causal_only:
+        return
+    declared = (f"the prior {traits.name!r} declares causal_only: true (its log-prior is "
+                f"defined only for keys at or before their query, d = i - j >= 0)")
+    if causal is not True:
+        raise ValueError(f"causal={causal!r}: {declared}; call it with causal=True, or rebuild "
+                         f"it without causal_only if its formula holds for d < 0 too")
+    if pos_q is not None or pos_k is not None:
+        raise ValueError(f"pos_q, pos_k: {declared}, and with positions as tensors the causal "
+                         f"mask follows token order, not the positions, so a key may sit after "
+                         f"its query; pass token positions (q_offset, k_offset) instead")
+
+
 MAX_POSITION = 2 ** 24   # positions and distances are exact integers in float32 up to here
 
 

@@ -96,7 +96,9 @@ class PriorTraits:
     kernels that read the prior's distance table at integer position tensors
     (position_table_traits). position_grads: some derivative of the logit by a position is not
     0 (NoPE's are all 0: its kernels of positions as tensors sum none, and the positions'
-    gradients are 0)."""
+    gradients are 0). causal_only: the prior file declares causal_only: true, its formulas
+    were checked only where a key is at or before its query, so every call must be causal
+    and take token positions (runtime/checks.py, check_causal)."""
     name: str
     class_name: str
     params: tuple[ParamTraits, ...]
@@ -123,6 +125,7 @@ class PriorTraits:
     tensor_positions: bool = False
     table_positions: bool = False
     position_grads: bool = True
+    causal_only: bool = False
 
     @property
     def rows_ready(self) -> bool:
