@@ -26,10 +26,18 @@ BUILD_SECONDS = 120
 
 
 def _fail(message: str) -> None:
-    # One line, whatever a file name or a prior put in the message: escape \n, ESC and the like.
-    message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {_one_line(message)}", err=True)
     sys.exit(2)
+
+
+def _warn(message: str) -> None:
+    """What builds but is likely not meant: one line on stderr, and the build goes on."""
+    click.echo(f"warning: {_one_line(message)}", err=True)
+
+
+def _one_line(message: str) -> str:
+    """One line, whatever a file name or a prior put in the message: escape \n, ESC and the like."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,6 +71,8 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
     stale = []
     for path, artifact in zip(paths, artifacts):
         target = out_dir / artifact.filename
+        for warning in artifact.warnings:   # (it builds: a remark, never a refusal)
+            _warn(str(warning))
         if check:
             if not holds(target, artifact.text):
                 stale.append(str(target))
@@ -262,6 +272,8 @@ def show(file: Path, heads: int) -> None:
         click.echo(f"d logit / d {name:6s} = {grad}")
     for note in ir.notes:
         click.echo(f"note: {note}")
+    for warning in ir.warnings:
+        click.echo(f"warning: {warning.located(str(file))}")
     block = kernel_plan.triton_bwd
     if spec.causal_only:
         click.echo("\ncausal only (causal_only: true): checked at d = i - j >= 0 alone; calls "

@@ -23,6 +23,7 @@ import jinja2
 import sympy as sp
 
 from .. import __version__
+from ..errors import SpecWarning
 from .lower import CodeBlock, KernelPlan
 from ..resources import template_dir
 from ..runtime.traits import (GRAD_CLAMPED, GRAD_LOGIT_FACTOR, GRAD_TABLE, HOOK_HELPERS,
@@ -42,6 +43,7 @@ class Artifact:
     build_hash: str
     notes: tuple[str, ...]
     strategy: str              # the lowering strategy used (the cost model's pick or the override)
+    warnings: tuple[SpecWarning, ...] = ()   # what builds but is likely not meant (PriorIR.warnings)
 
 
 def render(spec: PriorSpec, plan: KernelPlan) -> Artifact:
@@ -51,7 +53,7 @@ def render(spec: PriorSpec, plan: KernelPlan) -> Artifact:
     build_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     return Artifact(name=spec.name, filename=f"{spec.name}.py",
                     text=text.replace(_HASH_SLOT, build_hash), build_hash=build_hash,
-                    notes=plan.ir.notes, strategy=plan.strategy)
+                    notes=plan.ir.notes, strategy=plan.strategy, warnings=plan.ir.warnings)
 
 
 def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
@@ -534,6 +536,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         "skip_below": spec.skip_below,
         **({"causal_only": True} if spec.causal_only else {}),
         "notes": list(plan.ir.notes),
+        **({"warnings": [w.message for w in plan.ir.warnings]} if plan.ir.warnings else {}),
         "bamgen_version": __version__,
         "source_hash": spec.source_hash,
         "build_hash": build_hash,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from ..errors import SpecError
+from ..errors import SpecError, SpecWarning
 from .formula import MAX_SUM_TERMS, MAX_TREE, tree_size
 from .spec import MAX_CHANNELS, PriorSpec, position_names, position_symbols
 from .timeout import cpu_budget, working_on
@@ -72,6 +72,7 @@ class PriorIR:
     # (i_c or j_c, d logit / d it) for every channel, i's first: the derivatives of the logit in
     # a query's and a key's position, d_c = i_c - j_c counted in (docs/positions.md)
     position_grads: tuple[tuple[str, sp.Expr], ...] = ()
+    warnings: tuple[SpecWarning, ...] = ()    # what builds but is likely not meant
 
     @property
     def distance_only(self) -> bool:
@@ -203,7 +204,26 @@ def _analyse(spec: PriorSpec) -> PriorIR:
     used = tuple(n for n in position_names(spec.channels) if any(e.has(pos[n]) for e in exprs))
     return PriorIR(spec=spec, log_prior=log_prior, logit=logit, dlogit_ds=dlds, grads=grads,
                    runtime_params=runtime, positions_used=used, notes=tuple(notes),
-                   position_grads=position_grads)
+                   position_grads=position_grads,
+                   warnings=_no_gradient(spec, dict(grads), present))
+
+
+def _no_gradient(spec: PriorSpec, grads: dict[str, sp.Expr], present: set) -> tuple[SpecWarning, ...]:
+    """A warning for each learnable parameter whose every scalar's derivative is 0 (a window's
+    width that appears only in a condition, a value under floor or sign, a parameter the
+    formula never reads): training would never move it, which is what learnable declares."""
+    warnings = []
+    for p in spec.params:
+        if not p.learnable or any(grads[label] != 0 for label in p.labels()):
+            continue
+        why = ("the formula never reads it" if not present & set(p.symbols()) else
+               "it appears only in a Piecewise condition, or under floor, ceiling or sign")
+        warnings.append(SpecWarning(
+            f"the learnable parameter '{p.name}' gets no gradient: the logit's derivative in it "
+            f"is 0 wherever it is defined ({why}), so training never moves it",
+            field=f"params.{p.name}", line=p.line,
+            hint="declare it learnable: false, a buffer set at call time"))
+    return tuple(warnings)
 
 
 def _position_grads(spec: PriorSpec, logit: sp.Expr, notes: list[str], field: str,

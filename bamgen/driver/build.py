@@ -4,6 +4,7 @@ printed code (bamgen/checks); this module is the only one that does both, in ord
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from ..compiler import lower
@@ -38,10 +39,9 @@ def compile_spec(spec: PriorSpec, strategy: str | None = None, *, standalone: bo
         artifact = render(spec, plan_prior(analyse(spec), strategy))
     except SpecError as err:
         raise err.located(spec.path) from None
+    artifact = replace(artifact, warnings=tuple(w.located(spec.path) for w in artifact.warnings))
     if standalone:
-        return Artifact(name=artifact.name, filename=artifact.filename,
-                        text=inline_runtime(artifact.text), build_hash=artifact.build_hash,
-                        notes=artifact.notes, strategy=artifact.strategy)
+        return replace(artifact, text=inline_runtime(artifact.text))
     return artifact
 
 

@@ -5,12 +5,13 @@ import hashlib
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
 from .cache import cache_root, import_cached, store
 from .build import compile_spec
-from ..errors import SpecError
+from ..errors import PriorWarning, SpecError
 from .files import BuildLockTimeout
 from ..resources import resolve_prior
 from ..compiler.spec import MAX_FILE_BYTES, PriorSpec, load_spec
@@ -32,8 +33,11 @@ def load_prior(prior: str | os.PathLike, *, strategy: str | None = None,
 
 def build_into_cache(spec: PriorSpec, source: bytes, source_name: str, strategy: str | None,
                      root: Path) -> str:
-    """Compile ``spec`` and store it under ``root``; returns the artifact id."""
+    """Compile ``spec`` and store it under ``root``; returns the artifact id. Each of the
+    build's SpecWarnings becomes a PriorWarning (the caller's: bamgen.load's)."""
     artifact = compile_spec(spec, strategy)
+    for warning in artifact.warnings:
+        warnings.warn(str(warning), PriorWarning, stacklevel=4)
     try:
         return store(root, artifact, source, source_name)
     except BuildLockTimeout:

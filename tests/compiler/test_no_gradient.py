@@ -1,0 +1,63 @@
+"""A learnable parameter whose gradient is 0 everywhere (a hard window's width, which appears
+only in a condition) builds, with a warning that names it and suggests learnable: false: at
+`bamgen build`, in `bamgen show` and as a PriorWarning from bamgen.load."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import bamgen
+from bamgen.errors import PriorWarning
+from tests.helpers import run_cli, write_prior
+
+WINDOW = """
+name: hard_window
+log_prior: Piecewise((-Abs(d)/b, Abs(d) <= W), (-oo, True))
+params:
+  b: {init: 8.0, domain: positive}
+  W: {init: 64.0, domain: positive}
+"""
+WORDS = ("field 'params.W'", "the learnable parameter 'W' gets no gradient",
+         "only in a Piecewise condition", "learnable: false")
+
+
+def test_build_warns_once_names_the_parameter_and_writes(tmp_path):
+    prior = write_prior(tmp_path, WINDOW)
+    res = run_cli("build", str(prior), "-o", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {prior}:6:"), res.stderr
+    assert all(word in lines[0] for word in WORDS), lines[0]
+    assert "'b'" not in lines[0]   # b is read by the value: it gets its gradient
+    assert (tmp_path / "out" / "hard_window.py").is_file()
+    shown = run_cli("show", str(prior))
+    assert shown.returncode == 0
+    assert [line for line in shown.stdout.splitlines() if line.startswith("warning: ")] == lines
+
+
+def test_a_buffer_or_an_ordinary_parameter_gives_no_warning(tmp_path):
+    buffer = WINDOW.replace("{init: 64.0, domain: positive}",
+                            "{init: 64.0, domain: positive, learnable: false}")
+    for text in (buffer, "log_prior: -Abs(d)/b\nparams:\n  b: {init: 8.0, domain: positive}\n"):
+        res = run_cli("build", str(write_prior(tmp_path, text)), "-o", str(tmp_path / "out"))
+        assert res.returncode == 0 and res.stderr == "", res.stderr
+
+
+def test_a_parameter_the_formula_never_reads(tmp_path):
+    text = "log_prior: -Abs(d)/b\nparams:\n  b: {init: 8.0, domain: positive}\n  c: {init: 1.0}\n"
+    res = run_cli("build", str(write_prior(tmp_path, text)), "-o", str(tmp_path / "out"))
+    assert res.returncode == 0
+    assert "'c' gets no gradient" in res.stderr and "never reads it" in res.stderr, res.stderr
+
+
+def test_load_warns(tmp_path):
+    prior = write_prior(tmp_path, WINDOW)
+    with pytest.warns(PriorWarning) as caught:
+        module = bamgen.load(prior, cache_dir=tmp_path / "cache")
+    assert len(caught) == 1 and all(word in str(caught[0].message) for word in WORDS)
+    assert caught[0].filename == __file__   # pointed at the caller of bamgen.load
+    assert len(module.PRIOR["warnings"]) == 1 and module.PRIOR["warnings"][0] in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bamgen.load("laplace", cache_dir=tmp_path / "cache")
