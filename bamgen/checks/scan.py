@@ -568,7 +568,7 @@ class _Checker:
             return
         c, k = (int(x) for x in torch.nonzero(bad)[0])
         detail = "" if exact is None else f" where its value is {float(exact[c, k]):.6g}"
-        if self.spec.channels == 1 and where.key_after_query(k):
+        if self.spec.channels == 1 and where.only_after_query(bad):
             hint += _CAUSAL_HINT
         raise SpecError(f"{message} at {where.point(c, k)}{detail}", field=field, hint=hint)
 
@@ -586,9 +586,10 @@ class _Where:
     def __init__(self, grid, s, chunk, identity):
         self.grid, self.s, self.chunk, self.identity = grid, s, chunk, identity
 
-    def key_after_query(self, k: int) -> bool:
-        """Point k has its key after its query (d < 0): a causal-only prior never sees it."""
-        return bool(self.grid["d"][k] < 0)
+    def only_after_query(self, bad) -> bool:
+        """Every bad point has its key after its query (d < 0), where a causal-only prior is
+        never read."""
+        return not bool(bad[:, self.grid["d"] >= 0].any())
 
     def point(self, c: int, k: int) -> Point:
         values = [(name, float(v[k])) for name, v in self.grid.items()]

@@ -52,6 +52,13 @@ def test_without_the_declaration_the_scan_names_it(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_hint_is_given_only_where_keys_after_the_query_fail(tmp_path):
+    text = "log_prior: sqrt(c - 1) - Abs(d)\nparams:\n  c: {init: 2.0, domain: positive}\n"
+    res = run_cli("build", str(write_prior(tmp_path, text)), "-o", str(tmp_path / "out"))
+    assert res.returncode == 2 and "the log-prior is nan" in res.stderr, res.stderr
+    assert "causal_only" not in res.stderr   # nan at c = 0.01 for every d: no causal matter
+
+
 def test_the_declared_prior_builds_and_show_states_it(tmp_path):
     prior = write_prior(tmp_path, CAUSAL_LOG)
     built = run_cli("build", str(prior), "-o", str(tmp_path / "out"))
