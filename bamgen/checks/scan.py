@@ -58,7 +58,8 @@ SCORES = (0.0, 0.5, -0.5, 1.0, -1.0, 10.0, -10.0, 1e-3, -1e-3, 100.0, -100.0, 1e
 MAX_COMBINATIONS = 48        # parameter combinations per scan
 MIN_COMBINATIONS = 8         # ... however long the printed code
 SCAN_OPERATIONS = 2 * 10**8  # statements x grid points x combinations: the scan's counted work
-MAX_SHOWN = 8                # parameter values a message names
+MAX_SHOWN = 8                # parameter values a message names, beyond those the failing
+                             # expression reads (all of which it names)
 CHUNK = 1 << 18              # elements per evaluation (memory stays ~ a few MB per temporary)
 
 
@@ -448,6 +449,13 @@ class _Checker:
                             for name in self.learnable}
         self.table_name = dict(zip(plan.distance_table.grads, _table_entries(plan))) \
             if plan.distance_table is not None else {}
+        # which parameters each checked expression reads, so that a message shows those first
+        ir = plan.ir
+        # (a derivative's key is ("d", label): a parameter may be called logit)
+        exprs = {"log_prior": ir.log_prior, "logit": ir.logit, "dlogit_ds": ir.dlogit_ds,
+                 **{("d", label): g for label, g in ir.grads}}
+        self.reads = {key: frozenset(label for label, sym in symbols.items()
+                                     if sym in expr.free_symbols) for key, expr in exprs.items()}
 
     def operations(self) -> int:
         """Printed statements run per grid point and parameter combination: the work of a
@@ -469,13 +477,13 @@ class _Checker:
                                        (len(chunk), next(iter(grid.values())).numel()))
         lp64, lp32 = lp64.expand(shape), lp32.expand(shape)
         z64, dlds64, *grads64 = (t.expand(shape) for t in bwd64)
-        where = _Where(grid, s, chunk, self.plan.score_is_identity)
+        where = _Where(grid, s, chunk, self.plan.score_is_identity, self.reads)
 
         # 1. the formula itself, in float64
         self._fail_if(torch.isnan(lp64), where, self.lp_field, "the log-prior is nan",
-                      _NAN_HINT)
+                      _NAN_HINT, reads="log_prior")
         self._fail_if(lp64 == math.inf, where, self.lp_field, "the log-prior is +inf",
-                      _INF_HINT)
+                      _INF_HINT, reads="log_prior")
         if init and bool((lp64[0] == -math.inf).all()):
             raise SpecError("the prior is zero (log-prior -oo) at every position with the "
                             "initial parameters", field=self.lp_field,
@@ -484,40 +492,42 @@ class _Checker:
         # ORDINARY a score such as (s + log_prior) * t with t < 0 overflows float64 itself
         prior_ok = torch.isfinite(lp64) & (lp64.abs() <= ORDINARY)
         self._fail_if(prior_ok & (torch.isnan(z64) | (z64 == math.inf)), where,
-                      self.score_field, "the logit is " + "nan or +inf", _NAN_HINT)
+                      self.score_field, "the logit is " + "nan or +inf", _NAN_HINT, reads="logit")
         logit_ok = prior_ok & torch.isfinite(z64)
         self._fail_if(logit_ok & ~torch.isfinite(dlds64), where, self.score_field,
-                      "d logit / d s is not finite", _NAN_HINT)
+                      "d logit / d s is not finite", _NAN_HINT, reads="dlogit_ds")
         for name, g in zip(self.learnable, grads64):
             self._fail_if(logit_ok & torch.isnan(g), where, self.param_field[name],
-                          f"the derivative in {name} is nan", _NAN_HINT)
+                          f"the derivative in {name} is nan", _NAN_HINT, reads=("d", name))
 
         # 2. what the kernels compute, in float32, against the float64 values
         moderate = logit_ok & (z64 > -MODERATE) & (lp64 > -MODERATE)
         if not (self.plan.ir.distance_only and self.plan.score_is_identity):
             self._compare32(lp32.expand(shape), lp64, where, self.lp_field, "the log-prior",
-                            "the CPU path (float32)")
+                            "the CPU path (float32)", reads="log_prior")
         for target, blocks in self._float32_blocks(inputs):
             for label, value in blocks:
                 value = value.expand(shape)
                 if label == "log_prior":
-                    self._compare32(value, lp64, where, self.lp_field, "the log-prior", target)
+                    self._compare32(value, lp64, where, self.lp_field, "the log-prior", target,
+                                    reads="log_prior")
                 elif label == "logit":
                     # where the float32 log-prior is -inf the key has no weight whatever the
                     # score makes of it (the log-prior itself was compared above)
                     self._compare32(value, z64, where, self.score_field, "the logit", target,
-                                    mask=prior_ok & torch.isfinite(lp32))
+                                    mask=prior_ok & torch.isfinite(lp32), reads="logit")
                 elif label == "ramp":
                     self._fail_if(moderate & torch.isnan(value), where, self.lp_field,
-                                  f"in {target} the causal ramp of the log-prior is nan", _F32_HINT)
+                                  f"in {target} the causal ramp of the log-prior is nan", _F32_HINT,
+                                  reads="log_prior")
                 elif label == "dlogit_ds":
                     self._fail_if(moderate & ~torch.isfinite(value), where, self.score_field,
                                   f"in {target} d logit / d s is not finite",
-                                  _F32_HINT)
+                                  _F32_HINT, reads="dlogit_ds")
                 else:
                     self._fail_if(moderate & torch.isnan(value), where, self.param_field[label],
                                   f"in {target} the derivative in {label} is nan",
-                                  _F32_HINT)
+                                  _F32_HINT, reads=("d", label))
 
     def _float32_blocks(self, inputs):
         """(where, [(label, value)]) for every printed block the module runs, as it runs it:
@@ -553,24 +563,26 @@ class _Checker:
         else:
             yield "the GPU kernels (float32)", list(zip(["logit"], fwd)) + list(zip(labels_bwd, bwd))
 
-    def _compare32(self, v32, v64, where, field, what, target, mask=None):
+    def _compare32(self, v32, v64, where, field, what, target, mask=None, reads=None):
         """Rule 3: NaN or +inf where float64 is not, -inf where it is moderate."""
         ok = ~torch.isnan(v64) if mask is None else mask & ~torch.isnan(v64)
         self._fail_if(ok & torch.isnan(v32), where, field,
-                      f"in {target} {what} is nan", _F32_HINT, v64)
+                      f"in {target} {what} is nan", _F32_HINT, v64, reads)
         self._fail_if(ok & (v32 == math.inf) & (v64 < math.inf), where, field,
-                      f"in {target} {what} is +inf", _F32_HINT, v64)
+                      f"in {target} {what} is +inf", _F32_HINT, v64, reads)
         self._fail_if(ok & (v32 == -math.inf) & (v64 > -MODERATE), where, field,
-                      f"in {target} {what} is -inf", _F32_HINT, v64)
+                      f"in {target} {what} is -inf", _F32_HINT, v64, reads)
 
-    def _fail_if(self, bad, where, field, message, hint, exact=None):
+    def _fail_if(self, bad, where, field, message, hint, exact=None, reads=None):
+        """Raise the SpecError of the first point where ``bad`` holds; reads: the key in
+        self.reads of the expression that failed (its parameters lead the point's)."""
         if not bool(bad.any()):
             return
         c, k = (int(x) for x in torch.nonzero(bad)[0])
         detail = "" if exact is None else f" where its value is {float(exact[c, k]):.6g}"
         if self.spec.channels == 1 and where.only_after_query(bad):
             hint += _CAUSAL_HINT
-        raise SpecError(f"{message} at {where.point(c, k)}{detail}", field=field, hint=hint)
+        raise SpecError(f"{message} at {where.point(c, k, reads)}{detail}", field=field, hint=hint)
 
 
 def _table_entries(plan) -> list[str]:
@@ -581,22 +593,31 @@ def _table_entries(plan) -> list[str]:
 
 
 class _Where:
-    """Names the grid point (c, k): combination c of the parameters, position k."""
+    """Names the grid point (c, k): combination c of the parameters, position k. reads:
+    {expression: the labels of the parameters it reads} (_Checker.reads)."""
 
-    def __init__(self, grid, s, chunk, identity):
+    def __init__(self, grid, s, chunk, identity, reads=None):
         self.grid, self.s, self.chunk, self.identity = grid, s, chunk, identity
+        self.reads = reads or {}
 
     def only_after_query(self, bad) -> bool:
         """Every bad point has its key after its query (d < 0), where a causal-only prior is
         never read."""
         return not bool(bad[:, self.grid["d"] >= 0].any())
 
-    def point(self, c: int, k: int) -> Point:
+    def point(self, c: int, k: int, reads=None) -> Point:
+        """The positions, the score and the parameters of point (c, k): every parameter the
+        failing expression ``reads`` (so the point can be rebuilt from the message, FIRE's 99
+        scalars included), then the others up to MAX_SHOWN in all."""
         values = [(name, float(v[k])) for name, v in self.grid.items()]
         if not self.identity:
             values.append(("s", float(self.s[k])))
+        read = self.reads.get(reads, frozenset())
         params = list(self.chunk[c].items())
-        values += params[:MAX_SHOWN] + ([("...", math.nan)] if len(params) > MAX_SHOWN else [])
+        first = [(label, v) for label, v in params if label in read]
+        rest = [(label, v) for label, v in params if label not in read]
+        shown = first + rest[:max(0, MAX_SHOWN - len(first))]
+        values += shown + ([("...", math.nan)] if len(shown) < len(params) else [])
         return Point(tuple(values))
 
 

@@ -1,0 +1,30 @@
+"""A scan failure names the failing point so that it can be rebuilt: every parameter the
+failing expression reads, then others up to scan.MAX_SHOWN (docs/priors.md, "What the build
+checks over the whole domain")."""
+from __future__ import annotations
+
+import re
+
+from bamgen.checks.scan import MAX_SHOWN
+from tests.helpers import run_cli_in_process, write_prior
+
+# u comes first in the file but is not read; w's 12 elements and c are, c breaks it
+MANY = """
+name: many
+log_prior: Sum(w[m]*cos(d/(m + 1)), (m, 0, 11)) + sqrt(c - 1)
+params:
+  u: {size: 12, init: 0.0}
+  w: {size: 12, init: 0.0}
+  c: {init: 2.0, domain: positive}
+"""
+
+
+def test_the_message_lists_every_parameter_the_formula_reads(tmp_path):
+    res = run_cli_in_process("build", str(write_prior(tmp_path, MANY)), "-o", str(tmp_path / "out"))
+    assert res.exit_code == 2
+    line = res.stderr.strip()
+    assert "\n" not in line and "field 'log_prior': the log-prior is nan at" in line, line
+    names = re.findall(r"(\w+(?:\[\d+\])?) = ", line)
+    assert names[1:] == [f"w[{k}]" for k in range(12)] + ["c"], line   # (after d)
+    assert "c = 0.01" in line and line.count(" = ") > MAX_SHOWN and ", ..." in line
+    assert not (tmp_path / "out").exists()
