@@ -33,7 +33,7 @@ from types import ModuleType
 
 import torch
 
-from .hf_layout import PaddingLayout, padding_layout
+from .hf_layout import PaddingLayout, packed_documents, padding_layout
 from .hf_variants import (LayerExtras, call_extras, forward_source, layer_extras, prior_source,
                           variant_module)
 
@@ -181,7 +181,7 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             raise ValueError(f"model type {_family(module)!r}: its attention passes {name} "
                              f"({what}), which bamgen's attention does not model; use a family "
                              f"whose attention passes none")
-    packed = _packed_documents(layout, query, key, kwargs) or (None, None)
+    packed = packed_documents(layout, query, key, kwargs) or (None, None)
     call = dict(causal=getattr(module, "is_causal", True), scale=scaling,
                 q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
                 cu_seqlens_q=packed[0], cu_seqlens_k=packed[1])
@@ -247,62 +247,6 @@ def _prepare_variant(cls: type, extras: LayerExtras, family: str):
         derived = variant_module(sys.modules[cls.__module__], extras, family)
         _VARIANTS[key] = getattr(derived, derived.PRIOR["class_name"])._bamgen_prior
     return _VARIANTS[key]
-
-
-def _packed_documents(layout: PaddingLayout, query, key, kwargs) -> tuple | None:
-    """(cu_seqlens_q, cu_seqlens_k) for documents packed into one row, from whichever form HF
-    passes them in (DataCollatorWithFlattening's options: ``cu_seq_lens_q``/``cu_seq_lens_k``,
-    ``seq_idx``, or ``position_ids`` restarting at each document); None for an ordinary batch.
-    Each document then sees only itself, its positions from 0. No branch on the data under
-    torch.compile (docs/huggingface.md, "torch.compile")."""
-    plain = (layout.key_mask is None and isinstance(layout.q_offset, int) and layout.q_offset == 0
-             and query.shape[2] == key.shape[2])
-    cu_q, cu_k, seq_idx = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"))
-    if cu_q is not None or cu_k is not None or seq_idx is not None:
-        _check_packed(plain, query, cu_q, cu_k)
-        if cu_q is not None:
-            return cu_q.to(torch.int32), cu_k.to(torch.int32)
-        starts = seq_idx[0, 1:] != seq_idx[0, :-1]       # a token whose document is new
-        cu = _bounds(starts, query.shape[2])
-        return cu, cu
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None or not plain:
-        return None
-    starts = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    if torch.compiler.is_compiling():
-        # one row: the bounds, [0, N, N, ...] when nothing restarts (one document); a batch of
-        # rows is taken as ordinary sequences (eager calls check it)
-        one_row = position_ids.shape[0] == 1 and query.shape[0] == 1
-        return (_bounds(starts[0], query.shape[2]),) * 2 if one_row else None
-    if not bool(starts.any()):
-        return None
-    if position_ids.shape[0] != 1:
-        raise ValueError(f"position_ids: documents packed into a batch of "
-                         f"{position_ids.shape[0]} rows; bamgen's attention takes packed "
-                         f"documents in one row (batch size 1), as FlashAttention's varlen does")
-    cu = torch.unique_consecutive(_bounds(starts[0], query.shape[2]))   # (no empty documents)
-    return cu, cu
-
-
-def _check_packed(plain, query, cu_q, cu_k) -> None:
-    """Packed documents by cu_seq_lens or seq_idx: one row, no padding, no cache."""
-    if (cu_q is None) != (cu_k is None):
-        raise ValueError("cu_seq_lens_q and cu_seq_lens_k come together (the collator's "
-                         "return_flash_attn_kwargs=True gives both)")
-    if not plain or query.shape[0] != 1:
-        raise ValueError(f"cu_seq_lens_q / seq_idx: packed documents are taken in one row "
-                         f"(batch size 1, got {query.shape[0]}) with no attention_mask and no "
-                         f"cache, as DataCollatorWithFlattening makes them")
-
-
-def _bounds(starts, length: int) -> torch.Tensor:
-    """cu_seqlens int32 [length + 1] from starts (bool [length - 1]: token t + 1 begins a new
-    document): 0, the starts in order, then length repeated (empty documents). Its size
-    follows the length alone, so a compiled graph holds for any packing."""
-    index = torch.arange(1, length, device=starts.device)
-    cut = torch.where(starts, index, torch.full_like(index, length)).sort().values
-    ends = torch.tensor([0, length], device=starts.device)
-    return torch.cat([ends[:1], cut, ends[1:]]).to(torch.int32)
 
 
 class IdentityRotary(torch.nn.Module):
