@@ -16,6 +16,8 @@ call carries, as bamgen's ``cu_seqlens_q/k``.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +90,9 @@ def _left_padding(tokens: torch.Tensor) -> torch.Tensor:
     return (~tokens).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+MARKERS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")   # besides restarting position_ids
+
+
 def packed_documents(layout: PaddingLayout, query, key, kwargs) -> tuple | None:
     """(cu_seqlens_q, cu_seqlens_k) for documents packed into one row, from whichever form HF
     passes them in (DataCollatorWithFlattening's options: ``cu_seq_lens_q``/``cu_seq_lens_k``,
@@ -96,42 +101,53 @@ def packed_documents(layout: PaddingLayout, query, key, kwargs) -> tuple | None:
     torch.compile (docs/huggingface.md, "torch.compile")."""
     plain = (layout.key_mask is None and isinstance(layout.q_offset, int) and layout.q_offset == 0
              and query.shape[2] == key.shape[2])
-    cu_q, cu_k, seq_idx = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"))
+    cu_q, cu_k, seq_idx = (kwargs.get(name) for name in MARKERS)
     if cu_q is not None or cu_k is not None or seq_idx is not None:
-        _check_packed(plain, query, cu_q, cu_k)
+        _check_packed(plain, query.shape[0], cu_q, cu_k)
         if cu_q is not None:
             return cu_q.to(torch.int32), cu_k.to(torch.int32)
-        starts = seq_idx[0, 1:] != seq_idx[0, :-1]       # a token whose document is new
-        cu = _bounds(starts, query.shape[2])
+        cu = _seq_idx_bounds(seq_idx, query.shape[2])
         return cu, cu
     position_ids = kwargs.get("position_ids")
     if position_ids is None or not plain:
         return None
-    starts = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    if torch.compiler.is_compiling():
-        # one row: the bounds, [0, N, N, ...] when nothing restarts (one document); a batch of
-        # rows is taken as ordinary sequences (eager calls check it)
-        one_row = position_ids.shape[0] == 1 and query.shape[0] == 1
-        return (_bounds(starts[0], query.shape[2]),) * 2 if one_row else None
-    if not bool(starts.any()):
-        return None
-    if position_ids.shape[0] != 1:
-        raise ValueError(f"position_ids: documents packed into a batch of "
-                         f"{position_ids.shape[0]} rows; bamgen's attention takes packed "
-                         f"documents in one row (batch size 1), as FlashAttention's varlen does")
-    cu = torch.unique_consecutive(_bounds(starts[0], query.shape[2]))   # (no empty documents)
-    return cu, cu
+    cu = _position_bounds(position_ids, query.shape[0], query.shape[2])
+    return None if cu is None else (cu, cu)
 
 
-def _check_packed(plain, query, cu_q, cu_k) -> None:
+def _check_packed(plain: bool, batch: int, cu_q, cu_k) -> None:
     """Packed documents by cu_seq_lens or seq_idx: one row, no padding, no cache."""
     if (cu_q is None) != (cu_k is None):
         raise ValueError("cu_seq_lens_q and cu_seq_lens_k come together (the collator's "
                          "return_flash_attn_kwargs=True gives both)")
-    if not plain or query.shape[0] != 1:
+    if not plain or batch != 1:
         raise ValueError(f"cu_seq_lens_q / seq_idx: packed documents are taken in one row "
-                         f"(batch size 1, got {query.shape[0]}) with no attention_mask and no "
+                         f"(batch size 1, got {batch}) with no attention_mask and no "
                          f"cache, as DataCollatorWithFlattening makes them")
+
+
+def _seq_idx_bounds(seq_idx, length: int) -> torch.Tensor:
+    """cu_seqlens from seq_idx (each token's document, one row): a document starts where the
+    index changes."""
+    return _bounds(seq_idx[0, 1:] != seq_idx[0, :-1], length)
+
+
+def _position_bounds(position_ids, batch: int, length: int) -> torch.Tensor | None:
+    """cu_seqlens from position_ids that restart at each document, or None where they mark
+    none (an ordinary sequence). Under torch.compile nothing branches on the data: one row
+    always gets its bounds, [0, N, N, ...] when nothing restarts (one document), and a batch of
+    rows is taken as ordinary sequences (eager calls check it)."""
+    starts = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    rows = max(batch, position_ids.shape[0])
+    if torch.compiler.is_compiling():
+        return _bounds(starts[0], length) if rows == 1 else None
+    if not bool(starts.any()):
+        return None
+    if rows != 1:
+        raise ValueError(f"position_ids: documents packed into a batch of {rows} rows; "
+                         f"bamgen's attention takes packed documents in one row (batch size "
+                         f"1), as FlashAttention's varlen does")
+    return torch.unique_consecutive(_bounds(starts[0], length))   # (no empty documents)
 
 
 def _bounds(starts, length: int) -> torch.Tensor:
@@ -142,3 +158,88 @@ def _bounds(starts, length: int) -> torch.Tensor:
     cut = torch.where(starts, index, torch.full_like(index, length)).sort().values
     ends = torch.tensor([0, length], device=starts.device)
     return torch.cat([ends[:1], cut, ends[1:]]).to(torch.int32)
+
+
+def install_document_markers(model) -> None:
+    """Register (once) the forward pre-hook :func:`mark_documents` on ``model`` and on every
+    transformers model inside it (a causal LM may call an inner one directly: OPT's calls its
+    decoder, not its base model).
+
+    Why: a packed row's documents reach attention only if the family's own code passes the
+    collator's marker on, and some drop one: Persimmon's attention drops ``position_ids``,
+    GPT-BigCode's model does not pass them to its layers, StableLM's decoder layer drops
+    ``seq_idx`` and ``cu_seq_lens``. Families with absolute position embeddings (GPT-2,
+    GPT-BigCode, OPT, BioGPT) also need ``position_ids`` to number each document from 0. The
+    hook hands the model both forms, so whichever one a family passes on carries the documents.
+    It keeps no state (it only adds keyword arguments), so torch.compile traces it like the
+    rest of the forward: no graph break, no guard of its own."""
+    from transformers import PreTrainedModel
+    for module in model.modules():
+        hooks = module._forward_pre_hooks.values()
+        if module is model or isinstance(module, PreTrainedModel):
+            if not any(getattr(hook, "func", None) is mark_documents for hook in hooks):
+                _register_marker_hook(module)
+
+
+def _register_marker_hook(module) -> None:
+    """The hook, told the forward's parameter names once here (the call may pass some by
+    position), so that it inspects nothing while it runs."""
+    parameters = inspect.signature(module.forward).parameters.values()
+    names = tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    module.register_forward_pre_hook(functools.partial(mark_documents, names, takes_kwargs),
+                                     with_kwargs=True)
+
+
+def mark_documents(names: tuple, takes_kwargs: bool, module, args, kwargs):
+    """A model's forward pre-hook (``names``: its forward's positional parameters;
+    ``takes_kwargs``: whether it takes more). A packed call (no cache, no padding) gets the
+    markers it lacks: restarting ``position_ids`` from ``cu_seq_lens_q`` or ``seq_idx``, and
+    ``cu_seq_lens_q/k`` from restarting ``position_ids``. Returns the call with them added (as
+    keyword arguments), or None to leave it as it is."""
+    if len(args) > len(names):
+        return None
+    call = {**dict(zip(names, args)), **kwargs}
+    added = _missing_markers(call)
+    if not all(takes_kwargs or name in names for name in added):
+        return None   # (a forward that cannot take them: the call as it was)
+    return ((), {**call, **added}) if added else None
+
+
+def _missing_markers(call: dict) -> dict:
+    """The markers a call lacks, computed from the one it has (an empty dict if none)."""
+    tokens = call.get("input_ids")
+    tokens = call.get("inputs_embeds") if tokens is None else tokens
+    if tokens is None:
+        return {}
+    batch, length = tokens.shape[0], tokens.shape[1]
+    cu_q, cu_k, seq_idx = (call.get(name) for name in MARKERS)
+    position_ids = call.get("position_ids")
+    if cu_q is not None or cu_k is not None or seq_idx is not None:
+        _check_packed(_packed_format(call), batch, cu_q, cu_k)
+        if position_ids is not None:
+            return {}
+        bounds = cu_q if cu_q is not None else _seq_idx_bounds(seq_idx, length)
+        return {"position_ids": _restarting_positions(bounds, length)}
+    if position_ids is None or not _packed_format(call):
+        return {}
+    bounds = _position_bounds(position_ids, batch, length)
+    return {} if bounds is None else {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds}
+
+
+def _packed_format(call: dict) -> bool:
+    """No cache, and no attention_mask or (eager) one without padding: HF's packed format."""
+    mask = call.get("attention_mask")
+    if call.get("past_key_values") is not None:
+        return False
+    return mask is None or (not torch.compiler.is_compiling() and isinstance(mask, torch.Tensor)
+                            and mask.dim() == 2 and bool(mask.all()))
+
+
+def _restarting_positions(bounds, length: int) -> torch.Tensor:
+    """position_ids [1, length] that restart at 0 at each document's start (``bounds``:
+    cu_seqlens, empty documents allowed)."""
+    bounds = bounds.to(torch.int64)
+    tokens = torch.arange(length, device=bounds.device)
+    document = torch.searchsorted(bounds, tokens, right=True) - 1
+    return (tokens - bounds[document]).unsqueeze(0)

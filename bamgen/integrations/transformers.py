@@ -18,6 +18,11 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
   ``key_mask`` and per-row offsets, right for dynamic and static caches.
 - ``rope="remove"`` replaces the rotary embedding with the identity (the prior is then the
   only positional encoding); ``"keep"`` leaves it.
+- A forward pre-hook on the model (and on each transformers model inside it) hands a packed
+  row's documents to the model in both of the forms attention reads, restarting
+  ``position_ids`` and ``cu_seq_lens_q/k``: some families drop one of the collator's markers
+  before attention, or number absolute positions across the whole row
+  (bamgen/integrations/hf_layout.py, :func:`install_document_markers`).
 - ``config.bamgen`` records the prior (a shipped name, or the prior file's text) and ``rope``;
   :func:`from_pretrained` reads it, rebuilds the model with the prior in place before the
   weights load (so the learned prior parameters load like any weight) and keeps ``"bamgen"``.
@@ -33,7 +38,8 @@ from types import ModuleType
 
 import torch
 
-from .hf_layout import PaddingLayout, packed_documents, padding_layout
+from .hf_layout import (PaddingLayout, install_document_markers, packed_documents,
+                        padding_layout)
 from .hf_variants import (LayerExtras, call_extras, forward_source, layer_extras, prior_source,
                           variant_module)
 
@@ -300,6 +306,7 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     if rope == "remove":
         _remove_rotary(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    install_document_markers(model)
 
 
 def _attention_layers(model) -> list[torch.nn.Module]:

@@ -512,22 +512,32 @@ def test_every_collator_packing_option_gives_each_document_alone(option, absolut
     """DataCollatorWithFlattening, each option as a user would set it: the packed row's logits
     and per-token losses equal each document's alone (documents never mix; with
     return_position_ids=False only cu_seq_lens_q/k or seq_idx says where they start)."""
-    from transformers import DataCollatorWithFlattening
     model = tiny_llama(seed=5, prior=absolute)
-    batch = DataCollatorWithFlattening(**COLLATOR_OPTIONS[option])(
-        [{"input_ids": doc} for doc in DOCS])
+    batch = collated(option)
     assert ("position_ids" in batch) == COLLATOR_OPTIONS[option].get("return_position_ids", True)
-    labels = batch.pop("labels")
-    logits = model(**batch).logits
-    losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none",
-                                               ignore_index=-100)
+    assert_each_document_alone(model, batch, model(**batch).logits)
+
+
+def collated(option):
+    """DOCS packed by DataCollatorWithFlattening with one of its options."""
+    from transformers import DataCollatorWithFlattening
+    return DataCollatorWithFlattening(**COLLATOR_OPTIONS[option])([{"input_ids": doc} for doc in DOCS])
+
+
+def assert_each_document_alone(model, batch, logits, what=""):
+    """The packed row's logits and per-token losses (``batch`` from :func:`collated`, ``logits``
+    the model's on it) equal each document's alone."""
+    losses = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:],
+                                               reduction="none", ignore_index=-100)
     start = 0
     for doc in DOCS:
         ids = torch.tensor([doc])
         alone = model(ids).logits
-        torch.testing.assert_close(logits[:, start:start + len(doc)], alone, **CLOSE)
+        torch.testing.assert_close(logits[:, start:start + len(doc)], alone, **CLOSE,
+                                   msg=lambda m: f"{what} document at {start}: {m}")
         alone_losses = torch.nn.functional.cross_entropy(alone[0, :-1], ids[0, 1:], reduction="none")
-        torch.testing.assert_close(losses[start:start + len(doc) - 1], alone_losses, **CLOSE)
+        torch.testing.assert_close(losses[start:start + len(doc) - 1], alone_losses, **CLOSE,
+                                   msg=lambda m: f"{what} losses of the document at {start}: {m}")
         start += len(doc)
 
 
@@ -540,6 +550,76 @@ def test_packing_arguments_that_cannot_hold_are_refused():
     with pytest.raises(ValueError, match=r"packed documents are taken in one row \(batch size 1, got 2\)"):
         model(ids.repeat(2, 1), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
+
+
+# Families whose own code keeps a collator marker from attention (transformers 5.23):
+# Persimmon's attention drops position_ids, GPT-BigCode's model does not pass them to its
+# layers, StableLM's decoder layer drops seq_idx and cu_seq_lens; GPT-2, GPT-BigCode, OPT and
+# BioGPT number positions with absolute embeddings, from position_ids alone. (config, rope)
+MARKER_FAMILIES = {
+    "persimmon": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=128, vocab_size=100), "remove"),
+    "gpt_bigcode": (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=100, attn_pdrop=0.0,
+                         bos_token_id=1, eos_token_id=1), "keep"),
+    "stablelm": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=100), "remove"),
+    "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=100, attn_pdrop=0.0,
+                  bos_token_id=1, eos_token_id=1), "keep"),
+    "opt": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                 word_embed_proj_dim=64, vocab_size=100), "keep"),
+    "biogpt": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, vocab_size=100, attention_probs_dropout_prob=0.0), "keep"),
+}
+
+
+def marker_family(family, prior):
+    config, rope = MARKER_FAMILIES[family]
+    return apply_prior(tiny_auto(family, **config), prior, rope=rope)
+
+
+@pytest.mark.parametrize("family", MARKER_FAMILIES)
+def test_every_collator_option_keeps_documents_apart_where_the_family_drops_a_marker(family, absolute):
+    """The families that keep one of the collator's markers from attention, or read positions
+    from absolute embeddings: every option of DataCollatorWithFlattening gives each document's
+    logits and per-token losses alone (the marker a family drops is handed to it in the form
+    it passes on; without that, each family mixed documents under one option or another)."""
+    model = marker_family(family, absolute)
+    for option in COLLATOR_OPTIONS:
+        batch = collated(option)
+        assert_each_document_alone(model, batch, model(**batch).logits, f"{family}, {option}:")
+
+
+def test_packed_rows_that_cannot_hold_are_refused_where_the_family_drops_the_marker():
+    """A batch of packed rows, or packed markers with a cache, is refused by name in the
+    families that drop the marker the attention would check (where they mixed silently)."""
+    persimmon, stablelm = marker_family("persimmon", ggd), marker_family("stablelm", ggd)
+    ids = torch.tensor([sum(DOCS, [])] * 2)
+    positions = torch.tensor([[i for doc in DOCS for i in range(len(doc))]] * 2)
+    with pytest.raises(ValueError, match="position_ids: documents packed into a batch of 2"):
+        persimmon(ids, position_ids=positions)
+    seq_idx = torch.tensor([[d for d, doc in enumerate(DOCS) for _ in doc]] * 2)
+    with pytest.raises(ValueError, match=r"packed documents are taken in one row \(batch size 1, got 2\)"):
+        stablelm(ids, seq_idx=seq_idx)
+    cache = stablelm(ids[:1, :3], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="packed documents are taken in one row .* no cache"):
+        stablelm(ids[:1, 3:], seq_idx=seq_idx[:1, 3:], past_key_values=cache)
+
+
+@pytest.mark.parametrize("family, option", [("persimmon", "position_ids"), ("stablelm", "seq_idx"),
+                                            ("gpt2", "cu_seq_lens")])
+def test_packed_documents_stay_apart_compiled_where_the_family_drops_a_marker(family, option, absolute):
+    """The markers handed to such a family are computed inside the compiled graph: no graph
+    break, and the compiled packed row gives each document alone."""
+    import torch._dynamo as dynamo
+    model = marker_family(family, absolute)
+    batch = collated(option)
+    inputs = {name: value for name, value in batch.items() if name != "labels"}   # (GPT-2's loss
+    dynamo.reset()                                    # function breaks the graph on its own)
+    explained = dynamo.explain(lambda **kw: model(**kw).logits)(**inputs)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    dynamo.reset()
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="aot_eager", fullgraph=True)
+    assert_each_document_alone(model, batch, compiled(**inputs), f"{family}, {option}, compiled:")
 
 def _compile_batches():
     """A packed row (position_ids restarting) and a left-padded batch, at three lengths."""
