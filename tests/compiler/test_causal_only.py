@@ -83,8 +83,7 @@ def test_a_kink_before_the_query_is_no_singularity(tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [
-    # still checked where keys are at or before the query: d = 0 is the query itself
-    ("log_prior: -a*log(d)", "the log-prior is +inf at d = 0"),
+    # still checked where keys are at or before the query
     ("log_prior: log(50 - d)", "the log-prior is nan at d = 51"),
     ("log_prior: -a*log(1 + d)\ncausal_only: \"yes\"", "field 'causal_only': expected true or false"),
     ("log_prior: -a*log(1 + d0) - d1\npositions: 2",
@@ -177,3 +176,55 @@ def test_negative_distances_and_the_ring_are_refused(module):
     q, k, v, _ = _inputs(Nq=8, Nk=8)
     _refused(lambda: ring_attention(module, q, k, v, causal=False, a=torch.tensor([1.0, 1.0])),
              "causal=False")
+
+
+# --------------------------------------------------------------------------------------------
+# d = 0, the diagonal: a kink as |d|'s is
+
+KERPLE_POWER = """
+name: causal_power
+log_prior: -r1*d**r2
+params:
+  r1: {init: 1.0, domain: positive}
+  r2: {init: 0.7, domain: positive}
+causal_only: true
+"""
+
+
+def test_a_log_of_d_is_clamped_at_the_diagonal_as_a_log_of_abs_d_is(tmp_path):
+    """-a*log(d) at d = 0 has no finite limit: clamped to 1e-5 with a note, as -a*log(Abs(d))
+    is without the declaration (docs/priors.md, "Kinks")."""
+    notes = []
+    for text in ("log_prior: -a*log(d)\ncausal_only: true\n", "log_prior: -a*log(Abs(d))\n"):
+        body = f"name: logd\n{text}params:\n  a: {{init: 1.0, domain: positive}}\n"
+        res = run_cli("build", str(write_prior(tmp_path, body)), "-o", str(tmp_path / "out"))
+        assert res.returncode == 0, res.stderr
+        notes.append([line for line in res.stdout.splitlines() if "note:" in line])
+    assert notes[0] == notes[1] and any("clamped to |d| = 1e-05" in n for n in notes[0]), notes
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kerple_power_written_causally_takes_its_limit_at_the_diagonal(tmp_path, backend):
+    """-r1*d**r2: its derivative in r2, -r1*d**r2*log(d), is 0*log 0 at d = 0, the key every
+    causal row holds. Its limit, 0, is taken there, as for GGD's |d|**beta; the scan found it
+    nan and refused the file before."""
+    module = bamgen.load(write_prior(tmp_path, KERPLE_POWER), cache_dir=tmp_path / "cache")
+    q, k, v, dout = _inputs(Nq=7, Nk=19)
+    params = {"r1": torch.tensor([0.7, 1.5]), "r2": torch.tensor([0.5, 1.3])}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    theta = {name: value.clone().requires_grad_() for name, value in params.items()}
+    out = module.attention(*leaves, **theta, q_offset=12, backend=backend)
+    grads = torch.autograd.grad(out, leaves + list(theta.values()), dout)
+
+    def log_prior(d, p):
+        return -p["r1"] * d.clamp(min=0) ** p["r2"]
+
+    kw = dict(causal=True, dout=dout, q_offset=12)
+    ref = reference_attention(q, k, v, params, log_prior, **kw)
+    pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
+    results = [("out", out, ref.out, pt.out), ("dq", grads[0], ref.dq, pt.dq),
+               ("dk", grads[1], ref.dk, pt.dk), ("dv", grads[2], ref.dv, pt.dv),
+               ("dr1", grads[3], ref.dparams["r1"], pt.dparams["r1"]),
+               ("dr2", grads[4], ref.dparams["r2"], pt.dparams["r2"])]
+    assert all(torch.isfinite(r).all() for _, r, _, _ in results)
+    assert_all_close(results, torch.float32, context=backend)
