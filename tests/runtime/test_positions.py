@@ -82,6 +82,52 @@ def test_forget_gate_per_head_gates_with_gradients(B, Hq, Hk, N, backend, dtype)
 
 
 @pytest.mark.parametrize("backend,dtype", PATHS)
+@pytest.mark.parametrize("B,Hq,Hk,N", [(2, 4, 2, 17), (1, 2, 1, 123)])
+def test_forget_gates_with_padding_keys_get_the_reference_gradients(B, Hq, Hk, N, backend, dtype):
+    """A FoX batch with padding (key_mask): no query sees a padding key, so its position gets
+    no gradient, and the gates, whose cumsum feeds every later position, get the reference's.
+    The Triton dK/dV kernel summed a padding key's dS into its position (4.1 off for one
+    key of eight, d gates off by 0.6): an outside test, 2026-11-28."""
+    g = torch.Generator().manual_seed(N + 1)
+    q = torch.randn(B, Hq, N, 16, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hk, N, 16, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hk, N, 16, generator=g, dtype=dtype, requires_grad=True)
+    gates = (torch.randn(B, Hq, N, generator=g, dtype=dtype) + 2.0).requires_grad_(True)
+    key_mask = torch.rand(B, N, generator=g) > 0.3
+    key_mask[:, 0] = True   # (every row sees a key)
+    c = torch.nn.functional.logsigmoid(gates).cumsum(-1)
+    out = FOX.attention(q, k, v, causal=True, pos_q=c, pos_k=c, key_mask=key_mask, backend=backend)
+
+    def build(cdt):
+        c = torch.nn.functional.logsigmoid(gates.to(cdt)).cumsum(-1)
+        return _materialised(q, k, v, c[..., :, None] - c[..., None, :], True, key_mask, cdt=cdt)
+    _check(out, build, dtype, (q, k, v, gates), torch.randn(out.shape, generator=g))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_padding_key_s_position_gets_no_gradient_even_if_nan(backend):
+    """GGD over float positions, keys 3 and 5 padding with NaN positions: their positions'
+    gradients are 0, the others' finite and as with any finite value there."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    key_mask = torch.ones(1, 8, dtype=torch.bool)
+    key_mask[0, [3, 5]] = False
+    grads = []
+    for fill in (float("nan"), 2.5):
+        pos_k = torch.arange(8.0)[None].clone()
+        pos_k[0, [3, 5]] = fill
+        pos_k.requires_grad_(True)
+        out = GGD.attention(q, k, v, alpha=3.0, beta=1.5, mu=0.0, causal=False,
+                            pos_q=torch.arange(8.0)[None], pos_k=pos_k, key_mask=key_mask,
+                            backend=backend)
+        (grad,) = torch.autograd.grad(out.square().sum(), pos_k)
+        grads.append(grad)
+    assert (grads[0][0, [3, 5]] == 0).all() and torch.isfinite(grads[0]).all(), grads[0]
+    assert torch.equal(grads[0], grads[1])
+    assert grads[0][0, [0, 1, 2, 4, 6, 7]].abs().min() > 0
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS)
 def test_forget_gate_module_and_shared_positions(backend, dtype):
     """The module's forward takes pos_q / pos_k; positions [B, N] shared by the heads get the
     gradient summed over them."""

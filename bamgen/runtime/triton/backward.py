@@ -354,7 +354,8 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
         # A padding key: no query sees it, so its dK and dV are 0. The loop above treats it as
         # a key (its P and dS are wrong), but a key's scores only reach its own dK and dV
         # rows (delta, m and l come from the forward, which hid it): zeroing them here is
-        # exact, keeps the main loop the plain one, and drops a NaN stored in the key.
+        # exact, keeps the main loop the plain one, and drops a NaN stored in the key. Its
+        # position sums are zeroed by the launcher (launch.backward_kernels).
         kept = _kept_keys(KeyMask + off_b.to(tl.int64) * stride_mb + k_start, offs_n, Nk)
         dk = tl.where(kept[:, None], dk, 0.0)
         dv = tl.where(kept[:, None], dv, 0.0)

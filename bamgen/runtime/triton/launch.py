@@ -909,6 +909,11 @@ def backward_kernels(prior, dout, q, k, v, out32, stats, theta, causal, scale, t
     launch(prior, "bwd_dq", D, q.device, key, run_dq, lay.masked, wrap is not eager_kernel)
     dparams = partials["sums"].sum(0)[:, :prior.traits.num_grads]
     found = (dq, dk, dv, dparams, rows) if row_sums else (dq, dk, dv, dparams)
+    if lay.positions and lay.has_key_mask:
+        # a padding key's position gradient: 0, as its dK and dV. The dK/dV kernel sums its
+        # scores as any key's (it zeroes dK and dV after its loop); a select on its position
+        # sums there put 16 bytes of ALiBi's packed kernel on sm_80's stack
+        dpos_k.masked_fill_(lay.key_mask[:, None, :, None] == 0, 0.0)
     return (*found, dpos_q, dpos_k) if lay.positions else found
 
 
