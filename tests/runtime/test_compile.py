@@ -366,7 +366,7 @@ def test_triton_decode_steps_compile_once(module):
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's kernels: on a GPU they are JITFunctions")
-def test_interpreted_kernels_launch_without_wrap_triton(monkeypatch):
+def test_interpreted_kernels_launch_as_they_are_under_torch_2_11(monkeypatch):
     """torch 2.11's wrap_triton takes only a JITFunction or an Autotuner, and refuses the
     interpreter's kernels (torch 2.13 hands them back): under TRITON_INTERPRET=1 the triton ops
     are opaque custom ops, so their kernels launch as they are, with either torch."""
