@@ -700,8 +700,22 @@ def _check_shards(q, k, v):
         raise ValueError("q, k and v must share a dtype and a device")
 
 
+# attention()'s arguments the ring does not take, and what to do instead (docs/distributed.md)
+NOT_TAKEN = {
+    "key_mask": "pad N to a multiple of 2 x the group's size with a document of its own "
+                "(cu_seqlens), which no real token sees",
+    "q_offset": "the shards' positions are the whole sequence's, 0 .. N-1",
+    "k_offset": "the shards' positions are the whole sequence's, 0 .. N-1",
+    "cu_seqlens_q": "pass cu_seqlens, the whole sequence's document bounds",
+    "cu_seqlens_k": "pass cu_seqlens, the whole sequence's document bounds",
+}
+
+
 def _check_params(mod, params, hq):
     names = tuple(mod.PARAM_NAMES)
+    for name in params:
+        if name in NOT_TAKEN and name not in names:
+            raise ValueError(f"ring_attention does not take {name}: {NOT_TAKEN[name]}")
     unknown = [name for name in params if name not in names]
     missing = [name for name in names if name not in params]
     if unknown or missing:

@@ -613,6 +613,10 @@ def test_ring_attention_argument_errors():
         ring_attention(mod, q, q, q, alpha=1.0, beta=1.0)
     with pytest.raises(ValueError, match="unknown parameter.*'gamma'"):
         ring_attention(mod, q, q, q, **p, gamma=1.0)
+    with pytest.raises(ValueError, match="ring_attention does not take key_mask: pad N"):
+        ring_attention(mod, q, q, q, **p, key_mask=torch.ones(1, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="ring_attention does not take q_offset"):
+        ring_attention(mod, q, q, q, **p, q_offset=3)
     with pytest.raises(ValueError, match=r"alpha must be a float or a tensor of shape \[2\] \(one value per query head\)"):
         ring_attention(mod, q, q, q, **{**p, "alpha": torch.ones(3)})
     with pytest.raises(ValueError, match="not its nn.Module"):
