@@ -208,7 +208,7 @@ def param_column(name, value, num_heads, device, dtype=torch.float32):
     if value.dim() > 1 or (value.numel() != 1 and value.numel() != num_heads):
         raise ValueError(f"{name} must be {what} (one value per query head), got shape "
                          f"{tuple(value.shape)}")
-    value = _on(value, device, dtype)
+    value = _on(name, value, device, dtype)
     return value if value.shape == (num_heads,) else value.reshape(-1).expand(num_heads)
 
 
@@ -235,7 +235,7 @@ def param_block(param: ParamTraits, value, num_heads, device, dtype=torch.float3
         got = f"{value.item()!r}, one number" if not shape else f"shape {shape}"
         raise ValueError(f"{param.name} must be {what}, got {got} (a vector of {size} elements: "
                          f"e.g. torch.full(({size},), x) for one value in every element)")
-    value = _on(value, device, dtype)
+    value = _on(param.name, value, device, dtype)
     return value if rows == num_heads else value.reshape(1, size).expand(num_heads, size)
 
 
@@ -256,8 +256,13 @@ def _as_tensor(name, value, what):
     return value
 
 
-def _on(value, device, dtype):
+def _on(name, value, device, dtype):
+    """value in the call's dtype on q's device (a parameter on another device is moved, as a
+    float is made a tensor; one on the meta device holds no value to move)."""
     if value.dtype != dtype or value.device != torch.device(device):   # (a decode step: already so)
+        if value.device.type == "meta" and torch.device(device).type != "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no values; pass it on "
+                             f"{device}, where q is, or as a float")
         value = value.to(device=device, dtype=dtype)
     return value
 

@@ -33,6 +33,7 @@ def test_bad_tensors_raise_value_error_naming_the_argument(change, argument):
 
 @pytest.mark.parametrize("kwargs, argument", [
     (dict(alpha=torch.ones(3)), "alpha"),
+    (dict(alpha=torch.ones(4, device="meta")), "alpha is on the meta device"),
     (dict(beta=torch.ones(2, 2)), "beta"),
     (dict(mu="zero"), "mu"),
     (dict(q_offset=1.5), "q_offset"),
