@@ -92,16 +92,17 @@ class PriorAttention(torch.autograd.Function):
 def positional_forward(prior, q, k, v, theta, pos, causal, scale, layout, use_triton,
                        for_backward, position_grads=True):
     """(out, then what the backend's backward needs) of a call with position tensors pos
-    (docs/positions.md; offsets 0, no decode step); layout: its key_mask and documents.
+    (docs/positions.md; no decode step); layout: its int offsets (token order, for the causal
+    mask: a chunk of rows after a cache), key_mask and documents.
     position_grads: whether a backward will want the positions' gradients (else the Triton
     kernels may read a table prior at integer positions, launch.position_call)."""
     if use_triton:
         from .triton import launch
-        return launch.forward(prior, q, k, v, theta, causal, scale, 0, 0,
-                              for_backward=for_backward, pos=pos, position_grads=position_grads,
-                              **layout.masks())
-    return cpu_forward.forward(prior, q, k, v, theta, causal, scale, 0, 0, pos=pos,
-                               **layout.masks())
+        return launch.forward(prior, q, k, v, theta, causal, scale, layout.q_offset,
+                              layout.k_offset, for_backward=for_backward, pos=pos,
+                              position_grads=position_grads, **layout.masks())
+    return cpu_forward.forward(prior, q, k, v, theta, causal, scale, layout.q_offset,
+                               layout.k_offset, pos=pos, **layout.masks())
 
 
 class PositionalAttention(torch.autograd.Function):
@@ -135,12 +136,13 @@ class PositionalAttention(torch.autograd.Function):
         if use_triton:
             from .triton import launch
             dq, dk, dv, dparams, dpos_q, dpos_k = launch.backward(
-                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,
-                pos=pos, position_grads=ctx.position_grads, **layout.masks())
+                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale,
+                layout.q_offset, layout.k_offset, pos=pos, position_grads=ctx.position_grads,
+                **layout.masks())
         else:
             dq, dk, dv, dparams, dpos_q, dpos_k = cpu_backward.backward(
-                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale, 0, 0,
-                pos=pos, **layout.masks())
+                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale,
+                layout.q_offset, layout.k_offset, pos=pos, **layout.masks())
         dtheta = make_dtheta(prior.traits, theta, dparams) if ctx.needs_input_grad[4] else None
         return (None, dq, dk, dv, dtheta,
                 dpos_q.to(pos_q.dtype) if ctx.needs_input_grad[5] else None,

@@ -22,7 +22,8 @@ def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_off
     if pos is not None and ops.tracing(q):   # the positional custom ops check at run time
         theta = make_theta(prior.traits, q, values, grad=True)
         return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale, backend,
-                                     key_mask, cu_seqlens_q, cu_seqlens_k, check=True)
+                                     key_mask, cu_seqlens_q, cu_seqlens_k, check=True,
+                                     q_offset=q_offset, k_offset=k_offset)
     if pos is not None:
         layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
         theta = make_theta(prior.traits, q, values, grad=True, check=prior.domain_check)

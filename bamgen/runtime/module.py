@@ -83,7 +83,7 @@ class PriorAttention(torch.nn.Module):
         if pos is not None and ops.tracing(q):
             return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale,
                                          backend, key_mask, cu_seqlens_q, cu_seqlens_k,
-                                         check=False)
+                                         check=False, q_offset=q_offset, k_offset=k_offset)
         if pos is not None:
             layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
             return attend(prior, q, k, v, theta, causal, scale, layout, backend, pos)

@@ -188,7 +188,7 @@ def _op_backward(prior, ctx, dout, _dstats, _dextra):
 # Positions as tensors (docs/positions.md): _pfwd and _pbwd, either backend inside
 # ----------------------------------------------------------------------------------------
 def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backend, key_mask,
-                      cu_seqlens_q, cu_seqlens_k, check):
+                      cu_seqlens_q, cu_seqlens_k, check, q_offset=0, k_offset=0):
     """attention() with position tensors ([B, Hq, N, C], checked and shaped by
     positions.positions_of) through the positional custom ops."""
     for name, value in (("key_mask", key_mask), ("cu_seqlens_q", cu_seqlens_q),
@@ -202,20 +202,22 @@ def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backen
     # (no position gradient wanted: integer positions may read a table prior's distance table)
     position_grads = for_backward and (pos_q.requires_grad or pos_k.requires_grad)
     return prior.ops.pfwd(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
-                          cu_seqlens_k, use_triton, for_backward, check, position_grads)[0]
+                          cu_seqlens_k, use_triton, for_backward, check, position_grads,
+                          q_offset, k_offset)[0]
 
 
 def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
-             cu_seqlens_k, use_triton, for_backward, check, position_grads):
-    """(out, stats, extra) as _op_fwd's, of a call with position tensors."""
-    layout = checks.layout(q, k, 0, 0, key_mask, cu_seqlens_q, cu_seqlens_k)
+             cu_seqlens_k, use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0):
+    """(out, stats, extra) as _op_fwd's, of a call with position tensors (the int offsets
+    place its tokens for the causal mask)."""
+    layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
     if check:
         prior.domain_check(theta)
     if q.numel() == 0 or k.shape[2] == 0:
         return tuple(t.zero_() for t in _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale,
                                                       key_mask, cu_seqlens_q, cu_seqlens_k,
                                                       use_triton, for_backward, check,
-                                                      position_grads))
+                                                      position_grads, q_offset, k_offset))
     out, stats, *rest = autograd.positional_forward(prior, q, k, v, theta, (pos_q, pos_k), causal,
                                                     scale, layout, use_triton, for_backward,
                                                     position_grads)
@@ -226,28 +228,28 @@ def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_se
 
 
 def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q, cu_seqlens_k,
-                  use_triton, for_backward, check, position_grads):
-    return _op_fwd_fake(q, k, v, theta, causal, scale, 0, 0, None, None, key_mask, cu_seqlens_q,
-                        cu_seqlens_k, use_triton, for_backward, check)
+                  use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0):
+    return _op_fwd_fake(q, k, v, theta, causal, scale, q_offset, k_offset, None, None, key_mask,
+                        cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check)
 
 
 def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal, scale, key_mask,
-             cu_seqlens_q, cu_seqlens_k, use_triton, position_grads):
+             cu_seqlens_q, cu_seqlens_k, use_triton, position_grads, q_offset=0, k_offset=0):
     """(dq, dk, dv, dparams, dpos_q, dpos_k) of one _op_pfwd."""
     if q.numel() == 0 or k.shape[2] == 0:
         return tuple(g.zero_() for g in _op_pbwd_fake(prior, dout, q, k, v, out, stats, extra,
                                                       theta, pos_q, pos_k))
-    layout = checks.layout(q, k, 0, 0, key_mask, cu_seqlens_q, cu_seqlens_k)
+    layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
     pos = (pos_q, pos_k)
     if use_triton:
         from .triton import launch
         grads = launch.backward(prior, dout, q, k, v, out, stats, extra if extra.numel() else out,
-                                None, theta, causal, scale, 0, 0, pos=pos,
-                                position_grads=position_grads, **layout.masks())
+                                None, theta, causal, scale, layout.q_offset, layout.k_offset,
+                                pos=pos, position_grads=position_grads, **layout.masks())
     else:
         from .cpu import backward as cpu_backward
-        grads = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal, scale, 0, 0,
-                                      pos=pos, **layout.masks())
+        grads = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal, scale,
+                                      layout.q_offset, layout.k_offset, pos=pos, **layout.masks())
     dq, dk, dv, dparams, dpos_q, dpos_k = grads
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(), dparams.to(theta.dtype).contiguous(),
             dpos_q.to(pos_q.dtype).contiguous(), dpos_k.to(pos_k.dtype).contiguous())
@@ -261,19 +263,20 @@ def _op_pbwd_fake(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, 
 
 def _op_p_setup_context(ctx, inputs, output):
     q, k, v, theta, pos_q, pos_k, causal, scale, *masks = inputs[:11]
-    use_triton, position_grads = inputs[11], inputs[14]
+    use_triton, position_grads, q_offset, k_offset = inputs[11], inputs[14], inputs[15], inputs[16]
     out, stats, extra = output
     ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, stats, extra, *masks)
-    ctx.settings = (causal, scale, use_triton, position_grads)
+    ctx.settings = (causal, scale, use_triton, position_grads, q_offset, k_offset)
 
 
 def _op_p_backward(prior, ctx, dout, _dstats, _dextra):
     q, k, v, theta, pos_q, pos_k, out, stats, extra, *masks = ctx.saved_tensors
-    causal, scale, use_triton, position_grads = ctx.settings
+    causal, scale, use_triton, position_grads, q_offset, k_offset = ctx.settings
     dq, dk, dv, dparams, dpos_q, dpos_k = prior.ops.pbwd(dout, q, k, v, out, stats, extra, theta,
                                                          pos_q, pos_k, causal, scale, *masks,
-                                                         use_triton, position_grads)
-    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 9
+                                                         use_triton, position_grads, q_offset,
+                                                         k_offset)
+    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 11
 
 
 class FuncAttention(torch.autograd.Function):
@@ -337,22 +340,23 @@ class Ops:
                  pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool, scale: float,
                  key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                  cu_seqlens_k: Optional[torch.Tensor], use_triton: bool, for_backward: bool,
-                 check: bool, position_grads: bool
+                 check: bool, position_grads: bool, q_offset: int, k_offset: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask,
                             cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check,
-                            position_grads)
+                            position_grads, q_offset, k_offset)
 
         def pbwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, stats: torch.Tensor, extra: torch.Tensor, theta: torch.Tensor,
                  pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool, scale: float,
                  key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                 cu_seqlens_k: Optional[torch.Tensor], use_triton: bool, position_grads: bool
+                 cu_seqlens_k: Optional[torch.Tensor], use_triton: bool, position_grads: bool,
+                 q_offset: int, k_offset: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
             return _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal,
                             scale, key_mask, cu_seqlens_q, cu_seqlens_k, use_triton,
-                            position_grads)
+                            position_grads, q_offset, k_offset)
 
         # positions as tensors (docs/positions.md): <name>_pfwd / _pbwd
         self.pfwd = torch.library.custom_op(lib + "_pfwd", pfwd, mutates_args=())

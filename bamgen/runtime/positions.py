@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import MAX_POSITION
 from .tables import acc_dtype
 
 
@@ -49,10 +50,12 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
     pos = given_positions(prior, q, k, pos_q, pos_k)
     if pos is not None:
         for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-            if not (isinstance(off, int) and not isinstance(off, bool) and off == 0):
-                raise ValueError(f"{name} must be the int 0 when pos_q and pos_k are given (tensor "
-                                 f"offsets are not taken with positions): the positions say where "
-                                 f"every token is; add the offset to the positions instead")
+            if isinstance(off, torch.Tensor):
+                raise ValueError(f"{name} must be an int when pos_q and pos_k are given (per-row "
+                                 f"tensor offsets are not taken with positions): the positions "
+                                 f"place each token for the prior, and int offsets place the "
+                                 f"rows among the keys for the causal mask (a chunk after a cache: "
+                                 f"q_offset = its first row's index among the keys)")
     return pos
 
 
@@ -78,6 +81,24 @@ def given_positions(prior, q, k, pos_q, pos_k) -> Positions | None:
                      _normalise("pos_k", pos_k, B, Hq, k.shape[2], channels, q, cdt))
 
 
+def _check_integer_range(name, pos, q) -> None:
+    """Integer positions within +-2**24, where float32, the kernels' positions, holds every
+    integer: beyond, distances round (2**24 + 13 and 2**24 + 12 read alike) and the prior is
+    silently wrong, as the offsets' range check (checks.check_positions) refuses for token
+    positions. A host read (on a GPU it waits for the queue; integer positions are read on the
+    host anyway, to choose the table path); not under tracing, where values are unknown."""
+    from .ops import tracing
+    if pos.is_floating_point() or pos.numel() == 0 or tracing(q):
+        return
+    lo, hi = (int(x) for x in pos.aminmax())
+    worst = lo if -lo > hi else hi
+    if abs(worst) > MAX_POSITION:
+        raise ValueError(f"{name} holds {worst}: integer positions must lie in [-2**24, 2**24], "
+                         f"where float32 holds every integer (beyond, distances round); shift "
+                         f"them (a prior of d alone reads only differences), or pass float "
+                         f"positions, computed to float32's rounding")
+
+
 def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:
     """pos as [B, Hq, N, C] in the compute dtype, or a ValueError naming it."""
     if not isinstance(pos, torch.Tensor):
@@ -96,6 +117,7 @@ def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:
         ch = f", {channels}" if channels > 1 else ""
         raise ValueError(f"{name} has shape {list(pos.shape)}; expected [B, N{ch}] = "
                          f"[{B}, {N}{ch}] or [B, Hq, N{ch}] = [{B}, {Hq}, {N}{ch}]")
+    _check_integer_range(name, pos, q)
     if channels == 1:
         pos = pos.unsqueeze(-1)
     if pos.dim() == 3:   # shared by every head

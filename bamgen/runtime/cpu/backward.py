@@ -27,7 +27,7 @@ def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k
     positions' gradients after the others, (dpos_q, dpos_k) like pos."""
     if pos is not None:
         return positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted,
-                                   n, key_mask, cu_seqlens_q, cu_seqlens_k, pos)
+                                   n, key_mask, cu_seqlens_q, cu_seqlens_k, pos, q_offset, k_offset)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     parts = call_parts(B, Nq, Nk, q_offset, k_offset, cu_seqlens_q, cu_seqlens_k)
@@ -66,12 +66,12 @@ def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k
 
 
 def positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n,
-                        key_mask, cu_seqlens_q, cu_seqlens_k, pos):
+                        key_mask, cu_seqlens_q, cu_seqlens_k, pos, q_offset=0, k_offset=0):
     """backward() of a call with position tensors: (dq, dk, dv, dparams, dpos_q, dpos_k), packed
-    documents as the forward grouped them."""
+    documents as the forward grouped them (and offsets 0)."""
     if cu_seqlens_q is None:
         return _positional_call(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n,
-                                key_mask, pos)
+                                key_mask, pos, q_offset, k_offset)
     B, Hq, Nq, D = q.shape
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dpos = [torch.zeros(p.shape, dtype=acc_dtype(q), device=q.device) for p in pos]
@@ -91,12 +91,12 @@ def positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, 
 
 
 def _positional_call(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n, key_mask,
-                     pos):
+                     pos, q_offset=0, k_offset=0):
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     k, v = hide_padding(k, v, key_mask)
     q, dout, out, v = quiet_dead_rows(q, dout, out, v, stats.contiguous())
     return backward_generic(prior, dout, q, k, v, out, stats.contiguous(), theta, causal, scale,
-                            0, 0, shifted, None, n, key_mask, pos)
+                            q_offset, k_offset, shifted, None, n, key_mask, pos)
 
 
 def backward_call(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted,

@@ -24,10 +24,11 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted=Tr
     P = exp2(z - m) / l, exact for the largest z, where a rounded log-sum-exp m + log2(l) would
     be off by eps * |z| (a row whose every key sits far from the prior's mode has |z| ~ 1e6).
     pos: (pos_q [B, Hq, Nq, C], pos_k [B, Hq, Nk, C]) in the compute dtype, the positions as
-    tensors (docs/positions.md; offsets 0; packed documents taken), or None."""
+    tensors (docs/positions.md; int offsets place the rows among the keys for the causal mask;
+    packed documents taken), or None."""
     if pos is not None:
         out, stats = positional_f32(prior, q, k, v, theta, causal, scale, shifted, n, key_mask,
-                                    cu_seqlens_q, cu_seqlens_k, pos)
+                                    cu_seqlens_q, cu_seqlens_k, pos, q_offset, k_offset)
         return out.to(q.dtype), stats
     out, stats = forward_f32(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifted, n,
                              key_mask, cu_seqlens_q, cu_seqlens_k)
@@ -65,13 +66,13 @@ def forward_f32(prior, q, k, v, theta, causal, scale, q_offset, k_offset, shifte
 
 
 def positional_f32(prior, q, k, v, theta, causal, scale, shifted, n, key_mask, cu_seqlens_q,
-                   cu_seqlens_k, pos):
+                   cu_seqlens_k, pos, q_offset=0, k_offset=0):
     """forward_f32 of a call with position tensors: the generic path, packed documents as the
-    batches of doc_groups, their positions gathered with their tokens."""
+    batches of doc_groups, their positions gathered with their tokens (and offsets 0)."""
     if cu_seqlens_q is None:
         k, v = hide_padding(k.contiguous(), v.contiguous(), key_mask)
-        return forward_generic(prior, q.contiguous(), k, v, theta, causal, scale, 0, 0, shifted, n,
-                               key_mask, pos)
+        return forward_generic(prior, q.contiguous(), k, v, theta, causal, scale, q_offset,
+                               k_offset, shifted, n, key_mask, pos)
     B, Hq, Nq, D = q.shape
     cdt = acc_dtype(q)
     out = torch.zeros(q.shape, dtype=cdt, device=q.device)
