@@ -34,6 +34,7 @@ validated parameter names, never from prior-file text.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -335,7 +336,7 @@ def _roots(exprs: list[sp.Expr], params: list[ParamSpec], combos) -> set[int]:
                 arguments.add(node.lhs - node.rhs)
     symbols = {sym.name: sym for p in params for sym in p.symbols()}
     out: set[int] = set()
-    for u in arguments:
+    for u in {side for u in arguments for side in _abs_sides(u, d)}:
         if not u.has(d) or u.free_symbols - {d} - set(symbols.values()):
             continue
         try:
@@ -356,6 +357,22 @@ def _roots(exprs: list[sp.Expr], params: list[ParamSpec], combos) -> set[int]:
                     base = math.floor(root)
                     out.update(base + o for o in (-1, 0, 1, 2))
     return out
+
+
+MAX_ABS_SIDES = 3   # Abs(...) of d in one argument whose sides are searched (2**3 variants)
+
+
+def _abs_sides(u: sp.Expr, d: sp.Symbol) -> list[sp.Expr]:
+    """u, and u with each Abs(w) of d read as w or -w: a pole of 1/(Abs(d) - 5000) is a root of
+    d - 5000 or -d - 5000, which Poly cannot see through the Abs (a causal-only prior reads d
+    as Abs(d): every pole of its formula sits behind one)."""
+    kinks = sorted({a for a in u.atoms(sp.Abs) if a.has(d)}, key=sp.default_sort_key)
+    if not kinks or len(kinks) > MAX_ABS_SIDES:
+        return [u]
+    sides = [u]
+    for signs in itertools.product((1, -1), repeat=len(kinks)):
+        sides.append(u.xreplace({a: s * a.args[0] for a, s in zip(kinks, signs)}))
+    return sides
 
 
 def _real_roots(coeffs: list[float]) -> list[float]:

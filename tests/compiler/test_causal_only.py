@@ -85,6 +85,9 @@ def test_a_kink_before_the_query_is_no_singularity(tmp_path):
 @pytest.mark.parametrize("text, words", [
     # still checked where keys are at or before the query
     ("log_prior: log(50 - d)", "the log-prior is nan at d = 51"),
+    # beyond the dense scan: d is read as Abs(d), and the poles' search looks through it
+    ("log_prior: -a*d + 1/(d - 5000)", "the log-prior is +inf at d = 5000"),
+    ("log_prior: -a*sqrt((d - 100000)*(d - 100002))", "the log-prior is nan at d = 100001"),
     ("log_prior: -a*log(1 + d)\ncausal_only: \"yes\"", "field 'causal_only': expected true or false"),
     ("log_prior: -a*log(1 + d0) - d1\npositions: 2",
      "field 'causal_only': a prior over 2 position channels cannot be causal only"),
