@@ -29,7 +29,7 @@ from ..errors import SpecError
 from .formula import ElementSymbol, Gather, Selects, unique_nodes
 from .printers import ExpressionTooLarge, NotARealNumber, prepare, print_expr
 from .spec import MAX_CHANNELS, Domain, position_symbols
-from .symbolic import (S, TABLE_VALUE, InternalSymbol, PriorIR, TableIR, formula_field,
+from .symbolic import (S, TABLE_VALUE, InternalSymbol, PriorIR, TableIR, clean_derivative, formula_field,
                        runtime_symbols, split_for_table, table_grad_symbol)
 from .timeout import cpu_budget
 
@@ -342,7 +342,8 @@ def _causal_ramp(ir: PriorIR, names: dict) -> CodeBlock | None:
     # d logit / d p = log(2) * (d slope / d p * d + d intercept / d p); measured from a row's
     # reference distance (the kernels' _ramp_reference) only the first term's change survives
     symbols = runtime_symbols(ir.spec)
-    slope_grads = [sp.log(2) * sp.diff(slope, symbols[name]) for name, _ in ir.grads]
+    slope_grads = [sp.log(2) * clean_derivative(sp.diff(slope, symbols[name]), name)
+                   for name, _ in ir.grads]
     return _code_block([slope, intercept, *slope_grads], names, "triton", prefix="r")
 
 

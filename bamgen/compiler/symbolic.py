@@ -122,18 +122,18 @@ def split_for_table(ir: PriorIR) -> TableIR | None:
     present = ir.log_prior.free_symbols
     tabulated = [label for label in learnable_labels(spec) if symbols[label] in present]
     value_grads = tuple(
-        (label, _guard(_clean_derivative(sp.diff(ir.log_prior, symbols[label]), label),
+        (label, _guard(clean_derivative(sp.diff(ir.log_prior, symbols[label]), label),
                        f"d log_prior / d {label}", notes, limits=limits))
         for label in tabulated)
     logit = score.xreplace({LOG_PRIOR: TABLE_VALUE})
-    dlds = _clean_derivative(sp.diff(logit, S), "s")
+    dlds = clean_derivative(sp.diff(logit, S), "s")
     chain = sp.diff(logit, TABLE_VALUE)
     grads = []
     for label in learnable_labels(spec):
         g = sp.diff(logit, symbols[label])
         if label in tabulated:
             g = g + chain * table_grad_symbol(label)
-        grads.append((label, _guard(_clean_derivative(g, label), f"d logit / d {label}", notes,
+        grads.append((label, _guard(clean_derivative(g, label), f"d logit / d {label}", notes,
                                     limits=limits)))
     return TableIR(value=value, value_grads=value_grads,
                    logit=_guard(logit, "the logit", notes, limits=limits, value=True),
@@ -170,14 +170,14 @@ def _analyse(spec: PriorSpec) -> PriorIR:
                         f"{MAX_KINKS}", field=field, hint="combine the Abs terms or use fewer of them")
 
     with working_on("score" if spec.score is not None else field, "differentiating the score"):
-        dlds = _clean_derivative(sp.diff(logit, S), "s")
+        dlds = clean_derivative(sp.diff(logit, S), "s")
         check_size(dlds, "score", "d logit / d s")
     grads = []
     present = logit.free_symbols
     for label in learnable_labels(spec):
         with working_on(field, f"differentiating the formula in {label}"):
             if symbols[label] in present:
-                grad = _clean_derivative(sp.diff(logit, symbols[label]), label)
+                grad = clean_derivative(sp.diff(logit, symbols[label]), label)
             else:   # (an element the formula never reads: a Sum over part of a vector)
                 grad = sp.S.Zero
             check_size(grad, field, f"d logit / d {label}")
@@ -239,7 +239,7 @@ def _position_grads(spec: PriorSpec, logit: sp.Expr, notes: list[str], field: st
     for side, sign in (("i", 1), ("j", -1)):
         for c in suffixes:
             label = f"{side}{c}"
-            g = _clean_derivative(sp.diff(logit, pos[label]) + sign * by_d[c], label)
+            g = clean_derivative(sp.diff(logit, pos[label]) + sign * by_d[c], label)
             check_size(g, field, f"d logit / d {label}")
             g = _guard(g, f"d logit / d {label}", notes, field, limits)
             _check_real_constants(g, field, f"d logit / d {label}")
@@ -347,12 +347,19 @@ def _log_sum_exp(e: sp.log) -> sp.Expr:
     return top + sp.log(sp.Add(*[sp.exp(x - top) for x in logs]))
 
 
-def _clean_derivative(expr: sp.Expr, wrt: str) -> sp.Expr:
-    """Drop Dirac deltas (derivatives of sign/steps, zero almost everywhere)."""
+STEPS = (sp.floor, sp.ceiling, sp.sign)   # piecewise constant: a derivative of 0 almost everywhere
+
+
+def clean_derivative(expr: sp.Expr, wrt: str) -> sp.Expr:
+    """Drop Dirac deltas and the derivatives of steps (sign, floor, ceiling: zero almost
+    everywhere), the chain rule's Subs(Derivative(floor(x), x), x, u) of a step of an
+    expression u included."""
     expr = expr.replace(lambda e: isinstance(e, (sp.DiracDelta,)), lambda e: sp.S.Zero)
+    expr = expr.replace(lambda e: isinstance(e, sp.Subs) and isinstance(e.expr, sp.Derivative)
+                        and isinstance(e.expr.expr, STEPS), lambda e: sp.S.Zero)
     derivs = expr.atoms(sp.Derivative)
     for der in derivs:
-        if isinstance(der.expr, (sp.floor, sp.ceiling, sp.sign)):
+        if isinstance(der.expr, STEPS):
             expr = expr.xreplace({der: sp.S.Zero})
         else:
             raise SpecError(f"cannot differentiate {der.expr} with respect to {wrt}",

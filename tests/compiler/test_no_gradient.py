@@ -10,6 +10,7 @@ import pytest
 import bamgen
 from bamgen.errors import PriorWarning
 from tests.helpers import run_cli, write_prior
+from tests.tolerance import assert_all_close
 
 WINDOW = """
 name: hard_window
@@ -61,3 +62,43 @@ def test_load_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bamgen.load("laplace", cache_dir=tmp_path / "cache")
+
+
+# --------------------------------------------------------------------------------------------
+# steps as values: floor and ceiling of the distance or of a parameter (an outside test found
+# both an internal error: the chain rule's Subs(Derivative(floor)) and a ramp's slope gradient)
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_floor_of_the_distance_builds_and_matches_the_reference(tmp_path, backend):
+    import torch
+    text = "name: steps\nlog_prior: -floor(Abs(d)/4)/b\nparams:\n  b: {init: 1.0, domain: positive}\n"
+    module = bamgen.load(write_prior(tmp_path, text), cache_dir=tmp_path / "cache")
+    g = torch.Generator().manual_seed(3)
+    Nq, Nk = 9, 40
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64) for n in (Nq, Nk, Nk))
+    b = torch.tensor([0.7, 1.3], dtype=torch.float64)
+    d = (torch.arange(Nq)[:, None] + Nk - Nq - torch.arange(Nk)[None]).double()
+
+    def reference(q, k, v, b):
+        s = q @ k.transpose(-1, -2) / 4 - torch.floor(d.to(q.dtype).abs() / 4) / b[:, None, None]
+        return torch.softmax(s.masked_fill(d < 0, -float("inf")), -1) @ v
+
+    leaves = [t.float().requires_grad_() for t in (q, k, v, b)]
+    out = module.attention(*leaves[:3], b=leaves[3], q_offset=Nk - Nq, backend=backend)
+    got = (out, *torch.autograd.grad(out.square().sum(), leaves))
+    results = []
+    for dtype in (torch.float64, torch.float32):   # the reference, and the naive float32 one
+        ref_leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, b)]
+        ref = reference(*ref_leaves)
+        results.append((ref, *torch.autograd.grad(ref.square().sum(), ref_leaves)))
+    assert_all_close([(name, a, w, p) for name, a, w, p in zip(("out", "dq", "dk", "dv", "db"),
+                                                                got, *results)], torch.float32)
+
+
+@pytest.mark.parametrize("formula", ["-floor(W)*Abs(d)", "-ceiling(Abs(d)/W)"])
+def test_a_parameter_under_floor_or_ceiling_builds_with_the_warning(tmp_path, formula):
+    text = f"name: steps\nlog_prior: {formula}\nparams:\n  W: {{init: 2.5, domain: positive}}\n"
+    res = run_cli("build", str(write_prior(tmp_path, text)), "-o", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    assert "the learnable parameter 'W' gets no gradient" in res.stderr, res.stderr
+    assert (tmp_path / "out" / "steps.py").exists()
