@@ -37,7 +37,7 @@ def build_into_cache(spec: PriorSpec, source: bytes, source_name: str, strategy:
     build's SpecWarnings becomes a PriorWarning (the caller's: bamgen.load's)."""
     artifact = compile_spec(spec, strategy)
     for warning in artifact.warnings:
-        warnings.warn(str(warning), PriorWarning, stacklevel=4)
+        warn_once(str(warning))
     try:
         return store(root, artifact, source, source_name)
     except BuildLockTimeout:
@@ -46,6 +46,29 @@ def build_into_cache(spec: PriorSpec, source: bytes, source_name: str, strategy:
         raise OSError(exc.errno, f"cannot write the bamgen cache in {root} "
                                  f"({exc.strerror or exc}); set BAMGEN_CACHE_DIR to a writable "
                                  f"folder") from exc
+
+
+_WARNED: set[str] = set()   # the PriorWarnings this process has shown
+
+
+def warn_once(message: str) -> None:
+    """A build's warning as a PriorWarning, once per process (a prior loaded again, or by every
+    layer of a model, says it once: Python's own once-per-line record is reset whenever any
+    code changes the warning filters), attributed to the first caller outside bamgen (the
+    user's bamgen.load or apply_prior line, not bamgen's own)."""
+    if message in _WARNED:
+        return
+    _WARNED.add(message)
+    warnings.warn(message, PriorWarning, stacklevel=_outside_bamgen())
+
+
+def _outside_bamgen() -> int:
+    """warnings.warn's stacklevel of the first frame whose code is not bamgen's."""
+    package = str(Path(__file__).resolve().parents[1])
+    frame, level = sys._getframe(2), 2   # (warn_once's caller is level 2 of warnings.warn)
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _source_bytes(path: Path, spec: PriorSpec) -> bytes:

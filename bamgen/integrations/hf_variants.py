@@ -25,6 +25,7 @@ import inspect
 import json
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -171,7 +172,10 @@ def _build(source: str, stem: str) -> ModuleType:
     """bamgen.load of a derived prior file; its strategy is the cost model's (a window changes
     what pays: the kernels skip the key tiles beyond it)."""
     import bamgen
+    from ..errors import PriorWarning
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"{stem}.yaml"
         path.write_text(source, encoding="utf-8")
-        return bamgen.load(path)
+        with warnings.catch_warnings():   # (the user's prior has said its warnings: this copy
+            warnings.simplefilter("ignore", PriorWarning)   # names a file they never wrote)
+            return bamgen.load(path)

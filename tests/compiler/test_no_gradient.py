@@ -64,6 +64,25 @@ def test_load_warns(tmp_path):
         bamgen.load("laplace", cache_dir=tmp_path / "cache")
 
 
+def test_a_prior_loaded_again_warns_once_at_the_user_s_line(tmp_path, monkeypatch):
+    """Loaded five times, and once more through bamgen's own code (apply_prior's resolve_prior):
+    one warning, at the caller's line. Python's once-per-line record is reset whenever code
+    changes the warning filters (the formula parser does), so five loads printed five."""
+    from bamgen.driver import loader
+    from bamgen.integrations.transformers import resolve_prior
+    monkeypatch.setattr(loader, "_WARNED", set())
+    monkeypatch.setenv("BAMGEN_CACHE_DIR", str(tmp_path / "cache"))
+    prior = write_prior(tmp_path, WINDOW)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_prior(str(prior))
+        for _ in range(5):
+            bamgen.load(prior)
+    shown = [w for w in caught if issubclass(w.category, PriorWarning)]
+    assert len(shown) == 1, [str(w.message) for w in shown]
+    assert shown[0].filename == __file__   # the user's line, not bamgen's
+
+
 # --------------------------------------------------------------------------------------------
 # steps as values: floor and ceiling of the distance or of a parameter (an outside test found
 # both an internal error: the chain rule's Subs(Derivative(floor)) and a ramp's slope gradient)
