@@ -17,7 +17,8 @@ def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_off
     """softmax_j(logit_ij) @ v with the prior's logit; values: {parameter name: float or tensor
     [Hq]}. The arguments and the result are the generated module's attention()'s."""
     checks.check_inputs(q, k, v, causal, scale, backend)
-    checks.check_causal(prior.traits, causal, pos_q, pos_k)
+    if not ops.tracing(q):   # (traced: the ops check it when they run, as eager's error)
+        checks.check_causal(prior.traits, causal, pos_q, pos_k)
     pos = positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q)
     if pos is not None and ops.tracing(q):   # the positional custom ops check at run time
         theta = make_theta(prior.traits, q, values, grad=True)

@@ -120,6 +120,7 @@ def _op_fwd(prior, q, k, v, theta, causal, scale, q_offset, k_offset, q_offsets,
     backend ([B, Hq, Nq, 2] in the compute dtype on the torch path, float32 [2, B, Hq, Nq] on
     Triton); extra the float32 O of a low-precision Triton forward that a backward will follow,
     else an empty tensor. check: refuse parameters outside their domains (attention())."""
+    checks.check_causal(prior.traits, causal)   # (a traced call's: attention() checks eager ones)
     layout = _op_layout(q, k, q_offset, k_offset, q_offsets, k_offsets, key_mask, cu_seqlens_q,
                         cu_seqlens_k)
     if check:
@@ -210,6 +211,7 @@ def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_se
              cu_seqlens_k, use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0):
     """(out, stats, extra) as _op_fwd's, of a call with position tensors (the int offsets
     place its tokens for the causal mask)."""
+    checks.check_causal(prior.traits, causal, pos_q, pos_k)
     layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
     if check:
         prior.domain_check(theta)
@@ -376,6 +378,7 @@ def _op_prepare(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_ba
     skipping window ([1, 2] without skipping) and the key counts n ([1, 1] for a prior that
     does not read n, [1, Nq] without key_mask, else [B, Nq]). Every output is new memory."""
     from .triton import launch
+    checks.check_causal(prior.traits, causal)
     layout = _op_layout(q, k, q_offset, k_offset, None, None, key_mask, None, None)
     if check:
         prior.domain_check(theta)

@@ -163,6 +163,27 @@ def test_non_causal_calls_are_refused(module, backend):
                                            q_offset=12, backend=backend), "causal=False")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compiled_calls_are_refused_with_the_eager_error(module, backend):
+    """Under torch.compile(fullgraph=True) the refusal is the eager ValueError, raised when the
+    ops run (raised while dynamo traced, it surfaced as dynamo's Unsupported)."""
+    q, k, v, _ = _inputs(Nk=7)
+    a = torch.tensor([0.7, 1.5])
+    pos = torch.arange(7.0)[None]
+    layer = module.CausalLogAttention(num_heads=2)
+    calls = [lambda q: module.attention(q, k, v, a=a, causal=False, backend=backend),
+             lambda q: module.attention(q, k, v, a=a, pos_q=pos, pos_k=pos, backend=backend),
+             lambda q: layer(q, k, v, causal=False, backend=backend)]
+    for call in calls:
+        with pytest.raises(ValueError) as eager:
+            call(q)
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        _refused(lambda: compiled(q))
+        with pytest.raises(ValueError) as traced:
+            compiled(q)
+        assert str(traced.value) == str(eager.value)
+
+
 def test_positions_as_tensors_are_refused(module):
     q, k, v, _ = _inputs(Nk=7)
     pos = torch.arange(7.0)[None]
