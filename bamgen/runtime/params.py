@@ -10,6 +10,7 @@ are computed here too (init_formula, init_random).
 from __future__ import annotations
 
 import math
+import struct
 import weakref
 
 import torch
@@ -190,7 +191,13 @@ def domain_bounds(param: ParamTraits) -> tuple[float, float, float]:
 
 
 def _number_in_domain(param: ParamTraits, value) -> bool:
+    """Whether a number is in the parameter's domain as float32 holds it (1e-50 is 0 there, and
+    1e39 overflows): the kernels' value. False sends it to the full test, and its message."""
     if isinstance(value, bool):
+        return False
+    try:
+        value = struct.unpack("f", struct.pack("f", float(value)))[0]
+    except OverflowError:
         return False
     lo_open, lo_closed, hi_open = domain_bounds(param)
     return lo_open < value and lo_closed <= value and value < hi_open   # (NaN: False)
@@ -202,8 +209,16 @@ def param_column(name, value, num_heads, device, dtype=torch.float32):
     [num_heads]."""
     what = f"a float or a tensor of shape [{num_heads}]"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        # filled where it is used: a host tensor copied to a GPU would wait for its queue
-        return torch.full((num_heads,), float(value), dtype=dtype, device=device)
+        # filled where it is used: a host tensor copied to a GPU would wait for its queue (a
+        # number beyond the dtype's range is its infinity, as a cast gives: the domain test
+        # then names it)
+        try:
+            value = float(value)
+        except OverflowError:   # an int beyond any float
+            value = math.inf if value > 0 else -math.inf
+        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+            value = math.copysign(math.inf, value)
+        return torch.full((num_heads,), value, dtype=dtype, device=device)
     value = _as_tensor(name, value, what)
     if value.dim() > 1 or (value.numel() != 1 and value.numel() != num_heads):
         raise ValueError(f"{name} must be {what} (one value per query head), got shape "

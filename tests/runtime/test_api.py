@@ -186,7 +186,9 @@ def test_the_domain_test_remembers_a_tensor_until_it_changes():
         ggd.attention(*qkv(), alpha=alpha, beta=1.0, mu=0.0)
 
 
-@pytest.mark.parametrize("value, shown", [(-1.0, "-1.0"), (float("nan"), "nan"), (0.0, "0.0")])
+@pytest.mark.parametrize("value, shown", [(-1.0, "-1.0"), (float("nan"), "nan"), (0.0, "0.0"),
+                                          (1e-50, "0.0"), (1e39, "inf"), (10 ** 400, "inf")])
 def test_a_float_outside_its_domain_is_refused_as_before(value, shown):
+    """As float32 holds it (the kernels' value): 1e-50 is 0, 1e39 and a huge int infinite."""
     with pytest.raises(ValueError, match=f"beta must be positive .* got {shown} for head 0"):
         ggd.attention(*qkv(), alpha=2.0, beta=value, mu=0.0)
