@@ -216,7 +216,8 @@ def param_column(name, value, num_heads, device, dtype=torch.float32):
             value = float(value)
         except OverflowError:   # an int beyond any float
             value = math.inf if value > 0 else -math.inf
-        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+        if not torch.compiler.is_compiling() and math.isfinite(value) and \
+                abs(value) > torch.finfo(dtype).max:   # (traced: a symbolic float, no test)
             value = math.copysign(math.inf, value)
         return torch.full((num_heads,), value, dtype=dtype, device=device)
     value = _as_tensor(name, value, what)
