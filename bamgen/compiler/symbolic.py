@@ -310,24 +310,14 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
 
 
 def _causal_side(expr: sp.Expr) -> sp.Expr:
-    """A causal-only prior as it is at d >= 0, where it is called. d is read as Abs(d), which it
-    equals there: d = 0, the diagonal every causal row holds, is then a kink like GGD's, whose
+    """A causal-only prior as it is at d >= 0, where it is called: d read as Abs(d), which it
+    equals there. d = 0, the diagonal every causal row holds, is then a kink like GGD's, whose
     removable singularities the guards take (d**p's derivative in p, 0*log 0, is 0 there; with
-    d itself the scan found it nan and refused KERPLE-power written causally). And an
-    Abs(a*d + c) whose kink lies at d < 0 (a, c of one sign, c != 0) is the line it is at
-    d >= 0: the singularity analysis then sees no kink where no key is."""
+    d itself the scan found it nan and refused KERPLE-power written causally). An Abs(a*d + c)
+    whose kink lies at d < 0 (a, c of one sign) becomes Abs(a*Abs(d) + c), which SymPy folds to
+    the line a*Abs(d) + c: no kink where no key is."""
     d = position_symbols()["d"]
-    expr = expr.xreplace({d: sp.Abs(d)})
-
-    def unreachable(e) -> bool:
-        if not isinstance(e, sp.Abs) or e.args[0].free_symbols != {d}:
-            return False
-        u = e.args[0]
-        if not (u.is_polynomial(d) and sp.degree(u, d) == 1):
-            return False
-        a, c = sp.Poly(u, d).all_coeffs()
-        return bool(a.is_number and c.is_number and c != 0 and (a > 0) == (c > 0))
-    return expr.replace(unreachable, lambda e: e.args[0] * sp.sign(e.args[0].coeff(d)))
+    return expr.xreplace({d: sp.Abs(d)})
 
 
 def _positive_sum_log(e: sp.Basic) -> bool:
