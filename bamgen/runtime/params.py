@@ -195,12 +195,25 @@ def _number_in_domain(param: ParamTraits, value) -> bool:
     1e39 overflows): the kernels' value. False sends it to the full test, and its message."""
     if isinstance(value, bool):
         return False
-    try:
-        value = struct.unpack("f", struct.pack("f", float(value)))[0]
-    except OverflowError:
-        return False
+    value = held_as(value, torch.float32)
     lo_open, lo_closed, hi_open = domain_bounds(param)
     return lo_open < value and lo_closed <= value and value < hi_open   # (NaN: False)
+
+
+def held_as(value, dtype) -> float:
+    """The float a Python number becomes in dtype, as a cast gives it: float32's rounding (0
+    below its smallest), and an infinity beyond the dtype's range (an int beyond any float
+    too), which the domain test then names."""
+    try:
+        value = float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    if dtype != torch.float32 or not math.isfinite(value):
+        return value
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def param_column(name, value, num_heads, device, dtype=torch.float32):
@@ -209,16 +222,9 @@ def param_column(name, value, num_heads, device, dtype=torch.float32):
     [num_heads]."""
     what = f"a float or a tensor of shape [{num_heads}]"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        # filled where it is used: a host tensor copied to a GPU would wait for its queue (a
-        # number beyond the dtype's range is its infinity, as a cast gives: the domain test
-        # then names it)
-        try:
-            value = float(value)
-        except OverflowError:   # an int beyond any float
-            value = math.inf if value > 0 else -math.inf
-        if not torch.compiler.is_compiling() and math.isfinite(value) and \
-                abs(value) > torch.finfo(dtype).max:   # (traced: a symbolic float, no test)
-            value = math.copysign(math.inf, value)
+        # filled where it is used: a host tensor copied to a GPU would wait for its queue
+        # (traced, the number is a symbolic float: torch.full casts it)
+        value = float(value) if torch.compiler.is_compiling() else held_as(value, dtype)
         return torch.full((num_heads,), value, dtype=dtype, device=device)
     value = _as_tensor(name, value, what)
     if value.dim() > 1 or (value.numel() != 1 and value.numel() != num_heads):
