@@ -375,8 +375,9 @@ class Ops:
 def _op_prepare(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_backward, check):
     """(table, window, counts) of a traced GPU call, after the eager checks: the distance table
     (with its derivative slots when a backward follows; [1] for an inline prior), the block
-    skipping window ([1, 2] without skipping) and the key counts n ([1, 1] for a prior that
-    does not read n, [1, Nq] without key_mask, else [B, Nq]). Every output is new memory."""
+    skipping window ([1, 2] without skipping) and the key counts n ([B, Nq] with key_mask for a
+    prior that reads n, else [1, Nq]; a prior that does not read n gets memory for the rows the
+    kernels' loads address, never filled). Every output is new memory."""
     from .triton import launch
     checks.check_causal(prior.traits, causal)
     layout = _op_layout(q, k, q_offset, k_offset, None, None, key_mask, None, None)
@@ -394,9 +395,7 @@ def _op_prepare(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_ba
 
 def _op_counts_shape(prior, B, Nq, key_mask):
     """The shape _op_prepare gives the key counts (expanded to [B, Nq] where they are read)."""
-    if not prior.traits.uses_n:
-        return (1, 1)
-    return (1, Nq) if key_mask is None else (B, Nq)
+    return (B, Nq) if prior.traits.uses_n and key_mask is not None else (1, Nq)
 
 
 def _op_prepare_fake(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_backward, check):

@@ -297,7 +297,7 @@ def theta(traits: PriorTraits, q, values, grad, check=None, head_rows=False):
     num_heads = q.shape[1]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if not traits.params:
-        return torch.zeros(num_heads, 0, dtype=dtype, device=q.device)
+        return torch.empty(num_heads, 0, dtype=dtype, device=q.device)
     blocks = []
     for p in traits.params:
         block = param_block(p, values[p.name], num_heads, q.device, dtype, head_rows)

@@ -113,7 +113,9 @@ def row_key_counts(prior, B, Nq, Nk, q_offset, k_offset, causal, device, n=None,
             n = n[None]
         return n.expand(B, Nq) if n.shape != (B, Nq) else n.contiguous()
     if not prior.traits.uses_n:
-        return torch.zeros(1, 1, device=device, dtype=torch.float32).expand(B, Nq)
+        # (the kernels address a row's count at NRow + row whether the prior reads it or not,
+        # so the placeholder spans the rows; empty, not zeros: a fill is a launch a call)
+        return torch.empty(1, Nq, device=device, dtype=torch.float32).expand(B, Nq)
     rows = torch.arange(Nq, device=device, dtype=torch.int64)
     if cu_seqlens_q is not None:     # packed documents, B == 1: positions restart per document
         cu_q, cu_k = cu_seqlens_q.to(device, torch.int64), cu_seqlens_k.to(device, torch.int64)

@@ -168,6 +168,35 @@ def test_a_call_that_repeats_its_parameters_reads_and_copies_nothing(monkeypatch
     assert ops.count("full") == 2   # beta and mu
 
 
+@pytest.mark.parametrize("nq", [1, 17], ids=["decode", "prefill"])
+def test_a_call_of_a_prior_without_parameters_fills_nothing(monkeypatch, nq):
+    """NoPE on the Triton path (its kernels skipped): its empty parameter block and the key
+    counts it does not read are placeholders, not filled tensors (a fill is a launch on a GPU)."""
+    from bamgen.runtime.triton.variant import KernelVariant
+    kernels = uniform._prior.kernels()
+    monkeypatch.setattr(uniform._prior, "_kernels",
+                        KernelVariant({name: _Launches() for name in kernels.kernels}, kernels.namespace))
+    q, k, v = qkv(Nq=nq, Nk=23)
+    ops = _host_ops(lambda: uniform.attention(q, k, v, q_offset=23 - nq, backend="triton"))
+    assert not {"zeros", "zero_", "fill_", "full", "new_zeros"} & set(ops), ops
+
+
+@pytest.mark.parametrize("key_mask", [False, True])
+def test_key_counts_span_every_row_the_kernels_address(key_mask):
+    """The kernels load each query row's key count n at NRow + row, whether the prior reads n or
+    not: the counts of a prior that does not (NoPE, GGD) span the rows, as a prior's that does
+    (BAM-SSMax), or the interpreter reads past them."""
+    from generated import bam_ssmax
+    from bamgen.runtime.tables import row_key_counts
+    B, Nq, Nk = 3, 17, 23
+    mask = torch.rand(B, Nk) > 0.3 if key_mask else None
+    for module in (uniform, ggd, bam_ssmax):
+        counts = row_key_counts(module._prior, B, Nq, Nk, Nk - Nq, 0, True, "cpu", key_mask=mask)
+        assert counts.shape == (B, Nq) and counts.stride(1) == 1, module.__name__
+        last = (B - 1) * counts.stride(0) + Nq - 1   # the last element a load addresses
+        assert counts.untyped_storage().nbytes() >= 4 * (last + 1), module.__name__
+
+
 def test_the_domain_test_remembers_a_tensor_until_it_changes():
     """A tensor found in its domain is not read again while it is the same object at the same
     version (in-place writes bump it): a meta-device theta, which cannot be read, shows the skip.
