@@ -31,7 +31,7 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
     prior; the offsets still place the block for the causal mask."""
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_causal(prior.traits, causal, pos_q, pos_k)
-    checks.check_block_offsets(q, k, q_offset, k_offset)
+    q_offset, k_offset = checks.block_offsets(q, k, q_offset, k_offset)
     pos = given_positions(prior, q, k, pos_q, pos_k)
     theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check,
                        head_rows=True)
@@ -65,7 +65,7 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
     sums of dS * d logit / d j_c (no row correction: they add up over the blocks as they are)."""
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_causal(prior.traits, causal, pos_q, pos_k)
-    checks.check_block_offsets(q, k, q_offset, k_offset)
+    q_offset, k_offset = checks.block_offsets(q, k, q_offset, k_offset)
     pos = given_positions(prior, q, k, pos_q, pos_k)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape:

@@ -4,6 +4,7 @@ shapes, dtypes, devices, offsets (ints or per-row int tensors), key_mask and pac
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -122,9 +123,18 @@ def offset(name, value, B, device):
             if B == 0:
                 return value, 0, 0
             return value, int(value.min()), int(value.max())
-    if isinstance(value, bool) or not isinstance(value, int):
+    number = as_int(value)
+    if number is None:
         raise ValueError(f"{name} must be an int or an integer tensor [B], got {value!r}")
-    return value, value, value
+    return number, number, number
+
+
+def as_int(value):
+    """An integer scalar as a Python int (a NumPy integer or a Python int), else None (a bool is
+    not taken for an offset: True would be read as 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
 
 
 def _cu_seqlens(name, value, total, device):
@@ -174,9 +184,13 @@ def layout(q, k, q_offset, k_offset, key_mask=None, cu_seqlens_q=None, cu_seqlen
     return Layout(q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
 
 
-def check_block_offsets(q, k, q_offset, k_offset):
-    """The block API takes int offsets (a block is one slice of keys of every batch row)."""
+def block_offsets(q, k, q_offset, k_offset):
+    """The block API takes int offsets (a block is one slice of keys of every batch row):
+    (q_offset, k_offset) as Python ints."""
+    offsets = []
     for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if isinstance(off, bool) or not isinstance(off, int):
+        if as_int(off) is None:
             raise ValueError(f"{name} must be an int in the block API, got {off!r}")
-    check_positions(q.shape[2], k.shape[2], q_offset, q_offset, k_offset, k_offset)
+        offsets.append(as_int(off))
+    check_positions(q.shape[2], k.shape[2], offsets[0], offsets[0], offsets[1], offsets[1])
+    return tuple(offsets)

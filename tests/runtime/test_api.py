@@ -48,6 +48,26 @@ def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, argument):
         ggd.attention(q, k, v, **{**P, **kwargs})
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_numpy_integer_offsets_are_taken_as_ints(backend):
+    """A chunk's offset read from a NumPy array (np.int64, np.int32) is an int to the user: the
+    functional form, the module and the block API take it as they take 6."""
+    import numpy as np
+    q, k, v = qkv(Nq=5, Nk=11)
+    want = ggd.attention(q, k, v, **P, q_offset=6, backend=backend)
+    for offset in (np.int64(6), np.int32(6), np.array([6])[0]):
+        got = ggd.attention(q, k, v, **P, q_offset=offset, k_offset=np.int64(0), backend=backend)
+        assert torch.equal(got, want)
+    module = ggd.GeneralizedGaussianAttention(num_heads=4)
+    assert torch.equal(module(q, k, v, q_offset=np.int64(6), backend=backend),
+                       module(q, k, v, q_offset=6, backend=backend))
+    blocks = [ggd.forward_block(q, k, v, **P, q_offset=off, backend=backend)[0]
+              for off in (np.int64(6), 6)]
+    assert torch.equal(*blocks)
+    with pytest.raises(ValueError, match="q_offset must be an int"):
+        ggd.attention(q, k, v, **P, q_offset=np.float64(6.0), backend=backend)
+
+
 def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend='triton'"):
