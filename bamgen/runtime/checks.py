@@ -8,6 +8,8 @@ import numbers
 
 import torch
 
+from .host_reads import HOST_READS, int64_on, min_max, values
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -119,10 +121,10 @@ def offset(name, value, B, device):
             raise ValueError(f"{name} must be an int or an integer tensor of shape [B] = [{B}] (one "
                              f"start position per batch row), got shape {tuple(value.shape)}")
         else:
-            value = value.to(device=device, dtype=torch.int64)
             if B == 0:
-                return value, 0, 0
-            return value, int(value.min()), int(value.max())
+                return value.to(device=device, dtype=torch.int64), 0, 0
+            lo, hi = HOST_READS.read(min_max, value)   # (a model's layers: read once)
+            return value.to(device=device, dtype=torch.int64), lo, hi
     number = as_int(value)
     if number is None:
         raise ValueError(f"{name} must be an int or an integer tensor [B], got {value!r}")
@@ -143,15 +145,18 @@ def _cu_seqlens(name, value, total, device):
                          f"lengths (FlashAttention's varlen convention), got {value!r}")
     if value.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be an int32 tensor (cumulative document lengths), got {value.dtype}")
-    cpu = value.detach().to("cpu", torch.int64)
-    if int(cpu[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(cpu[0])}")
-    if bool((cpu[1:] < cpu[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got {cpu.tolist()}")
-    if int(cpu[-1]) != total:
+    bounds = HOST_READS.read(values, value)   # (a model's layers: read once)
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must be non-decreasing (cumulative lengths), got {list(bounds)}")
+    if bounds[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total} (the size of dim 2), got "
-                         f"{int(cpu[-1])}")
-    return value.to(device=device, dtype=torch.int64)
+                         f"{bounds[-1]}")
+    if value.device == device and value.dtype == torch.int64:
+        return value
+    # (the copy kept too: the kernels' layout keys its work lists by it)
+    return HOST_READS.read(int64_on, value, device)
 
 
 def layout(q, k, q_offset, k_offset, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):

@@ -12,6 +12,7 @@ import math
 import torch
 
 from .constants import FLOAT32_MAX, TABLE_PAD
+from .host_reads import HOST_READS, min_max, values
 
 
 def distance_span(Nq, Nk, q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_k=None):
@@ -20,15 +21,25 @@ def distance_span(Nq, Nk, q_offset=0, k_offset=0, cu_seqlens_q=None, cu_seqlens_
     every row); with packed documents positions restart in each document, so the span is that of
     the longest documents. (A tensor offset or cu_seqlens is read on the host.)"""
     if cu_seqlens_q is not None:
-        longest_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
-        longest_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
+        longest_q, longest_k = (HOST_READS.read(_longest, cu) for cu in (cu_seqlens_q, cu_seqlens_k))
         return -(max(longest_k, 1) - 1), max(longest_q, 1) - 1
     if isinstance(q_offset, int) and isinstance(k_offset, int):   # (no tensor operation)
         lo = hi = q_offset - k_offset
-    else:
-        gap = torch.as_tensor(q_offset) - torch.as_tensor(k_offset)    # q_offset - k_offset per row
-        lo, hi = (int(gap.min()), int(gap.max())) if gap.dim() else (int(gap), int(gap))
+    else:   # (read once while the offsets are unchanged: host_reads)
+        lo, hi = HOST_READS.read(_gap_min_max, q_offset, k_offset)
     return lo - (Nk - 1), hi + Nq - 1
+
+
+def _longest(cu_seqlens) -> int:
+    """The longest document's length (0 for none)."""
+    bounds = HOST_READS.read(values, cu_seqlens)
+    return max((end - start for start, end in zip(bounds, bounds[1:])), default=0)
+
+
+def _gap_min_max(q_offset, k_offset) -> tuple[int, int]:
+    """The smallest and largest q_offset - k_offset over the batch rows."""
+    gap = torch.as_tensor(q_offset) - torch.as_tensor(k_offset)    # q_offset - k_offset per row
+    return min_max(gap.reshape(-1))
 
 
 def distance_prior(prior, pos_d, prm, with_grads=True):

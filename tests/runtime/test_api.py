@@ -201,6 +201,48 @@ def test_a_call_of_a_prior_without_parameters_fills_nothing(monkeypatch, nq):
     assert not {"zeros", "zero_", "fill_", "full", "new_zeros"} & set(ops), ops
 
 
+READS = {"min", "max", "stack", "_local_scalar_dense"}   # (and HOST_READS.reads: tolist, uploads)
+
+
+@pytest.mark.parametrize("layout", ["left padding", "packed documents"])
+def test_a_layout_passed_again_is_not_read_again(monkeypatch, layout):
+    """A model's layers hand every attention call the same layout tensors: per-row offsets
+    (left padding) or cu_seqlens (packed documents, int32 as collators make them). On a GPU the
+    host's reads of them (and the upload of the kernels' work lists) wait for the queue: the
+    first call reads them, a second reads nothing while they are unchanged, and an in-place
+    write is read again. (CPU tensors are read every call: reads_wait stands in for a GPU's.)"""
+    from bamgen.runtime import host_reads
+    from bamgen.runtime.triton import launch
+    from bamgen.runtime.triton.variant import KernelVariant
+    monkeypatch.setattr(host_reads, "reads_wait", lambda tensor: True)
+    kernels = ggd._prior.kernels()
+    monkeypatch.setattr(ggd._prior, "_kernels",
+                        KernelVariant({name: _Launches() for name in kernels.kernels}, kernels.namespace))
+    alpha = torch.full((4,), 2.0)
+    if layout == "left padding":
+        q, k, v = qkv(B=2, Nq=1, Nk=23)
+        pad = torch.tensor([3, 0])
+        kwargs = dict(q_offset=22 - pad, k_offset=-pad, key_mask=torch.arange(23)[None] >= pad[:, None])
+        written = kwargs["q_offset"]
+    else:
+        q, k, v = qkv(B=1, Nq=23, Nk=23)
+        written = torch.tensor([0, 5, 17, 23], dtype=torch.int32)
+        kwargs = dict(cu_seqlens_q=written, cu_seqlens_k=written)
+
+    def reads():
+        before = host_reads.HOST_READS.reads
+        with launch.pinned(table="device"):
+            ops = _host_ops(lambda: ggd.attention(q, k, v, alpha=alpha, beta=2.0, mu=0.0,
+                                                  backend="triton", **kwargs))
+        return host_reads.HOST_READS.reads - before, READS & set(ops)
+
+    first = reads()
+    assert first[0] > 0
+    assert reads() == (0, set())
+    written.add_(0)   # (an in-place write: the version moves)
+    assert reads()[0] > 0
+
+
 @pytest.mark.parametrize("key_mask", [False, True])
 def test_key_counts_span_every_row_the_kernels_address(key_mask):
     """The kernels load each query row's key count n at NRow + row, whether the prior reads n or

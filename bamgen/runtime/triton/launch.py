@@ -25,6 +25,7 @@ import triton
 
 from ..checks import MAX_POSITION
 from ..constants import LOG2E, POSITION_TABLE_SPAN, TABLE_PAD
+from ..host_reads import HOST_READS, values
 from ..tables import distance_span, prior_tables, row_key_counts
 from . import interpreting
 from .helpers import TABLE_ROW_ARGS, TABLE_ROW_BIAS  # noqa: F401 (the kernels' d_top_b)
@@ -519,26 +520,18 @@ class KernelLayout:
         if self.varlen:
             self.cu_q = cu_seqlens_q.to(torch.int32).contiguous()
             self.cu_k = cu_seqlens_k.to(torch.int32).contiguous()
-            self._lengths = ((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).cpu(),
-                             (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).cpu())
+            self._cu = (cu_seqlens_q, cu_seqlens_k)
         else:
             self.cu_q = self.cu_k = placeholder
-        self._work = {}
         self._placeholder = placeholder
 
     def work(self, side, block):
         """int32 [items, 2] of (document, tile) for the documents' query (side 0) or key (side 1)
-        tiles of `block` rows; the placeholder without packed documents."""
+        tiles of `block` rows; the placeholder without packed documents. Kept while cu_seqlens is
+        unchanged (host_reads: every layer of a model passes the same one)."""
         if not self.varlen:
             return self._placeholder
-        if (side, block) not in self._work:
-            tiles = (self._lengths[side] + block - 1) // block            # per document
-            doc = torch.repeat_interleave(torch.arange(tiles.numel()), tiles)
-            first = torch.cumsum(tiles, 0) - tiles                        # each document's first item
-            tile = torch.arange(int(tiles.sum())) - first[doc]
-            self._work[side, block] = torch.stack([doc, tile], 1).to(
-                device=self.cu_q.device, dtype=torch.int32).contiguous()
-        return self._work[side, block]
+        return HOST_READS.read(work_items, self._cu[side], block)
 
     def grid0(self, side, block, count):
         """Programs along the grid's first axis: the work items, or the tiles of count rows."""
@@ -553,6 +546,15 @@ class KernelLayout:
 
     def flags(self):
         return dict(HAS_KEY_MASK=self.has_key_mask, ROW_OFFSETS=self.row_offsets, VARLEN=self.varlen)
+
+
+def work_items(cu_seqlens, block):
+    """int32 [items, 2] on cu_seqlens' device: (document, tile) for every tile of `block` rows
+    of every document, in order."""
+    bounds = HOST_READS.read(values, cu_seqlens)
+    items = [(doc, tile) for doc, (start, end) in enumerate(zip(bounds, bounds[1:]))
+             for tile in range(triton.cdiv(end - start, block))]
+    return torch.tensor(items, dtype=torch.int32).reshape(-1, 2).to(cu_seqlens.device)
 
 
 def eager_kernel(kernel):
