@@ -68,6 +68,8 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
     if out_dir.exists() and not out_dir.is_dir():
         _fail(f"--out {out_dir} exists and is not a folder")
     artifacts = _compile_all(paths, strategy, standalone)
+    if not check:
+        _check_targets([out_dir / artifact.filename for artifact in artifacts])
     stale = []
     for path, artifact in zip(paths, artifacts):
         target = out_dir / artifact.filename
@@ -85,6 +87,15 @@ def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
             click.echo("stale (run `bamgen build` to update): " + ", ".join(stale), err=True)
             sys.exit(1)
         click.echo(f"{len(paths)} module(s) up to date in {out_dir}")
+
+
+def _check_targets(targets: list[Path]) -> None:
+    """Refuse, before anything is written, a target that is there but is no file (a folder, a
+    FIFO): its write would fail after the modules before it had been replaced."""
+    for target in targets:
+        if (target.exists() or target.is_symlink()) and not target.is_file():
+            _fail(f"cannot write {target}: it exists and is not a regular file (a folder?); "
+                  f"nothing was written (hint: remove it or build into another --out)")
 
 
 def _write(target: Path, text: str) -> bool:

@@ -70,3 +70,21 @@ def test_list_shows_the_shipped_priors():
     assert res.returncode == 0
     for name in ("uniform", "laplace", "generalized_gaussian"):
         assert name in res.stdout
+
+
+def test_a_target_that_is_a_folder_is_refused_before_anything_is_written(tmp_path):
+    """Two priors into one folder where the second's module path is a folder: exit 2 and the
+    first's module, built earlier, keeps its bytes (it was written before the failing write)."""
+    first = write_prior(tmp_path, GOOD)
+    out = tmp_path / "out"
+    assert run_cli("build", str(first), "-o", str(out)).returncode == 0
+    before = (out / "my_prior.py").read_bytes()
+    changed = write_prior(tmp_path, GOOD.replace("4.0", "3.0"), "changed.yaml")
+    other = write_prior(tmp_path, GOOD.replace("my_prior", "other"), "other.yaml")
+    (out / "other.py").mkdir()
+    res = run_cli("build", str(changed), str(other), "-o", str(out))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "other.py" in lines[0] and "not a regular file" in lines[0]
+    assert (out / "my_prior.py").read_bytes() == before
+    assert "wrote" not in res.stdout
