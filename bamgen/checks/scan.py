@@ -599,7 +599,51 @@ class _Checker:
         detail = "" if exact is None else f" where its value is {float(exact[c, k]):.6g}"
         if self.spec.channels == 1 and where.only_after_query(bad):
             hint += _CAUSAL_HINT
-        raise SpecError(f"{message} at {where.point(c, k, reads)}{detail}", field=field, hint=hint)
+        point = where.point(c, k, reads)
+        hint += _domain_hint(self.spec, point, where.reads.get(reads, frozenset()))
+        hint += _mixture_hint(self.spec)
+        raise SpecError(f"{message} at {point}{detail}", field=field, hint=hint)
+
+
+def _domain_hint(spec, point: Point, read) -> str:
+    """A parameter of the domain real (the default) that the failing expression reads and that
+    is 0 at the failing point: most often a scale or a rate declared without its domain
+    (-Abs(d)/b with b real is nan at b = 0), so say how to declare it."""
+    real = {label: sym for p in spec.params if p.domain.kind == "real" and not p.is_constant
+            for label, sym in zip(p.labels(), p.symbols())}
+    exprs = [spec.log_prior] + ([spec.score] if spec.score is not None else [])
+    zero = [label for label, v in point.values
+            if label in real and label in read and v == 0
+            and any(_divides_or_logs(e, real[label]) for e in exprs)]
+    if not zero:
+        return ""
+    label = zero[0]
+    name = label.partition("[")[0]
+    return (f"; {label} = 0 is in the domain of {name}, real (the default): if {name} must not "
+            f"be 0, declare its domain: positive, nonnegative or an interval [lo, hi]")
+
+
+def _divides_or_logs(expr: sp.Expr, sym: sp.Symbol) -> bool:
+    """Whether ``sym`` is in a denominator (a base with a negative exponent) or under a log
+    in ``expr``: where its value 0 makes the formula nan or infinite."""
+    return any(sym in e.free_symbols for e in expr.atoms(sp.log)) or any(
+        sym in e.base.free_symbols and e.exp.is_negative for e in expr.atoms(sp.Pow))
+
+
+def _mixture_hint(spec) -> str:
+    """A log_prior holding log(t_1 + t_2 + ...) of positive terms with an exp among them (a
+    mixture, a softplus): the terms underflow or overflow far away, where the same prior given
+    as a density is computed as a log-sum-exp (symbolic._log_sum_exp)."""
+    if spec.from_density:
+        return ""
+    for e in spec.log_prior.atoms(sp.log):
+        terms = e.args[0].args if isinstance(e.args[0], sp.Add) else ()
+        if terms and all(t.is_positive for t in terms) and any(t.has(sp.exp) for t in terms):
+            return ("; a log of a sum of exponentials (a mixture, a softplus) underflows or "
+                    "overflows far away: give the prior as a density instead (density: "
+                    "exp(a) + exp(b) for log_prior: log(exp(a) + exp(b)); -log(1 + exp(x)) is "
+                    "density: 1/(1 + exp(x))), which bamgen computes as a log-sum-exp")
+    return ""
 
 
 def _table_entries(plan) -> list[str]:
