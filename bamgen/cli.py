@@ -58,7 +58,7 @@ def main() -> None:
               help="Override the lowering strategy the cost model picks.")
 @click.option("--standalone", is_flag=True,
               help="Inline bamgen's runtime: one file per prior that runs without bamgen "
-                   "installed (about 200 KB; it keeps the runtime of this build).")
+                   "installed (about 450 KB; it keeps the runtime of this build).")
 def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
           strategy: str | None, standalone: bool) -> None:
     """Build prior FILES (paths, or shipped priors' names) into Python modules."""
@@ -309,7 +309,7 @@ def show(file: Path, heads: int) -> None:
         for name, code in table.code.hoisted + table.code.body:
             click.echo(f"    {name} = {code}")
     click.echo(f"  backward kernel: {len(block.hoisted)} per-head constant(s), "
-               f"{len(block.body)} per-score temporarie(s)")
+               f"{len(block.body)} per-score temporaries")
     for name, code in block.hoisted + block.body:
         click.echo(f"    {name} = {code}")
     labels = [] if kernel_plan.score_is_identity else ["logit", "d logit / d s"]
