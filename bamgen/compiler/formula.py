@@ -167,6 +167,9 @@ _BINOPS = {
     ast.Mult: lambda a, b: a * b,
     ast.Div: lambda a, b: a / b,
 }
+# SymPy's relations written as calls, inside a Piecewise condition: Eq(d, 0) is d == 0
+RELATIONS = {"Eq": ast.Eq, "Ne": ast.NotEq, "Lt": ast.Lt, "Le": ast.LtE, "Gt": ast.Gt,
+             "Ge": ast.GtE}
 _COMPARE = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge,
             ast.Eq: sp.Eq, ast.NotEq: sp.Ne}
 
@@ -487,6 +490,16 @@ class _Builder:
             raise self.fail(f"{_describe(node.func)} cannot be called",
                             "call a whitelisted function by name, e.g. exp(-d)")
         name = node.func.id
+        if name in RELATIONS and name not in self.symbols:
+            # SymPy's spelling of a comparison, as `bamgen show` prints one: Eq(d, 0) is d == 0
+            if node.keywords:
+                raise self.fail(f"keyword arguments are not allowed in {name}(...)")
+            if len(node.args) != 2:
+                raise self.fail(f"{name} takes 2 arguments, got {len(node.args)}",
+                                f"e.g. Piecewise((0, {name}(d, 0)), (-Abs(d), True))")
+            compare = ast.Compare(left=node.args[0], ops=[RELATIONS[name]()],
+                                  comparators=[node.args[1]])
+            return self._Compare(ast.copy_location(compare, node), depth)
         if name not in FUNCTIONS:
             raise self.fail(f"unknown function '{name}'",
                             "allowed functions: " + ", ".join(sorted(FUNCTIONS)))

@@ -39,6 +39,12 @@ def test_good_file_parses_with_params_and_domains():
     ("Piecewise((-d, d < 8), (-oo, True))", sp.Piecewise((-D, D < 8), (-sp.oo, True))),
     ("Min(d, 3) + Max(d, 1, 2)", sp.Min(D, 3) + sp.Max(D, 1, 2)),
     ("1e-5 + d", sp.Float("1e-5") + D),
+    # SymPy's relations as calls, as `bamgen show` prints them: Eq(d, 0) is d == 0
+    ("Piecewise((1, Eq(d, 0)), (-Abs(d), True))", sp.Piecewise((1, sp.Eq(D, 0)), (-sp.Abs(D), True))),
+    ("Piecewise((1, Ne(d, 0) & Le(d, 5)), (0, True))",
+     sp.Piecewise((1, sp.And(sp.Ne(D, 0), D <= 5)), (0, True))),
+    ("Piecewise((1, Gt(d, 2) | Lt(d, -2) | Ge(d, 9)), (0, True))",
+     sp.Piecewise((1, sp.Or(D > 2, D < -2, D >= 9)), (0, True))),
 ])
 def test_whitelisted_formulas(formula, expected):
     assert parse_formula(formula, SYMS, field="log_prior") == expected
@@ -60,6 +66,9 @@ def test_whitelisted_formulas(formula, expected):
     ("-" * 40 + "d", "nested deeper"),
     ("d < 3", "condition was used"),
     ("exp(d, d)", "takes 1 argument"),
+    ("Eq(d, 0)", "condition was used"),
+    ("Piecewise((0, Eq(d)), (1, True))", "Eq takes 2 arguments"),
+    ("Piecewise((0, Ne(d, x=1)), (1, True))", "keyword arguments"),
     ("Piecewise((d, d < 1))", "condition True"),
     ("d +", "cannot parse"),
     ("", "empty"),
