@@ -419,6 +419,9 @@ def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
             if key.value in ("params", "let") and isinstance(value, yaml.MappingNode):
                 for pkey, _ in value.value:
                     lines[f"{key.value}.{pkey.value}"] = pkey.start_mark.line + 1
+                    if pkey.tag.endswith(":bool"):   # off: read as False, named so in messages
+                        as_read = yaml.SafeLoader.bool_values.get(str(pkey.value).lower())
+                        lines.setdefault(f"{key.value}.{as_read}", pkey.start_mark.line + 1)
     return data, lines
 
 
@@ -560,7 +563,8 @@ def _check_name(name, field: str, line: int | None, what: str) -> None:
         # YAML reads the keys true/false/yes/no/on/off/null and numbers as such, not as text
         raise SpecError(f"invalid {what} name {_show(name)}: YAML reads that key as "
                         f"{type(name).__name__}, not as a name", field=field, line=line,
-                        hint="quote it (\"true\": ...) or choose another name")
+                        hint="YAML reads the keys yes, no, on, off, true and false as booleans: "
+                             "quote it (\"off\": ...) or choose another name")
     if not isinstance(name, str) or not IDENTIFIER_RE.fullmatch(name):
         raise SpecError(f"invalid {what} name {_show(name)}", field=field, line=line,
                         hint="use ASCII letters, digits and '_', not starting with a digit "

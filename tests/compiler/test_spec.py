@@ -422,3 +422,14 @@ def test_a_prior_over_two_channels_reads_each_and_differentiates_in_each():
     d0, d1, b = sp.Symbol("d0", real=True), sp.Symbol("d1", real=True), sp.Symbol("b", positive=True)
     assert sp.simplify(grads["i1"] - (-2 * sp.sign(d1) / b)) == 0
     assert sp.simplify(grads["j0"] - sp.sign(d0) / b) == 0
+
+
+def test_a_key_yaml_reads_as_a_boolean_is_named_with_its_line():
+    """let: {off: ...} is the key False to YAML: the message gives the line and names the words
+    YAML reads so, where it had no line and a hint about "true" alone."""
+    text = "name: x\nparams:\n  w: {size: 8, init: 0.0}\nlet:\n  r: Abs(d)\n  off: Min(r, 7)\nlog_prior: w[off]\n"
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, path="p.yaml")
+    message = str(err.value)
+    assert message.startswith("p.yaml:6: field 'let.False'"), message
+    assert "YAML reads that key as bool" in message and "on, off" in message, message
