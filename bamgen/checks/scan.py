@@ -601,7 +601,6 @@ class _Checker:
             hint += _CAUSAL_HINT
         point = where.point(c, k, reads)
         hint += _domain_hint(self.spec, point, where.reads.get(reads, frozenset()))
-        hint += _mixture_hint(self.spec)
         raise SpecError(f"{message} at {point}{detail}", field=field, hint=hint)
 
 
@@ -628,22 +627,6 @@ def _divides_or_logs(expr: sp.Expr, sym: sp.Symbol) -> bool:
     in ``expr``: where its value 0 makes the formula nan or infinite."""
     return any(sym in e.free_symbols for e in expr.atoms(sp.log)) or any(
         sym in e.base.free_symbols and e.exp.is_negative for e in expr.atoms(sp.Pow))
-
-
-def _mixture_hint(spec) -> str:
-    """A log_prior holding log(t_1 + t_2 + ...) of positive terms with an exp among them (a
-    mixture, a softplus): the terms underflow or overflow far away, where the same prior given
-    as a density is computed as a log-sum-exp (symbolic._log_sum_exp)."""
-    if spec.from_density:
-        return ""
-    for e in spec.log_prior.atoms(sp.log):
-        terms = e.args[0].args if isinstance(e.args[0], sp.Add) else ()
-        if terms and all(t.is_positive for t in terms) and any(t.has(sp.exp) for t in terms):
-            return ("; a log of a sum of exponentials (a mixture, a softplus) underflows or "
-                    "overflows far away: give the prior as a density instead (density: "
-                    "exp(a) + exp(b) for log_prior: log(exp(a) + exp(b)); -log(1 + exp(x)) is "
-                    "density: 1/(1 + exp(x))), which bamgen computes as a log-sum-exp")
-    return ""
 
 
 def _table_entries(plan) -> list[str]:

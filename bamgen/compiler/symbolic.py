@@ -302,6 +302,9 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
         expr = sp.expand_log(expr, force=True)
         expr = sp.powsimp(sp.expand_log(sp.logcombine(expr, force=True), force=True))
         expr = expr.replace(_positive_sum_log, _log_sum_exp)
+    else:
+        # a mixture or a softplus written as a log-prior: the same log-sum-exp as a density's
+        expr = expr.replace(_exp_sum_log, _log_sum_exp)
     if expr.has(sp.zoo, sp.nan) or expr == sp.oo:
         field = "density" if spec.from_density else "log_prior"
         raise SpecError("the formula is not finite (division by zero or log of zero)",
@@ -324,6 +327,14 @@ def _positive_sum_log(e: sp.Basic) -> bool:
     """log(t_1 + ... + t_n) of terms that are each positive (a mixture density)."""
     return (isinstance(e, sp.log) and isinstance(e.args[0], sp.Add)
             and all(t.is_positive for t in e.args[0].args))
+
+
+def _exp_sum_log(e: sp.Basic) -> bool:
+    """log(t_1 + ... + t_n) of positive terms with an exponential among them: a mixture
+    (log(exp(-|d|/b1) + a*exp(-|d|/b2))) or a softplus (log(1 + exp(x))) written as a log-prior,
+    whose terms underflow or overflow far away as a density's do. (A log of a positive sum
+    without exp, KERPLE's log(1 + r*|d|), is left as it is: nothing in it leaves the range.)"""
+    return _positive_sum_log(e) and any(t.has(sp.exp) for t in e.args[0].args)
 
 
 def _log_sum_exp(e: sp.log) -> sp.Expr:

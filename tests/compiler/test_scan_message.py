@@ -39,18 +39,3 @@ def test_a_scale_left_in_the_real_domain_is_named_with_its_fix(tmp_path):
     line = res.stderr.strip()
     assert "b = 0" in line and "b = 0 is in the domain of b, real" in line, line
     assert "declare its domain: positive" in line, line
-
-
-def test_a_mixture_written_as_a_log_points_to_density(tmp_path):
-    """log(exp(-|d|/b1) + a*exp(-|d|/b2)) loses both terms far away (its derivatives 0/0): the
-    refusal says the density form, which bamgen computes as a log-sum-exp and builds."""
-    params = ("params:\n  b1: {init: 1.0, domain: positive}\n  b2: {init: 8.0, domain: positive}\n"
-              "  a: {init: 0.3, domain: positive}\n")
-    as_log = "name: mix\nlog_prior: log(exp(-Abs(d)/b1) + a*exp(-Abs(d)/b2))\n" + params
-    res = run_cli_in_process("build", str(write_prior(tmp_path, as_log)), "-o", str(tmp_path / "out"))
-    assert res.exit_code == 2
-    assert "give the prior as a density instead" in res.stderr, res.stderr
-    as_density = "name: mix\ndensity: exp(-Abs(d)/b1) + a*exp(-Abs(d)/b2)\n" + params
-    ok = run_cli_in_process("build", str(write_prior(tmp_path, as_density, "d.yaml")),
-                            "-o", str(tmp_path / "out"))
-    assert ok.exit_code == 0, ok.stderr

@@ -366,7 +366,7 @@ def test_the_scan_finds_what_the_check_points_miss():
         # a pole behind an Abs: a root of d - 100000 or -d - 100000 (an outside test built it)
         "-Abs(d)/4 + 1/(Abs(d) - 100000)": "the log-prior is +inf at d = -100000",
         "-Abs(d) * exp(100) / b": "in the GPU kernels (float32) the log-prior is nan at d = 0",
-        "-log(1 + exp(Abs(d))) - Abs(i) / b": "in the CPU path (float32) the log-prior is -inf",
+        "-log(cosh(d)) - Abs(i) / b": "in the CPU path (float32) the log-prior is -inf",
         "-Abs(d) * sqrt(b - 1)": "b = ",
     }
     for formula, words in cases.items():

@@ -1,0 +1,84 @@
+"""A mixture or a softplus written as a log-prior (docs/priors.md, "What the scan refuses"): the
+log of a sum of positive terms with an exponential among them is computed as a log-sum-exp, as
+a density's sum is, so it builds and matches the float64 reference far past where its terms
+leave float32's range, on both paths, with its parameters' gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bamgen
+from tests.helpers import write_prior
+from tests.reference import reference_attention
+from tests.tolerance import assert_all_close
+
+# two Laplace priors, the sharp one underflowing in float32 past |d| = 52 at b1 = 0.5
+MIXTURE = """
+name: laplace_mixture
+log_prior: log(exp(-Abs(d)/b1) + a*exp(-Abs(d)/b2))
+params:
+  b1: {init: 0.5, domain: positive}
+  b2: {init: 8.0, domain: positive}
+  a: {init: 0.3, domain: positive}
+"""
+# a softplus penalty per score (it reads i: computed in the kernels, not tabulated), whose
+# exp(|d|) overflows float32 at |d| = 89
+SOFTPLUS = """
+name: softplus_penalty
+log_prior: -log(1 + exp(Abs(d)/c)) - Abs(i)/b
+params:
+  c: {init: 0.5, domain: positive}
+  b: {init: 64.0, domain: positive}
+"""
+
+
+def _mixture(d, p):
+    return torch.logaddexp(-d.abs() / p["b1"], torch.log(p["a"]) - d.abs() / p["b2"])
+
+
+def _softplus(d, p):
+    return -torch.nn.functional.softplus(d.abs() / p["c"]) - p["i"].abs() / p["b"]
+
+
+CASES = {"mixture": (MIXTURE, dict(b1=[0.5, 0.25], b2=[8.0, 3.0], a=[0.3, 1.5]),
+                     _mixture),
+         "softplus": (SOFTPLUS, dict(c=[0.5, 0.3], b=[64.0, 9.0]),
+                      _softplus)}
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lse")
+    return {name: bamgen.load(write_prior(folder, text, f"{name}.yaml"), cache_dir=folder / "cache")
+            for name, (text, _, _) in CASES.items()}
+
+
+def test_the_generated_module_computes_a_log_sum_exp(modules):
+    """The printed hooks take the largest term out (a Max), where the formula was written with
+    none."""
+    for module in modules.values():
+        assert "max" in open(module.__file__).read().lower()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", list(CASES))
+def test_it_matches_the_reference_far_past_float32_s_range(modules, name, causal, backend):
+    text, values, log_prior = CASES[name]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (17, 123, 123))
+    dout = torch.randn(1, 2, 17, 16, generator=g)
+    params = {key: torch.tensor(val) for key, val in values.items()}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    learn = {key: t.clone().requires_grad_() for key, t in params.items()}
+    out = modules[name].attention(*leaves, **learn, causal=causal, q_offset=106, backend=backend)
+    grads = torch.autograd.grad(out, leaves + list(learn.values()), dout)
+    kw = dict(causal=causal, dout=dout, q_offset=106)
+    ref = reference_attention(q, k, v, params, log_prior, **kw)
+    pt = reference_attention(q, k, v, params, log_prior, compute_dtype=torch.float32, **kw)
+    results = [("out", out, ref.out, pt.out), ("dq", grads[0], ref.dq, pt.dq),
+               ("dk", grads[1], ref.dk, pt.dk), ("dv", grads[2], ref.dv, pt.dv)]
+    results += [(f"d{key}", grad, ref.dparams[key], pt.dparams[key])
+                for key, grad in zip(learn, grads[3:])]
+    assert all(bool(torch.isfinite(r).all()) for _, r, _, _ in results)
+    assert_all_close(results, torch.float32, context=f"{name} {backend} causal={causal}")
