@@ -88,3 +88,15 @@ def test_the_compiler_imports_no_torch():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "False"
+
+
+def test_a_prior_without_a_description_gets_no_empty_paragraph():
+    """The module's docstring goes from its title to the formulas; a description, when the file
+    has one, is a paragraph between them."""
+    from bamgen.compiler.spec import parse_spec
+    text = "name: plain\nlog_prior: -Abs(d)/b\nparams:\n  b: {init: 2.0, domain: positive}\n"
+    docstring = compile_spec(parse_spec(text)).text.split('"""')[1]
+    assert docstring.startswith("PlainAttention: attention with the 'plain' positional prior.\n\n"
+                                "    logit_ij = s + log_prior\n"), docstring
+    described = compile_spec(parse_spec(text + "description: a Laplace prior\n")).text
+    assert "positional prior.\n\na Laplace prior\n\n    logit_ij" in described
