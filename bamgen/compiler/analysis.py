@@ -75,11 +75,17 @@ _LAMBDIFY = {"Gather": lambda index, *elements: elements[clamp_index(index, len(
              "Selects": lambda index, k, size: float(clamp_index(index, int(size)) == int(k))}
 
 
-def log_prior_function(ir: PriorIR, values: dict[sp.Symbol, float]):
-    """A float function of d (at a fixed query position if the prior also uses i or j)."""
+def log_prior_function(ir: PriorIR, values: dict[sp.Symbol, float], held: str = "query"):
+    """A float function of d, for a prior that also reads i or j with one position held at
+    QUERY_POSITION: the query's (the key at i - d: the analysis near the mode), or with
+    held="key" the key's (the query at j + d: far away, where a key at i - d would sit before
+    position 0, where no key is)."""
     pos = position_symbols()
-    expr = ir.log_prior.xreplace(values).xreplace(
-        {pos["j"]: QUERY_POSITION - pos["d"], pos["i"]: QUERY_POSITION, pos["n"]: QUERY_POSITION + 1})
+    if held == "query":
+        i, j = sp.Integer(QUERY_POSITION), QUERY_POSITION - pos["d"]
+    else:
+        i, j = QUERY_POSITION + pos["d"], sp.Integer(QUERY_POSITION)
+    expr = ir.log_prior.xreplace(values).xreplace({pos["j"]: j, pos["i"]: i, pos["n"]: i + 1})
     fn = sp.lambdify(pos["d"], expr, modules=[_LAMBDIFY, "math"])
 
     def safe(d: float) -> float:
@@ -95,17 +101,17 @@ def analyse_prior(ir: PriorIR, num_heads: int = 8, scan: int = 4096) -> PriorAna
     query never meet it, and it need not be defined there."""
     causal_only = ir.spec.causal_only
     heads, symmetric = [], not causal_only
-    fns = []
+    far = []   # (the tail: far from a key held in place)
     for head, values in enumerate(init_values(ir, num_heads)):
         f = log_prior_function(ir, values)
-        fns.append(f)
+        far.append(log_prior_function(ir, values, held="key"))
         lps = {d: f(d) for d in range(0 if causal_only else -scan, scan + 1)}
         finite = {d: v for d, v in lps.items() if math.isfinite(v)}
         mode = max(finite, key=lambda d: (finite[d], -abs(d))) if finite else 0
         symmetric = symmetric and all(_same(f(d), f(-d)) for d in (1, 3, 17, 250, 4000))
         heads.append(HeadAnalysis(head=head, mode=mode, reach=_reach(f, mode),
                                   params=tuple((s.name, v) for s, v in values.items())))
-    tail, normalisable = _tail(fns)
+    tail, normalisable = _tail(far)
     return PriorAnalysis(symmetric=symmetric, tail=tail, normalisable=normalisable,
                          heads=tuple(heads), distance_only=ir.distance_only,
                          causal_only=causal_only)
@@ -137,7 +143,8 @@ def _reach(f, mode: int) -> float | None:
 
 
 def _tail(fns) -> tuple[str, bool | None]:
-    """Classify the decay of the slowest head far away. -log_prior growing by the same amount
+    """Classify the decay of the slowest head far away (fns: each head's log-prior with the key
+    held in place, log_prior_function's held="key"). -log_prior growing by the same amount
     per decade of d is logarithmic: a power-law prior |d|^-c, normalisable iff c > 1; growing
     by a factor 10^p per decade is an exponential-type tail exp(-|d|^p), always normalisable."""
     slowest = None

@@ -23,6 +23,16 @@ def test_analysis_classifies_the_shipped_priors(name, symmetric, tail, normalisa
     assert analysis.normalisable is normalisable
 
 
+def test_the_tail_of_a_prior_of_positions_holds_the_key_in_place(tmp_path):
+    """Far away the query moves away from a key held in place: a key held at i - 10**6 would
+    sit before position 0, where log(1 + j) is undefined and no key is."""
+    text = ("name: posd\nlog_prior: -Abs(d)/b*log(2 + i) + log(1 + j)/10\n"
+            "params:\n  b: {init: 2.0, domain: positive}\n")
+    analysis = analyse_prior(analyse(load_spec(write_prior(tmp_path, text))), num_heads=2)
+    assert analysis.tail.startswith("exponential-type"), analysis.tail
+    assert analysis.normalisable is True
+
+
 def test_reach_and_mode_of_alibi_heads():
     analysis = analyse_prior(analyse(load_spec(PRIORS / "laplace.yaml")), num_heads=4)
     # -|d|/b < -20 first at |d| = 20*b + 1 for b = 4, 16, 64, 256
