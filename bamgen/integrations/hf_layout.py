@@ -30,11 +30,14 @@ class PaddingLayout:
     ``attention_mask``.
 
     ``key_mask`` is None or bool [B, kv_length]; the offsets are ints (no padding) or int64
-    tensors [B].
+    tensors [B]. ``window`` is the sliding window HF built the mask with (its ``local_size``:
+    a query sees the keys fewer than ``window`` tokens back), or None: some families put the
+    window into the mask alone and pass none to attention (Qwen2-MoE, PhiMoE).
     """
     key_mask: torch.Tensor | None
     q_offset: int | torch.Tensor
     k_offset: int | torch.Tensor
+    window: int | None = None
 
     # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
     # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
@@ -47,12 +50,18 @@ class PaddingLayout:
 
 def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                    attention_mask: torch.Tensor | PaddingLayout | None = None,
-                   **_unused) -> PaddingLayout:
+                   local_size: int | None = None, **_unused) -> PaddingLayout:
     """The mask function bamgen registers with HF's ``AttentionMaskInterface``: HF calls it
-    with the sizes of the cache (``q_offset`` may be a 0-d tensor for a static cache) and the
-    2-D token mask, if any."""
+    with the sizes of the cache (``q_offset`` may be a 0-d tensor for a static cache), the
+    2-D token mask, if any, and a sliding window's size as ``local_size``."""
     if isinstance(attention_mask, PaddingLayout):
         return attention_mask   # built by generate() for this very step
+    layout = _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
+    return PaddingLayout(layout.key_mask, layout.q_offset, layout.k_offset, local_size or None)
+
+
+def _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset,
+                    attention_mask) -> PaddingLayout:
     q_start = int(q_offset)
     kv_start = int(kv_offset)
     query_end = q_start + q_length

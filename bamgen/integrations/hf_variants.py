@@ -49,20 +49,33 @@ class LayerExtras:
         return ", ".join(parts + ([f"softcap={self.softcap}"] if self.softcap is not None else []))
 
 
-def layer_extras(attention, config) -> LayerExtras:
+def layer_extras(attention, config, with_mask_windows: bool = False):
     """The window and softcap that ``attention`` passes to its attention function, read from
     the layer as its forward reads them: its own ``sliding_window`` / ``attn_logit_softcapping``
     when it has them (Qwen 2/3, Gemma), else the config's window when its forward passes one
-    (Mistral, Phi-3)."""
+    (Mistral, Phi-3).
+
+    ``with_mask_windows``: a list of the extras its calls may have, those above first, then,
+    where the forward passes no window, those with the window a family may put into the mask
+    alone (the layer's own ``sliding_window``, as Qwen2-MoE's, or the config's, as PhiMoE's);
+    the mask tells each call which holds (``PaddingLayout.window``)."""
     source = forward_source(type(attention))
+    softcap = getattr(attention, "attn_logit_softcapping", None) if "softcap" in source else None
+    softcap = None if softcap is None else float(softcap)
     if "sliding_window" not in source:
         window = None
     elif hasattr(attention, "sliding_window"):
         window = attention.sliding_window
     else:
         window = getattr(config, "sliding_window", None)
-    softcap = getattr(attention, "attn_logit_softcapping", None) if "softcap" in source else None
-    return LayerExtras(_window(window), None if softcap is None else float(softcap))
+    extras = LayerExtras(_window(window), softcap)
+    if not with_mask_windows:
+        return extras
+    if "sliding_window" in source:
+        return [extras]
+    candidates = (getattr(attention, "sliding_window", None), getattr(config, "sliding_window", None))
+    windows = [w for w in candidates if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+    return [extras] + [LayerExtras(w, softcap) for w in dict.fromkeys(windows)]
 
 
 def call_extras(sliding_window, softcap) -> LayerExtras:

@@ -187,8 +187,16 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             raise ValueError(f"model type {_family(module)!r}: its attention passes {name} "
                              f"({what}), which bamgen's attention does not model; use a family "
                              f"whose attention passes none")
+    causal = getattr(module, "is_causal", True)
+    if sliding_window is None and layout.window is not None:
+        # the family put its window into the mask alone (Qwen2-MoE, PhiMoE): honoured alike
+        if not causal:
+            raise ValueError(f"model type {_family(module)!r}: its mask has a sliding window "
+                             f"({layout.window}) that its attention does not pass, in "
+                             f"bidirectional attention, which bamgen does not model")
+        sliding_window = layout.window
     packed = packed_documents(layout, query, key, kwargs) or (None, None)
-    call = dict(causal=getattr(module, "is_causal", True), scale=scaling,
+    call = dict(causal=causal, scale=scaling,
                 q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
                 cu_seqlens_q=packed[0], cu_seqlens_k=packed[1])
     extras = call_extras(sliding_window, softcap)
@@ -281,7 +289,8 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     cls = getattr(module, module.PRIOR["class_name"])
     layers = _attention_layers(model)
     family = getattr(config, "model_type", type(model).__name__)
-    for extras in dict.fromkeys(layer_extras(attention, config) for attention in layers):
+    every = (extras for attention in layers for extras in layer_extras(attention, config, True))
+    for extras in dict.fromkeys(every):
         if not extras.plain:   # before any change to the model: a refusal leaves it as it was
             _prepare_variant(cls, extras, family)
 
@@ -365,6 +374,13 @@ def _check_model(model, rope: str) -> None:
                              f"learned per-head logit in every softmax), which the prior does "
                              f"not model (its outputs would change); bamgen cannot take over "
                              f"this family's attention: use a model without attention sinks")
+    if "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError(f"model type {family!r}: chunked attention (layer_types "
+                         f"'chunked_attention', attention_chunk_size="
+                         f"{getattr(config, 'attention_chunk_size', None)}: a query sees only the "
+                         f"keys of its own chunk) lives in the mask alone, which bamgen's attention "
+                         f"does not model; build the model with every layer type "
+                         f"'full_attention' (layer_types=['full_attention'] * num_hidden_layers)")
     removed = any(isinstance(m, IdentityRotary) for m in model.modules())
     if rope == "keep" and removed:
         raise ValueError(f"model type {family!r}: rope='keep', but an earlier apply_prior removed "

@@ -217,7 +217,9 @@ def test_a_window_and_a_softcap_change_the_familys_own_attention():
     ids = torch.randint(1, 100, (1, 11), generator=torch.Generator().manual_seed(1))
     for family, off in (("mistral", dict(sliding_window=None)),
                         ("gemma2", dict(attn_logit_softcapping=None)),
-                        ("gemma2", dict(sliding_window=64))):
+                        ("gemma2", dict(sliding_window=64)),
+                        ("qwen2_moe", dict(sliding_window=64)),
+                        ("phimoe", dict(sliding_window=None))):
         with_it, without = family_model(family)(ids).logits, family_model(family, **off)(ids).logits
         assert (with_it - without).abs().max() > 1e-3, (family, off)
 
@@ -775,6 +777,14 @@ EVERY_FAMILY = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(eos_token_id=1, bos_token_id=1), "remove"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(eos_token_id=1, bos_token_id=1), "remove"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(attn_pdrop=0.0), "keep"),
+    # families whose sliding window lives in the mask alone (their attention passes none):
+    # Qwen2-MoE on its sliding layers (layer 0 here), PhiMoE on every layer
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(sliding_window=4, use_sliding_window=True, max_window_layers=1,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32), "remove"),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+               dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2), "remove"),
 }
 
 
@@ -864,3 +874,37 @@ def test_the_trainer_tutorial_script_runs(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "trained 2 steps" in res.stdout and "generated: [[" in res.stdout, res.stdout
     assert (tmp_path / "model.safetensors").exists()
+
+
+def test_a_window_in_the_mask_alone_is_honoured():
+    """Qwen2-MoE and PhiMoE put their sliding window into the mask and pass none to attention:
+    bamgen reads it from the mask (HF's local_size), where it was silently dropped (logits off
+    by 0.2-0.3 against the family's own attention at 11 tokens, window 4)."""
+    from bamgen.integrations.hf_layout import PaddingLayout
+    for family in ("qwen2_moe", "phimoe"):
+        model = apply_prior(family_model(family), "uniform", rope="keep")
+        seen = []
+        hook = lambda module, args, kwargs: seen.append(kwargs["attention_mask"])
+        handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+                   for layer in model.model.layers]
+        ids = torch.randint(1, 100, (1, 11), generator=torch.Generator().manual_seed(1))
+        model(ids)
+        for handle in handles:
+            handle.remove()
+        assert all(isinstance(layout, PaddingLayout) for layout in seen)
+        want = [4, None] if family == "qwen2_moe" else [4, 4]
+        assert [layout.window for layout in seen] == want, family
+
+
+def test_chunked_attention_is_refused():
+    """Llama 4's chunked layers see only their own chunk of keys, a rule in the mask alone
+    that bamgen's attention does not take: refused by name, the model left as it was (it was
+    taken, and the chunks silently dropped)."""
+    torch.manual_seed(0)
+    chunked = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **TINY, head_dim=16, intermediate_size_mlp=128, num_local_experts=2,
+        attention_chunk_size=4)).eval()
+    with pytest.raises(ValueError, match=r"model type 'llama4_text': chunked attention .*"
+                                         r"\(layer_types=\['full_attention'\]"):
+        apply_prior(chunked, "uniform", rope="keep")
+    assert_untouched(chunked)
