@@ -265,19 +265,25 @@ def _prepare_variant(cls: type, extras: LayerExtras, family: str):
 
 class IdentityRotary(torch.nn.Module):
     """Stands in for a model's rotary embedding under ``rope="remove"``: cos = 1 and sin = 0,
-    so HF's ``apply_rotary_pos_emb`` leaves q and k as they are."""
+    so HF's ``apply_rotary_pos_emb`` leaves q and k as they are; or, for a family whose
+    rotary embedding gives complex ``freqs_cis`` (Llama 4, DeepSeek-V2: ``torch.polar``), the
+    complex 1 over its ``head_dim / 2`` pairs of channels, which q and k are multiplied by."""
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, complex_: bool = False):
         super().__init__()
         self.head_dim = head_dim
+        self.complex_ = complex_
 
     def forward(self, x, position_ids, *args, **kwargs):   # (Gemma 3 adds the layer type)
+        if self.complex_:
+            return torch.ones((*position_ids.shape, self.head_dim // 2), dtype=torch.complex64,
+                              device=x.device)
         shape = (*position_ids.shape, self.head_dim)
         ones = torch.ones(shape, dtype=x.dtype, device=x.device)
         return ones, torch.zeros_like(ones)
 
     def extra_repr(self):
-        return f"head_dim={self.head_dim}"
+        return f"head_dim={self.head_dim}" + (", complex" if self.complex_ else "")
 
 
 def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bool = False) -> None:
@@ -346,7 +352,8 @@ def _remove_rotary(model) -> None:
     """Every rotary embedding becomes the identity over its own width (partial rotary, as
     GPT-NeoX's and Phi-3's, included)."""
     for parent, name, width in _rotary_modules(model):
-        setattr(parent, name, IdentityRotary(width))
+        complex_ = "torch.polar" in forward_source(type(getattr(parent, name)))
+        setattr(parent, name, IdentityRotary(width, complex_))
 
 
 def _check_model(model, rope: str) -> None:

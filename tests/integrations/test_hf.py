@@ -785,6 +785,10 @@ EVERY_FAMILY = {
                        shared_expert_intermediate_size=32), "remove"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2), "remove"),
+    # Llama 4's rotary embedding gives complex freqs_cis (chunked layers off: refused)
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(head_dim=16, intermediate_size_mlp=128, num_local_experts=2,
+                    layer_types=["full_attention"] * 2), "remove"),
 }
 
 
@@ -896,10 +900,11 @@ def test_a_window_in_the_mask_alone_is_honoured():
         assert [layout.window for layout in seen] == want, family
 
 
-def test_chunked_attention_is_refused():
+def test_chunked_attention_is_refused_and_llama4_without_it_removes_rope():
     """Llama 4's chunked layers see only their own chunk of keys, a rule in the mask alone
-    that bamgen's attention does not take: refused by name, the model left as it was (it was
-    taken, and the chunks silently dropped)."""
+    that bamgen's attention does not take: refused by name, the model left as it was. Without
+    them, rope="remove" replaces its complex rotary embedding (freqs_cis) with the complex 1:
+    the same logits as the family's own attention with every rotary frequency 0."""
     torch.manual_seed(0)
     chunked = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
         **TINY, head_dim=16, intermediate_size_mlp=128, num_local_experts=2,
@@ -908,3 +913,8 @@ def test_chunked_attention_is_refused():
                                          r"\(layer_types=\['full_attention'\]"):
         apply_prior(chunked, "uniform", rope="keep")
     assert_untouched(chunked)
+    own = family_model("llama4")
+    own.model.rotary_emb.inv_freq.zero_()
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    got = apply_prior(family_model("llama4"), "uniform", rope="remove")(ids).logits
+    torch.testing.assert_close(got, own(ids).logits, **CLOSE)
