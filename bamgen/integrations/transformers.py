@@ -200,11 +200,29 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                 q_offset=layout.q_offset, k_offset=layout.k_offset, key_mask=layout.key_mask,
                 cu_seqlens_q=packed[0], cu_seqlens_k=packed[1])
     extras = call_extras(sliding_window, softcap)
+    query, key, value, width = _same_head_dim(query, key, value, call)
     if extras.plain:
         out = prior(query, key, value, **call)
     else:
         out = prior.forward_with(_variant(module, prior, extras), query, key, value, **call)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :width].transpose(1, 2).contiguous(), None
+
+
+def _same_head_dim(query, key, value, call: dict):
+    """q, k, v with one head dim, as bamgen's attention takes them, and v's own width: a family
+    whose values are narrower or wider than its queries and keys (multi-head latent attention:
+    DeepSeek-V2/V3, Kimi, MiniCPM3...) has its values, or its queries and keys, padded with
+    zeros (q.k and the output's first columns unchanged; the scale is fixed first), as HF pads
+    them for FlashAttention."""
+    width, qk = value.shape[-1], key.shape[-1]
+    pad = torch.nn.functional.pad
+    if width < qk:
+        value = pad(value, (0, qk - width))
+    elif width > qk:
+        if call["scale"] is None:
+            call["scale"] = qk ** -0.5
+        query, key = pad(query, (0, width - qk)), pad(key, (0, width - qk))
+    return query, key, value, width
 
 
 # What some families add to the logit that the prior does not model: refused by apply_prior

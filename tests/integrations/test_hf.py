@@ -918,3 +918,40 @@ def test_chunked_attention_is_refused_and_llama4_without_it_removes_rope():
     ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
     got = apply_prior(family_model("llama4"), "uniform", rope="remove")(ids).logits
     torch.testing.assert_close(got, own(ids).logits, **CLOSE)
+
+
+@pytest.mark.parametrize("v_head_dim", [8, 24])
+def test_values_narrower_or_wider_than_the_keys(v_head_dim):
+    """DeepSeek-V3's multi-head latent attention has values of another head dim than its
+    queries and keys (16 here): padded with zeros to one width, the zero prior gives the
+    family's own attention, padded rows included; the prior trains, and a left-padded batch
+    decodes with the cache as each prompt's full forward. It was refused deep in the call
+    (k and v must have the same shape)."""
+    def deepseek(seed=0):
+        torch.manual_seed(seed)
+        cfg = transformers.DeepseekV3Config(
+            **{**TINY, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=v_head_dim, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+            topk_group=1, eos_token_id=None)
+        cfg._attn_implementation = "eager"
+        return transformers.DeepseekV3ForCausalLM(cfg).eval()
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    want = deepseek()(ids, attention_mask=mask).logits
+    got = apply_prior(deepseek(), "uniform", rope="keep")(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[0], want[0], **CLOSE)
+    torch.testing.assert_close(got[1, 4:], want[1, 4:], **CLOSE)
+    model = apply_prior(deepseek(seed=2), ggd).train()
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "bamgen_prior" in n]
+    assert len(grads) == 6 and all(g is not None and (g != 0).any() for g in grads)
+    model.eval()
+    batch, mask = left_padded(PROMPTS)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         pad_token_id=PAD, output_scores=True, return_dict_in_generate=True)
+    for row, prompt in enumerate(PROMPTS):
+        full = torch.tensor([prompt + out.sequences[row, batch.shape[1]:].tolist()])
+        logits = model(full).logits[0, len(prompt) - 1:-1]
+        torch.testing.assert_close(torch.stack([s[row] for s in out.scores]), logits, **CLOSE)
