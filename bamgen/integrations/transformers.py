@@ -382,6 +382,8 @@ def _check_model(model, rope: str) -> None:
         raise ValueError(f"model: expected a Hugging Face transformers model, got "
                          f"{type(model).__name__}")
     family = getattr(config, "model_type", type(model).__name__)
+    if getattr(config, "num_attention_heads", None) is None:
+        raise ValueError(_composite_message(model, family))
     layers = _attention_layers(model)
     if not layers:
         raise ValueError(f"model type {family!r}: no attention layer dispatches through "
@@ -417,6 +419,26 @@ def _check_model(model, rope: str) -> None:
                          f"module with an inv_freq buffer) to remove; its positions come from "
                          f"elsewhere (absolute embeddings?): pass rope='keep' to add the prior "
                          f"to them")
+
+
+def _composite_message(model, family: str) -> str:
+    """Why a model whose config has no head count (a multimodal model: its settings in
+    ``text_config``, ``vision_config``...) is refused, and the language model inside it that
+    apply_prior takes instead."""
+    from transformers import PreTrainedModel
+    text = getattr(model.config, "text_config", None)
+    inside = [name for name, module in model.named_modules()
+              if name and isinstance(module, PreTrainedModel) and module.config is text]
+    fix = (f"apply the prior to its language model, apply_prior(model.{inside[0]}, ...) (the "
+           f"whole model then runs and generates with it)" if inside else
+           "apply the prior to a decoder-only language model")
+    parts = ", ".join(getattr(model.config, "sub_configs", None) or {})
+    if not parts:
+        return (f"model type {family!r}: its config has no num_attention_heads, from which "
+                f"bamgen reads the number of query heads; {fix}")
+    return (f"model type {family!r}: its config has no num_attention_heads (a composite model, "
+            f"its parts configured in {parts}); bamgen takes a language model's "
+            f"self-attention, not a vision or audio encoder's: {fix}")
 
 
 _CONFIG_KWARGS = ("cache_dir", "revision", "local_files_only", "token", "trust_remote_code")

@@ -955,3 +955,34 @@ def test_values_narrower_or_wider_than_the_keys(v_head_dim):
         full = torch.tensor([prompt + out.sequences[row, batch.shape[1]:].tolist()])
         logits = model(full).logits[0, len(prompt) - 1:-1]
         torch.testing.assert_close(torch.stack([s[row] for s in out.scores]), logits, **CLOSE)
+
+
+def test_a_multimodal_model_is_refused_and_its_language_model_takes_the_prior():
+    """Llava's config keeps its heads in text_config and its SigLIP tower's attention goes
+    through ALL_ATTENTION_FUNCTIONS too: apply_prior failed with AttributeError ('LlavaConfig'
+    object has no attribute 'num_attention_heads'). It is refused by name, the model left as
+    it was, and the message's way (the language model inside) runs: a left-padded batch with
+    images generates what each row generates alone."""
+    text = LlamaConfig(**{**TINY, "vocab_size": 120})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=64,
+                                             image_size=32, patch_size=16)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text, vision_config=vision, image_token_index=110,
+        vision_feature_layer=-1, vision_feature_select_strategy="full")).eval()
+    with pytest.raises(ValueError, match=r"model type 'llava': its config has no "
+                                         r"num_attention_heads .* apply_prior\(model\.model\.language_model"):
+        apply_prior(model, ggd)
+    assert_untouched(model)
+    apply_prior(model.model.language_model, ggd)
+    image = [110] * 4   # 4 patches of 16x16
+    prompts = [image + [5, 6, 7, 8, 9, 10, 11], image + [11, 12, 13]]
+    batch, mask = left_padded(prompts)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    out = model.generate(batch, attention_mask=mask, pixel_values=pixels, max_new_tokens=4,
+                         do_sample=False, pad_token_id=PAD)
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(torch.tensor([prompt]), pixel_values=pixels[row:row + 1],
+                               max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
