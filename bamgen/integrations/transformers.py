@@ -187,7 +187,10 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             raise ValueError(f"model type {_family(module)!r}: its attention passes {name} "
                              f"({what}), which bamgen's attention does not model; use a family "
                              f"whose attention passes none")
-    causal = getattr(module, "is_causal", True)
+    # as HF's SDPA reads it: the call's is_causal (HF passes config.is_causal, or the model
+    # call's own is_causal=, to every layer: a decoder made bidirectional), else the layer's
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     if sliding_window is None and layout.window is not None:
         # the family put its window into the mask alone (Qwen2-MoE, PhiMoE): honoured alike
         if not causal:

@@ -986,3 +986,26 @@ def test_a_multimodal_model_is_refused_and_its_language_model_takes_the_prior():
         alone = model.generate(torch.tensor([prompt]), pixel_values=pixels[row:row + 1],
                                max_new_tokens=4, do_sample=False, pad_token_id=PAD)
         assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
+
+
+def test_a_decoder_made_bidirectional_by_is_causal_stays_bidirectional():
+    """HF lets a decoder attend both ways (config.is_causal=False, or a call's is_causal=False,
+    as embedding models train): the model hands attention is_causal=False, which eager and
+    SDPA follow; bamgen's attention read the layer's own is_causal (True) and stayed causal,
+    silently (logits off by 0.5). The zero prior now equals the family's own attention both
+    ways, padded rows included."""
+    def llama(**config):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**TINY, **config)
+        cfg._attn_implementation = "eager"
+        return LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    want = llama(is_causal=False)(ids, attention_mask=mask).logits
+    got = apply_prior(llama(is_causal=False), "uniform", rope="keep")(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[0], want[0], **CLOSE)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
+    model = apply_prior(llama(), "uniform", rope="keep")
+    torch.testing.assert_close(model(ids, is_causal=False).logits, llama()(ids, is_causal=False).logits, **CLOSE)
+    torch.testing.assert_close(model(ids).logits, llama()(ids).logits, **CLOSE)
