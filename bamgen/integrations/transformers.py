@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -399,6 +400,12 @@ def _check_model(model, rope: str) -> None:
                          f"use a decoder-only model")
     for attention in layers:
         source = forward_source(type(attention))
+        if re.search(r"\battention_mask\[", source):
+            raise ValueError(f"model type {family!r}: its attention reads the mask tensor itself "
+                             f"({type(attention).__name__} indexes attention_mask: a sparse-"
+                             f"attention indexer, as DeepSeek-V3.2's and GLM-MoE-DSA's, picks the "
+                             f"keys each query sees), which bamgen's attention replaces by its "
+                             f"padding layout and does not model; use a family with dense attention")
         if "s_aux" in source and getattr(attention, "sinks", True) is not None:
             raise ValueError(f"model type {family!r}: its attention has sinks (s_aux: a "
                              f"learned per-head logit in every softmax), which the prior does "

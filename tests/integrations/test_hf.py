@@ -1009,3 +1009,19 @@ def test_a_decoder_made_bidirectional_by_is_causal_stays_bidirectional():
     model = apply_prior(llama(), "uniform", rope="keep")
     torch.testing.assert_close(model(ids, is_causal=False).logits, llama()(ids, is_causal=False).logits, **CLOSE)
     torch.testing.assert_close(model(ids).logits, llama()(ids).logits, **CLOSE)
+
+
+def test_a_family_whose_attention_indexes_the_mask_is_refused():
+    """GLM-MoE-DSA's sparse attention (as DeepSeek-V3.2's) indexes the mask tensor to pick the
+    keys each query sees: apply_prior took it and every forward failed with TypeError:
+    'PaddingLayout' object is not subscriptable. Refused by name, the model left as it was."""
+    model = tiny_auto("glm_moe_dsa", vocab_size=100, hidden_size=64, intermediate_size=128,
+                      moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                      kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16,
+                      qk_nope_head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2,
+                      head_dim=8, first_k_dense_replace=1, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"model type 'glm_moe_dsa': its attention reads the "
+                                         r"mask tensor itself"):
+        apply_prior(model, "uniform", rope="keep")
+    assert_untouched(model)
