@@ -297,10 +297,13 @@ class IdentityRotary(torch.nn.Module):
         self.complex_ = complex_
 
     def forward(self, x, position_ids, *args, **kwargs):   # (Gemma 3 adds the layer type)
+        # [batch, tokens]: multimodal RoPE's position_ids carry a leading axis of sections
+        # ([3, batch, tokens], Qwen2-VL's), which its cos and sin do not
+        tokens = position_ids.shape[-2:]
         if self.complex_:
-            return torch.ones((*position_ids.shape, self.head_dim // 2), dtype=torch.complex64,
+            return torch.ones((*tokens, self.head_dim // 2), dtype=torch.complex64,
                               device=x.device)
-        shape = (*position_ids.shape, self.head_dim)
+        shape = (*tokens, self.head_dim)
         ones = torch.ones(shape, dtype=x.dtype, device=x.device)
         return ones, torch.zeros_like(ones)
 

@@ -1025,3 +1025,34 @@ def test_a_family_whose_attention_indexes_the_mask_is_refused():
                                          r"mask tensor itself"):
         apply_prior(model, "uniform", rope="keep")
     assert_untouched(model)
+
+
+def test_multimodal_rope_is_removed_in_a_language_model():
+    """Qwen2-VL's M-RoPE hands its rotary embedding position_ids [3, batch, tokens] (a section
+    per axis) for cos and sin of [batch, tokens, head_dim]: IdentityRotary gave [3, batch, ...]
+    and every forward of its language model with rope="remove" failed (the size of tensor a
+    must match...). Now a left-padded batch with images generates each row as alone."""
+    text = dict(**{**TINY, "vocab_size": 200}, eos_token_id=None, bos_token_id=None,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                 "rope_theta": 10000.0})
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
+        vision_start_token_id=152, vision_end_token_id=153)).eval()
+    apply_prior(model.model.language_model, ggd, rope="remove")
+    image = [152, 150, 153]   # one merged token of a 2x2 patch grid
+    prompts = [image + [5, 6, 7, 8, 9, 10], image + [11, 12, 13]]
+    batch, mask = left_padded(prompts)
+    pixels = torch.randn(8, 1176, generator=torch.Generator().manual_seed(2))
+    grid = torch.tensor([[1, 2, 2], [1, 2, 2]])
+    out = model.generate(batch, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                         mm_token_type_ids=(batch == 150).long(), max_new_tokens=4,
+                         do_sample=False, pad_token_id=PAD)
+    for row, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        alone = model.generate(ids, pixel_values=pixels[4 * row:4 * row + 4],
+                               image_grid_thw=grid[row:row + 1], mm_token_type_ids=(ids == 150).long(),
+                               max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
