@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class PaddingLayout:
     q_offset: int | torch.Tensor
     k_offset: int | torch.Tensor
     window: int | None = None
+    both_ways: bool = False   # the mask lets some keys after a query be seen (an or-rule)
 
     # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
     # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
@@ -50,14 +52,37 @@ class PaddingLayout:
 
 def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                    attention_mask: torch.Tensor | PaddingLayout | None = None,
-                   local_size: int | None = None, **_unused) -> PaddingLayout:
+                   local_size: int | None = None, mask_function=None,
+                   **_unused) -> PaddingLayout:
     """The mask function bamgen registers with HF's ``AttentionMaskInterface``: HF calls it
     with the sizes of the cache (``q_offset`` may be a 0-d tensor for a static cache), the
     2-D token mask, if any, and a sliding window's size as ``local_size``."""
     if isinstance(attention_mask, PaddingLayout):
         return attention_mask   # built by generate() for this very step
     layout = _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
-    return PaddingLayout(layout.key_mask, layout.q_offset, layout.k_offset, local_size or None)
+    both_ways = not torch.compiler.is_compiling() and _or_rule(mask_function)
+    return PaddingLayout(layout.key_mask, layout.q_offset, layout.k_offset, local_size or None,
+                         both_ways)
+
+
+def _or_rule(mask_function, depth: int = 0) -> bool:
+    """Whether HF's mask function ORs the causal rule with another (``or_masks``: Gemma 3's
+    image tokens attending both ways within an image, a bidirectional overlay), read from its
+    closures: such a mask lets a query see keys after it, which a causal call cannot give."""
+    if not isinstance(mask_function, types.FunctionType) or depth > 8:
+        return False
+    inner = []
+    for cell in mask_function.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        values = value if isinstance(value, tuple) else (value,)
+        inner += [v for v in values if isinstance(v, types.FunctionType)]
+    if mask_function.__qualname__.endswith("or_masks.<locals>.or_mask"):
+        if any(f.__qualname__ != "causal_mask_function" for f in inner):
+            return True
+    return any(_or_rule(f, depth + 1) for f in inner)
 
 
 def _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset,

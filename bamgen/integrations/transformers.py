@@ -192,6 +192,12 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # call's own is_causal=, to every layer: a decoder made bidirectional), else the layer's
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    if causal and layout.both_ways:
+        raise ValueError(f"model type {_family(module)!r}: its mask lets some queries see keys "
+                         f"after them (a rule OR-ed into the causal mask: Gemma 3's and "
+                         f"PaliGemma's image tokens attend both ways within an image), which "
+                         f"bamgen's causal attention does not model; use inputs without that "
+                         f"rule (text alone), or a family whose mask is causal")
     if sliding_window is None and layout.window is not None:
         # the family put its window into the mask alone (Qwen2-MoE, PhiMoE): honoured alike
         if not causal:

@@ -1056,3 +1056,40 @@ def test_multimodal_rope_is_removed_in_a_language_model():
                                image_grid_thw=grid[row:row + 1], mm_token_type_ids=(ids == 150).long(),
                                max_new_tokens=4, do_sample=False, pad_token_id=PAD)
         assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
+
+
+def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
+    """Gemma 3's multimodal model ORs a rule into the causal mask: an image's tokens see each
+    other both ways. Through its language model (the way the multimodal refusal names),
+    bamgen's causal attention dropped that rule silently (the zero prior off by 0.08 on the
+    image tokens against eager); such a call is now refused by name. Text alone runs, and
+    EmbeddingGemma's both-ways layers (is_causal False) still equal eager."""
+    text = dict(**{**TINY, "vocab_size": 120}, head_dim=16, sliding_window=64)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=32, patch_size=16)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=110,
+        boi_token_index=111, eoi_token_index=112)).eval()
+    apply_prior(model.model.language_model, "uniform", rope="keep")
+    ids = torch.tensor([[5, 111, 110, 110, 110, 110, 112, 6, 7, 8]])
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"model type 'gemma3_text': its mask lets some queries "
+                                         r"see keys after them"):
+        model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == 110).long())
+    assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits).all()
+
+    def embedding_gemma():
+        torch.manual_seed(0)
+        cfg = transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=4,
+                                            use_bidirectional_attention=True,
+                                            layer_types=["sliding_attention", "full_attention"])
+        cfg._attn_implementation = "eager"
+        return transformers.Gemma3TextModel(cfg).eval()
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    want = embedding_gemma()(ids, attention_mask=mask).last_hidden_state
+    got = apply_prior(embedding_gemma(), "uniform", rope="keep")(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, :8], want[1, :8], rtol=1e-5, atol=1e-5)
