@@ -77,12 +77,25 @@ def from_pretrained(path, **kwargs):
     register()
     config = AutoConfig.from_pretrained(path, **_config_kwargs(kwargs))
     record = getattr(config, CONFIG_KEY, None)
+    part = None if isinstance(record, dict) else _part_with_prior(config)
+    if part is not None:   # a multimodal model whose language model took the prior
+        record = getattr(getattr(config, part), CONFIG_KEY)
     if not isinstance(record, dict):
         raise ValueError(f"{path}: its config has no '{CONFIG_KEY}' entry; it was not saved "
                          f"from a model with a prior (use apply_prior, then save_pretrained)")
-    cls = _with_prior(_model_class(config), record)
-    kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
+    cls = _with_prior(_model_class(config), record, part)
+    if part is None:   # (a composite's other parts keep their own attention)
+        kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
     return cls.from_pretrained(path, **kwargs)
+
+
+def _part_with_prior(config) -> str | None:
+    """The sub-config (text_config, ...) of a composite model's config that records a prior:
+    apply_prior was given the language model inside (docs/huggingface.md)."""
+    for name in getattr(config, "sub_configs", None) or {}:
+        if isinstance(getattr(getattr(config, name, None), CONFIG_KEY, None), dict):
+            return name
+    return None
 
 
 def resolve_prior(prior) -> ModuleType:
@@ -440,6 +453,17 @@ def _check_model(model, rope: str) -> None:
                          f"to them")
 
 
+def _model_of(model, part: str):
+    """The model inside a composite ``model`` configured by its sub-config ``part``."""
+    from transformers import PreTrainedModel
+    sub = getattr(model.config, part)
+    for name, inner in model.named_modules():
+        if name and isinstance(inner, PreTrainedModel) and inner.config is sub:
+            return inner
+    raise ValueError(f"model type {model.config.model_type!r}: no model inside it is configured "
+                     f"by its {part}, whose config records the prior")
+
+
 def _composite_message(model, family: str) -> str:
     """Why a model whose config has no head count (a multimodal model: its settings in
     ``text_config``, ``vision_config``...) is refused, and the language model inside it that
@@ -478,17 +502,18 @@ def _model_class(config):
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
-def _with_prior(cls: type, record: dict) -> type:
+def _with_prior(cls: type, record: dict, part: str | None = None) -> type:
     """A subclass of ``cls`` (same name, so saving records the same architecture) that builds
     the prior ``record`` names before HF loads the weights into it: the prior's parameters then
     load from the checkpoint like any other weight, with no unexpected keys. The prior module is
-    loaded here, outside the meta-device context HF builds the model under."""
+    loaded here, outside the meta-device context HF builds the model under. part: the
+    sub-config whose model (a composite's language model) took the prior, None for the whole."""
     module, rope = load_record(record), record.get("rope", "remove")
     shared = bool(record.get("shared", False))
 
     def __init__(self, config, *args, **kwargs):
         cls.__init__(self, config, *args, **kwargs)
-        _install(self, module, rope, None, shared)
+        _install(self if part is None else _model_of(self, part), module, rope, None, shared)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})

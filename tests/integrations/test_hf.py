@@ -957,20 +957,25 @@ def test_values_narrower_or_wider_than_the_keys(v_head_dim):
         torch.testing.assert_close(torch.stack([s[row] for s in out.scores]), logits, **CLOSE)
 
 
+def _tiny_llava():
+    """A Llava of a tiny Llama and a one-layer SigLIP tower (image token 110: 4 patches)."""
+    text = LlamaConfig(**{**TINY, "vocab_size": 120})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=64,
+                                             image_size=32, patch_size=16)
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text, vision_config=vision, image_token_index=110,
+        vision_feature_layer=-1, vision_feature_select_strategy="full")).eval()
+
+
 def test_a_multimodal_model_is_refused_and_its_language_model_takes_the_prior():
     """Llava's config keeps its heads in text_config and its SigLIP tower's attention goes
     through ALL_ATTENTION_FUNCTIONS too: apply_prior failed with AttributeError ('LlavaConfig'
     object has no attribute 'num_attention_heads'). It is refused by name, the model left as
     it was, and the message's way (the language model inside) runs: a left-padded batch with
     images generates what each row generates alone."""
-    text = LlamaConfig(**{**TINY, "vocab_size": 120})
-    vision = transformers.SiglipVisionConfig(hidden_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, intermediate_size=64,
-                                             image_size=32, patch_size=16)
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
-        text_config=text, vision_config=vision, image_token_index=110,
-        vision_feature_layer=-1, vision_feature_select_strategy="full")).eval()
+    model = _tiny_llava()
     with pytest.raises(ValueError, match=r"model type 'llava': its config has no "
                                          r"num_attention_heads .* apply_prior\(model\.model\.language_model"):
         apply_prior(model, ggd)
@@ -986,6 +991,30 @@ def test_a_multimodal_model_is_refused_and_its_language_model_takes_the_prior():
         alone = model.generate(torch.tensor([prompt]), pixel_values=pixels[row:row + 1],
                                max_new_tokens=4, do_sample=False, pad_token_id=PAD)
         assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
+
+
+def test_a_multimodal_model_whose_language_model_took_the_prior_reloads_whole(tmp_path, caplog):
+    """The prior applied to Llava's language model is recorded in its text_config; from_pretrained
+    found no record at the top and refused the checkpoint. It now builds the prior into the
+    language model again, loads its learned values with the rest (no missing or unexpected
+    key), and leaves the vision tower's attention as it was."""
+    model = _tiny_llava()
+    apply_prior(model.model.language_model, ggd, alpha=3.0)
+    ids = torch.tensor([[110] * 4 + [5, 6, 7, 8, 9]])
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids, pixel_values=pixels).logits
+    model.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        back = from_pretrained(tmp_path).eval()
+    assert not [r for r in caplog.records if "were not used" in r.getMessage()
+                or "newly initialized" in r.getMessage()], caplog.text
+    assert back.model.language_model.config._attn_implementation == "bamgen"
+    assert back.model.vision_tower.config._attn_implementation != "bamgen"
+    layer = back.model.language_model.layers[0].self_attn
+    assert torch.allclose(layer.bamgen_prior.prior_params()["alpha"], torch.full((4,), 3.0))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, pixel_values=pixels).logits, want, rtol=0, atol=0)
 
 
 def test_a_decoder_made_bidirectional_by_is_causal_stays_bidirectional():
