@@ -30,6 +30,7 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -422,12 +423,13 @@ def _check_model(model, rope: str) -> None:
                          f"use a decoder-only model")
     for attention in layers:
         source = forward_source(type(attention))
-        if re.search(r"\battention_mask\[", source):
+        if re.search(r"\battention_mask\[", _class_source(type(attention))):
             raise ValueError(f"model type {family!r}: its attention reads the mask tensor itself "
                              f"({type(attention).__name__} indexes attention_mask: a sparse-"
-                             f"attention indexer, as DeepSeek-V3.2's and GLM-MoE-DSA's, picks the "
-                             f"keys each query sees), which bamgen's attention replaces by its "
-                             f"padding layout and does not model; use a family with dense attention")
+                             f"attention indexer, as DeepSeek-V3.2's and GLM-MoE-DSA's, or a "
+                             f"dynamic mask, as Doge's, picks the keys each query sees), which "
+                             f"bamgen's attention replaces by its padding layout and does not "
+                             f"model; use a family with dense attention")
         if "s_aux" in source and getattr(attention, "sinks", True) is not None:
             raise ValueError(f"model type {family!r}: its attention has sinks (s_aux: a "
                              f"learned per-head logit in every softmax), which the prior does "
@@ -451,6 +453,15 @@ def _check_model(model, rope: str) -> None:
                          f"module with an inv_freq buffer) to remove; its positions come from "
                          f"elsewhere (absolute embeddings?): pass rope='keep' to add the prior "
                          f"to them")
+
+
+def _class_source(cls: type) -> str:
+    """The source of a class's own methods ("" where it cannot be read): a layer's helpers (Doge's
+    prepare_dynamic_mask) read what its forward hands them."""
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
 
 
 def _model_of(model, part: str):

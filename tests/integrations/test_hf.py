@@ -1054,6 +1054,15 @@ def test_a_family_whose_attention_indexes_the_mask_is_refused():
                                          r"mask tensor itself"):
         apply_prior(model, "uniform", rope="keep")
     assert_untouched(model)
+    # Doge's dynamic mask: its forward hands attention_mask to a helper of the class, which
+    # indexes it (every forward failed: 'PaddingLayout' object has no attribute 'dtype')
+    doge = tiny_auto("doge", vocab_size=100, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     sliding_window=4)
+    with pytest.raises(ValueError, match=r"model type 'doge': its attention reads the mask "
+                                         r"tensor itself .* Doge's"):
+        apply_prior(doge, "uniform", rope="keep")
+    assert_untouched(doge)
 
 
 def test_multimodal_rope_is_removed_in_a_language_model():
