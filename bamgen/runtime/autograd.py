@@ -3,6 +3,8 @@ dispatch (Triton on CUDA, the torch path on the CPU, each backend's decode step 
 one), and the backward that routes to the same backend with what its forward saved."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .cpu import backward as cpu_backward
@@ -53,6 +55,59 @@ def backward(prior, use_triton, dout, q, k, v, out, saved, theta, causal, scale,
                                  layout.q_offset, layout.k_offset, **layout.masks())
 
 
+SECOND_DERIVATIVE = (
+    "bamgen's attention has no second derivative: a gradient taken with create_graph=True "
+    "(double backward, a gradient penalty, torch.autograd.functional.hessian, torch.func.grad "
+    "of a grad) cannot be differentiated through it. Take first-order gradients only "
+    "(create_graph=False), or compute that part of the model with a materialised bias and "
+    "torch's own softmax.")
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The identity on a backward's gradients (the first `count` tensors), connected to the
+    tensors the gradients depend on (the rest), whose own backward raises SECOND_DERIVATIVE:
+    the gradients of a create_graph=True backward, so that differentiating them, by
+    .backward() or by torch.autograd.grad / torch.func.grad towards any input, stops there."""
+    generate_vmap_rule = True   # (torch.func.grad runs backwards with create_graph: vmap, jacrev)
+
+    @staticmethod
+    def forward(count, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_DERIVATIVE)
+
+
+def first_order(backward_fn):
+    """An autograd Function's backward whose gradients cannot be differentiated again: with
+    create_graph=True (grad mode on in the backward) its gradients come back through
+    _NoSecondDerivative, which raises SECOND_DERIVATIVE when a second derivative reaches it,
+    instead of as constants, which made every second derivative through the attention a
+    silent 0 (a gradient penalty dropped, a Hessian of zeros)."""
+    @functools.wraps(backward_fn)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward_fn(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        depends = [t for t in (*ctx.saved_tensors, *grads)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        at = [i for i, g in enumerate(outputs) if isinstance(g, torch.Tensor)]
+        if not depends or not at:
+            return outputs
+        raised = _NoSecondDerivative.apply(len(at), *(outputs[i] for i in at), *depends)
+        outputs = list(outputs)
+        for i, g in zip(at, raised):
+            outputs[i] = g
+        return tuple(outputs)
+    return wrapper
+
+
 class PriorAttention(torch.autograd.Function):
     """Attention with a prior's logit; gradients for q, k, v and the parameter tensor theta."""
 
@@ -75,6 +130,7 @@ class PriorAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         if ctx.empty:
             return (None, *(torch.zeros_like(t) for t in ctx.saved_tensors), None, None, None, None,
@@ -126,6 +182,7 @@ class PositionalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         if ctx.empty:
             return (None, *(torch.zeros_like(t) for t in ctx.saved_tensors), None, None, None,

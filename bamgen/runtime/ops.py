@@ -299,9 +299,9 @@ class FuncAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1], output[2])
 
     @staticmethod
+    @autograd.first_order
     def backward(ctx, dout, _dstats, _dextra):
-        with torch.no_grad():
-            return (None,) + _op_backward(ctx.prior, ctx, dout, _dstats, _dextra)
+        return (None,) + _op_backward(ctx.prior, ctx, dout, _dstats, _dextra)
 
 
 class Ops:

@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from bamgen.generated import bam_ssmax, fire, gaussian, generalized_gaussian as ggd, t5, uniform
+from bamgen.generated import forget_gate as fg
 from bamgen.runtime.ops import TritonOps, op_name
 from tests.helpers import ROOT
 
@@ -221,6 +222,44 @@ def test_func_grad_and_vmap():
     with pytest.warns(UserWarning, match="batching rule"):   # torch's per-element fallback
         per_sample = torch.func.vmap(torch.func.grad(loss))(qs)
     torch.testing.assert_close(per_sample, want, rtol=0, atol=0)
+
+
+SECOND = "has no second derivative"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], ids=["cpu_path", "kernels"])
+def test_second_derivatives_raise_instead_of_a_silent_zero(backend):
+    """A gradient taken with create_graph=True cannot be differentiated through the attention:
+    a gradient penalty, a Hessian, torch.func.grad of a grad, and a prior over position tensors
+    raise, where the gradients came back as constants (the penalty's share of dk dropped, a
+    Hessian of zeros: silent)."""
+    torch.manual_seed(6)
+    layer = ggd.GeneralizedGaussianAttention(2)
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+
+    def loss(x):
+        return layer(x, k, v, backend=backend).square().sum()
+
+    x = q.clone().requires_grad_()
+    k.requires_grad_()
+    out = layer(x, k, v, backend=backend)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)   # a gradient penalty on x
+    with pytest.raises(RuntimeError, match=SECOND):
+        (out.sum() + g.square().sum()).backward()
+    with pytest.raises(RuntimeError, match=SECOND):
+        torch.autograd.functional.hessian(loss, q)
+    with pytest.raises(RuntimeError, match=SECOND):
+        torch.func.grad(lambda y: torch.func.grad(loss)(y).sum())(q)
+    c = torch.randn(1, 2, 5).cumsum(-1).requires_grad_()
+    out = fg.attention(q, k, v, causal=True, pos_q=c, pos_k=c, backend=backend)
+    g, = torch.autograd.grad(out.sum(), c, create_graph=True)
+    with pytest.raises(RuntimeError, match=SECOND):
+        torch.autograd.grad(g.sum(), k)
+    # first derivatives with create_graph=True are the ordinary ones
+    x = q.clone().requires_grad_()
+    g, = torch.autograd.grad(loss(x), x, create_graph=True)
+    x2 = q.clone().requires_grad_()
+    torch.testing.assert_close(g, torch.autograd.grad(loss(x2), x2)[0], rtol=0, atol=0)
 
 
 def test_op_names_and_reimport(monkeypatch):
