@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .runtime.autograd import first_order
 from .runtime.checks import check_causal
 from .runtime.params import param_block
 from .runtime.positions import given_positions
@@ -637,6 +638,7 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @first_order   # (a second derivative raises, as the one-process attention's does)
     def backward(ctx, dout):
         q, k, v, learned, out, stats, *pos = ctx.saved_tensors
         ring, call = ctx.ring, ctx.call

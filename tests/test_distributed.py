@@ -605,6 +605,18 @@ def test_ssmax_n_counts_the_whole_row():
     torch.testing.assert_close(ring, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_ring_second_derivatives_raise():
+    """A gradient through the ring taken with create_graph=True cannot be differentiated again:
+    it raises, as attention()'s does, where it came back as a constant (a silent 0)."""
+    mod = importlib.import_module("generated.generalized_gaussian")
+    q, k, v, _ = _inputs(1, 2, 2, 8, 16, seed=4)
+    q.requires_grad_()
+    out = ring_attention(mod, q, k, v, causal=True, **mod.default_params(2))
+    g, = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="has no second derivative"):
+        torch.autograd.grad(g.square().sum(), q)
+
+
 def test_ring_attention_argument_errors():
     mod = importlib.import_module("generated.generalized_gaussian")
     q = torch.randn(1, 2, 8, 16)
