@@ -31,14 +31,21 @@ class PriorAttention(torch.nn.Module):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
-        values = self._bamgen_prior.default_params(num_heads)
-        for name, value in (init or {}).items():
-            if name not in values:
-                raise ValueError(f"init: unknown parameter {name!r}; known: "
-                                 f"{', '.join(traits.param_names) or 'none'}")
-            values[name] = _stored_shape(traits.param(name), param_block(
-                traits.param(name), value, num_heads, "cpu").detach().clone())
-        check_domains(traits, values, what="init: ")
+        # The values are made and checked on the CPU, then placed: under `with
+        # torch.device("meta")` (a large model built without memory, then loaded with
+        # load_state_dict(assign=True)) the factories would make meta tensors, whose domain
+        # check cannot read a value.
+        if device is None:
+            device = torch.get_default_device()
+        with torch.device("cpu"):
+            values = self._bamgen_prior.default_params(num_heads)
+            for name, value in (init or {}).items():
+                if name not in values:
+                    raise ValueError(f"init: unknown parameter {name!r}; known: "
+                                     f"{', '.join(traits.param_names) or 'none'}")
+                values[name] = _stored_shape(traits.param(name), param_block(
+                    traits.param(name), value, num_heads, "cpu").detach().clone())
+            check_domains(traits, values, what="init: ")
         for p in traits.params:
             value = values[p.name] if p.per_head or p.size is not None else values[p.name][:1]
             value = value.to(device)

@@ -90,6 +90,24 @@ def test_the_base_module_class_says_to_use_a_prior_s_own():
     assert ggd.GeneralizedGaussianAttention(num_heads=2).num_heads == 2
 
 
+def test_a_module_built_on_the_meta_device_loads_its_weights():
+    """`with torch.device("meta")` builds a large model without memory, then
+    load_state_dict(assign=True) brings the weights: the prior's parameters are meta tensors
+    (their init was made on meta and its domain check read a meta value: an internal
+    'Tensor.item() cannot be called on meta tensors'), and the loaded module attends as the
+    saved one."""
+    torch.manual_seed(0)
+    saved = ggd.GeneralizedGaussianAttention(num_heads=2, init={"beta": 1.5})
+    with torch.device("meta"):
+        layer = ggd.GeneralizedGaussianAttention(num_heads=2, init={"beta": 1.5})
+        with pytest.raises(ValueError, match="alpha must be positive"):
+            ggd.GeneralizedGaussianAttention(num_heads=2, init={"alpha": -1.0})
+    assert {p.device.type for p in layer.parameters()} == {"meta"}
+    layer.load_state_dict(saved.state_dict(), assign=True)
+    q = torch.randn(1, 2, 6, 8)
+    torch.testing.assert_close(layer(q, q, q), saved(q, q, q), rtol=0, atol=0)
+
+
 def test_module_parameters_stay_in_domain_and_train():
     attn = ggd.GeneralizedGaussianAttention(num_heads=4)
     names = sorted(n for n, _ in attn.named_parameters())
