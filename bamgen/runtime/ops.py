@@ -71,7 +71,8 @@ def tracing(q) -> bool:
     torch.func transform: then attention() calls the custom ops."""
     return (torch.compiler.is_compiling() or _non_strict_tracing()
             or torch._C._functorch.peek_interpreter_stack() is not None
-            or isinstance(q, torch._subclasses.FakeTensor))
+            or isinstance(q, torch._subclasses.FakeTensor)
+            or (isinstance(q, torch.Tensor) and q.is_meta))
 
 
 def attend(prior, q, k, v, theta, causal, scale, backend, q_offset, k_offset, key_mask,

@@ -108,6 +108,24 @@ def test_a_module_built_on_the_meta_device_loads_its_weights():
     torch.testing.assert_close(layer(q, q, q), saved(q, q, q), rtol=0, atol=0)
 
 
+def test_meta_tensors_give_shapes_forward_and_backward():
+    """A forward on meta tensors (shape inference: a pipeline stage's, a model built on the
+    meta device) gives the output's shape and the gradients' shapes through the custom ops'
+    fake implementations, as under torch.compile (it stopped inside the CPU path with
+    'Tensor.item() cannot be called on meta tensors')."""
+    with torch.device("meta"):
+        layer = ggd.GeneralizedGaussianAttention(num_heads=4)
+        q, k, v = qkv(B=2, Hq=4, Hk=2)
+    q.requires_grad_()
+    out = layer(q, k, v)
+    assert out.is_meta and out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.is_meta and q.grad.shape == q.shape
+    assert layer.raw_alpha.grad.is_meta and layer.raw_alpha.grad.shape == (4,)
+    with torch.no_grad():
+        assert layer(q[:, :, :1], k, v, q_offset=10).shape == (2, 4, 1, 16)   # a decode step
+
+
 def test_module_parameters_stay_in_domain_and_train():
     attn = ggd.GeneralizedGaussianAttention(num_heads=4)
     names = sorted(n for n, _ in attn.named_parameters())
