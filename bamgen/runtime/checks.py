@@ -15,6 +15,10 @@ _BACKENDS = ("auto", "triton", "torch")
 
 
 def check_inputs(q, k, v, causal, scale, backend):
+    if torch.jit.is_tracing():   # (its tensors stand for sizes: an AttributeError from inside)
+        raise RuntimeError("torch.jit.trace is not supported (nor torch.jit.script: torch "
+                           "deprecates both); use torch.export.export, or torch.compile, which "
+                           "trace bamgen's attention through its custom ops")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -126,6 +126,18 @@ def test_meta_tensors_give_shapes_forward_and_backward():
         assert layer(q[:, :, :1], k, v, q_offset=10).shape == (2, 4, 1, 16)   # a decode step
 
 
+def test_torch_jit_trace_is_refused_with_what_to_use_instead():
+    """torch.jit.trace of a model with the module or attention() says it is not supported and
+    names torch.export (an AttributeError, 'Tensor' object has no attribute 'bit_length', came
+    from inside the CPU decode step, whose sizes the trace turns into tensors)."""
+    layer = ggd.GeneralizedGaussianAttention(num_heads=2)
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="torch.jit.trace is not supported.*torch.export"):
+        torch.jit.trace(layer, (q, q, q))
+    with pytest.raises(RuntimeError, match="torch.jit.trace is not supported"):
+        torch.jit.trace(lambda q: ggd.attention(q, q, q, alpha=2.0, beta=1.0, mu=0.0), (q,))
+
+
 def test_module_parameters_stay_in_domain_and_train():
     attn = ggd.GeneralizedGaussianAttention(num_heads=4)
     names = sorted(n for n, _ in attn.named_parameters())
