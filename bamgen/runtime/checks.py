@@ -14,6 +14,22 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "triton", "torch")
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v as the attention takes them under torch.autocast: floating tensors other than
+    float64 in the autocast dtype of their device, as scaled_dot_product_attention takes them
+    (autocast casts the inputs of torch's own ops, never of a Python function): a model moved
+    from SDPA to a prior keeps its mixed precision, and q and k in float32 beside v in bfloat16
+    (a float32 rotary table) run instead of failing the shared-dtype check."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v
+    device = q.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (q, k, v))
+
+
 def check_inputs(q, k, v, causal, scale, backend):
     if torch.jit.is_tracing():   # (its tensors stand for sizes: an AttributeError from inside)
         raise RuntimeError("torch.jit.trace is not supported (nor torch.jit.script: torch "

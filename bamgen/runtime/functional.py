@@ -16,6 +16,7 @@ def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_off
               pos_k=None):
     """softmax_j(logit_ij) @ v with the prior's logit; values: {parameter name: float or tensor
     [Hq]}. The arguments and the result are the generated module's attention()'s."""
+    q, k, v = checks.autocast_inputs(q, k, v)
     checks.check_inputs(q, k, v, causal, scale, backend)
     if not ops.tracing(q):   # (traced: the ops check it when they run, as eager's error)
         checks.check_causal(prior.traits, causal, pos_q, pos_k)

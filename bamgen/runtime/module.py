@@ -83,6 +83,7 @@ class PriorAttention(torch.nn.Module):
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
             raise ValueError(f"q has {q.shape[1]} heads but this module was built with "
                              f"num_heads={self.num_heads}")
+        q, k, v = checks.autocast_inputs(q, k, v)
         checks.check_inputs(q, k, v, causal, scale, backend)
         if not ops.tracing(q):   # (traced: the ops check it when they run, as eager's error)
             checks.check_causal(prior.traits, causal, pos_q, pos_k)

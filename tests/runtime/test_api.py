@@ -138,6 +138,30 @@ def test_torch_jit_trace_is_refused_with_what_to_use_instead():
         torch.jit.trace(lambda q: ggd.attention(q, q, q, alpha=2.0, beta=1.0, mu=0.0), (q,))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_autocast_runs_the_attention_in_its_dtype_as_sdpa(backend):
+    """Under torch.autocast the attention takes q, k, v in the autocast dtype, as
+    scaled_dot_product_attention does: q and k in float32 (a float32 rotary table) beside v in
+    bfloat16 ran into 'q, k and v must share a dtype', and float32 inputs ran in float32. The
+    gradients come back in the inputs' dtypes."""
+    torch.manual_seed(0)
+    layer = ggd.GeneralizedGaussianAttention(num_heads=4)
+    q, k, v = qkv(Hq=4, Hk=2)
+    q.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(q, k, v.bfloat16(), backend=backend)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True)
+        values = {name: value.detach() for name, value in layer.prior_params().items()}
+        assert ggd.attention(q, k, v, **values, backend=backend).dtype == torch.bfloat16
+    assert out.dtype == want.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and layer.raw_alpha.grad.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(out, layer(q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                              backend=backend), rtol=0, atol=0)
+
+
 def test_module_parameters_stay_in_domain_and_train():
     attn = ggd.GeneralizedGaussianAttention(num_heads=4)
     names = sorted(n for n, _ in attn.named_parameters())
