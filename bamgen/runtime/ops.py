@@ -203,9 +203,11 @@ def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backen
         t.requires_grad for t in (q, k, v, theta, pos_q, pos_k))
     # (no position gradient wanted: integer positions may read a table prior's distance table)
     position_grads = for_backward and (pos_q.requires_grad or pos_k.requires_grad)
-    return prior.ops.pfwd(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
-                          cu_seqlens_k, use_triton, for_backward, check, position_grads,
-                          q_offset, k_offset)[0]
+    args = (q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q, cu_seqlens_k,
+            use_triton, for_backward, check, position_grads, q_offset, k_offset)
+    if torch._C._functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling():
+        return FuncPositionalAttention.apply(prior, *args)[0]   # torch.func.grad, vmap, jacrev
+    return prior.ops.pfwd(*args)[0]
 
 
 def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
@@ -303,6 +305,28 @@ class FuncAttention(torch.autograd.Function):
     @autograd.first_order
     def backward(ctx, dout, _dstats, _dextra):
         return (None,) + _op_backward(ctx.prior, ctx, dout, _dstats, _dextra)
+
+
+class FuncPositionalAttention(torch.autograd.Function):
+    """FuncAttention for a call with position tensors: the positional ops under torch.func
+    transforms, gradients for the positions included."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(prior, *args):
+        with torch.no_grad():   # (the op's own autograd would refuse the transform)
+            return prior.ops.pfwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.prior = inputs[0]
+        _op_p_setup_context(ctx, inputs[1:], output)
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    @staticmethod
+    @autograd.first_order
+    def backward(ctx, dout, _dstats, _dextra):
+        return (None,) + _op_p_backward(ctx.prior, ctx, dout, _dstats, _dextra)
 
 
 class Ops:

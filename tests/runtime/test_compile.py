@@ -224,6 +224,31 @@ def test_func_grad_and_vmap():
     torch.testing.assert_close(per_sample, want, rtol=0, atol=0)
 
 
+def test_func_grad_and_vmap_with_positions():
+    """torch.func.grad and vmap(grad) of a FoX call (positions as tensors) equal autograd, the
+    positions' gradients included; the positional ops' own autograd refused the transforms
+    ('it must override the setup_context staticmethod')."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+
+    def loss(c, q):
+        return fg.attention(q, k, v, causal=True, pos_q=c, pos_k=c).square().sum()
+
+    cs = torch.randn(3, 1, 2, 9).cumsum(-1)
+    want = []
+    for c in cs:
+        c = c.clone().requires_grad_()
+        loss(c, q).backward()
+        want.append(c.grad)
+    want = torch.stack(want)
+    torch.testing.assert_close(torch.func.grad(loss)(cs[0], q), want[0], rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="batching rule"):   # torch's per-element fallback
+        per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))(cs, q)
+    torch.testing.assert_close(per_sample, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="has no second derivative"):
+        torch.func.grad(lambda c: torch.func.grad(loss)(c, q).sum())(cs[0])
+
+
 SECOND = "has no second derivative"
 
 
