@@ -27,32 +27,49 @@ class PriorAttention(torch.nn.Module):
                             "bamgen.load('generalized_gaussian').GeneralizedGaussianAttention"
                             "(num_heads=8)")
         super().__init__()
-        traits = self._bamgen_prior.traits
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
-        # The values are made and checked on the CPU, then placed: under `with
-        # torch.device("meta")` (a large model built without memory, then loaded with
-        # load_state_dict(assign=True)) the factories would make meta tensors, whose domain
-        # check cannot read a value.
+        self._bamgen_init = dict(init or {})
         if device is None:
             device = torch.get_default_device()
+        for p, value in self._initial_storage():
+            value = value.to(device)
+            if p.learnable:
+                self.register_parameter(p.storage, torch.nn.Parameter(value))
+            else:
+                self.register_buffer(p.storage, value)
+
+    def _initial_storage(self):
+        """[(parameter traits, its stored initial value)]: the prior's inits with the module's
+        init= over them, checked in their domains, then mapped out of them (raw_x) for a
+        learnable one. Made and checked on the CPU: under `with torch.device("meta")` (a large
+        model built without memory, then loaded with load_state_dict(assign=True), or
+        initialised by reset_parameters() after to_empty()) the factories would make meta
+        tensors, whose domain check cannot read a value."""
+        traits, num_heads = self._bamgen_prior.traits, self.num_heads
         with torch.device("cpu"):
             values = self._bamgen_prior.default_params(num_heads)
-            for name, value in (init or {}).items():
+            for name, value in getattr(self, "_bamgen_init", {}).items():   # (older pickles: none)
                 if name not in values:
                     raise ValueError(f"init: unknown parameter {name!r}; known: "
                                      f"{', '.join(traits.param_names) or 'none'}")
                 values[name] = _stored_shape(traits.param(name), param_block(
                     traits.param(name), value, num_heads, "cpu").detach().clone())
             check_domains(traits, values, what="init: ")
+        stored = []
         for p in traits.params:
             value = values[p.name] if p.per_head or p.size is not None else values[p.name][:1]
-            value = value.to(device)
-            if p.learnable:
-                self.register_parameter(p.storage, torch.nn.Parameter(from_domain(p, value)))
-            else:
-                self.register_buffer(p.storage, value)
+            stored.append((p, from_domain(p, value) if p.learnable else value))
+        return stored
+
+    def reset_parameters(self):
+        """Initialise the parameters again, in place, as the constructor did (its init= over
+        the prior's inits; a random init is drawn anew): after to_empty() of a module built on
+        the meta device, as FSDP's deferred initialisation calls it."""
+        with torch.no_grad():
+            for p, value in self._initial_storage():
+                getattr(self, p.storage).copy_(value)
 
     def prior_params(self):
         """{name: the parameter's current value}: a scalar [num_heads] (or [1] when the heads

@@ -108,6 +108,29 @@ def test_a_module_built_on_the_meta_device_loads_its_weights():
     torch.testing.assert_close(layer(q, q, q), saved(q, q, q), rtol=0, atol=0)
 
 
+def test_reset_parameters_after_to_empty_initialises_as_the_constructor():
+    """A module built on the meta device and materialised with to_empty() (FSDP's deferred
+    initialisation) had no way back to its init but a state dict: reset_parameters() gives
+    the constructor's values, init= included, in place; a random init (T5's buckets) is drawn
+    anew, as nn.Linear's is."""
+    from generated import t5
+    want = ggd.GeneralizedGaussianAttention(num_heads=4, init={"beta": 1.5})
+    with torch.device("meta"):
+        layer = ggd.GeneralizedGaussianAttention(num_heads=4, init={"beta": 1.5})
+    layer.to_empty(device="cpu")
+    raw_alpha = layer.raw_alpha
+    layer.reset_parameters()
+    assert layer.raw_alpha is raw_alpha   # (in place: an optimiser's references stay valid)
+    for name, value in want.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], value), name
+    torch.manual_seed(0)
+    buckets = t5.T5Attention(num_heads=2)
+    before = buckets.raw_w.clone()
+    buckets.reset_parameters()
+    assert buckets.raw_w.shape == before.shape and not torch.equal(buckets.raw_w, before)
+    assert 0.01 < float(buckets.raw_w.std()) < 0.1   # its init: normal(0, 0.044)
+
+
 def test_meta_tensors_give_shapes_forward_and_backward():
     """A forward on meta tensors (shape inference: a pipeline stage's, a model built on the
     meta device) gives the output's shape and the gradients' shapes through the custom ops'
