@@ -29,7 +29,9 @@ class HostReads:
 
     def read(self, what, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not any(reads_wait(t) for t in tensors):
+        # (an inference tensor, made under torch.inference_mode, has no version counter: its
+        # in-place writes cannot be told apart, so it is read every call)
+        if not any(reads_wait(t) for t in tensors) or any(t.is_inference() for t in tensors):
             return what(*args)
         key = (what,) + tuple(("tensor", id(a)) if isinstance(a, torch.Tensor) else a for a in args)
         entry = self.kept.get(key)

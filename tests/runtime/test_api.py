@@ -338,6 +338,26 @@ def test_a_layout_passed_again_is_not_read_again(monkeypatch, layout):
     assert reads()[0] > 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_layout_made_under_inference_mode_is_read_every_call(monkeypatch, backend):
+    """torch.inference_mode's tensors have no version counter (reading _version raises): a
+    layout made there, written in place there between calls, is read every call, never kept.
+    (reads_wait stands in for a GPU's tensors, which are the ones kept.)"""
+    from bamgen.runtime import host_reads
+    monkeypatch.setattr(host_reads, "reads_wait", lambda tensor: True)
+    q, k, v = qkv(B=2, Nq=1, Nk=23)
+    kw = dict(alpha=2.0, beta=2.0, mu=0.0, backend=backend)
+    with torch.inference_mode():
+        pad = torch.tensor([3, 0])
+        q_offset, k_offset = 22 - pad, -pad
+        first = ggd.attention(q, k, v, **kw, q_offset=q_offset, k_offset=k_offset)
+        k_offset.sub_(2)   # (no version to move)
+        second = ggd.attention(q, k, v, **kw, q_offset=q_offset, k_offset=k_offset)
+        fresh = ggd.attention(q, k, v, **kw, q_offset=q_offset.clone(), k_offset=k_offset.clone())
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(second, fresh, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("key_mask", [False, True])
 def test_key_counts_span_every_row_the_kernels_address(key_mask):
     """The kernels load each query row's key count n at NRow + row, whether the prior reads n or
