@@ -164,6 +164,8 @@ class DomainCheck:
         """Whether every value is a number in its domain or a tensor that passed, unchanged."""
         for param, value in zip(self.traits.params, sources):
             if isinstance(value, torch.Tensor):
+                if value.is_inference():   # (no version counter: tested every call)
+                    return False
                 entry = self.passed.get(id(value))
                 if entry is None or entry[0]() is not value or entry[1] != value._version:
                     return False
@@ -174,7 +176,8 @@ class DomainCheck:
     def _remember(self, sources):
         """Mark the tensors among sources as passed, at their current versions."""
         for value in sources or ():
-            if isinstance(value, torch.Tensor):
+            # (an inference tensor, made under torch.inference_mode, has no version counter)
+            if isinstance(value, torch.Tensor) and not value.is_inference():
                 key = id(value)
                 if key not in self.passed and len(self.passed) >= 1024:
                     self.passed.clear()

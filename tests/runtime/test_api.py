@@ -358,6 +358,18 @@ def test_a_layout_made_under_inference_mode_is_read_every_call(monkeypatch, back
     torch.testing.assert_close(second, fresh, rtol=0, atol=0)
 
 
+def test_a_tensor_parameter_made_under_inference_mode_is_tested_every_call():
+    """torch.inference_mode's tensors have no version counter: a parameter tensor made there
+    runs (reading its _version raised), and a write to it there is tested again."""
+    q, k, v = qkv()
+    with torch.inference_mode():
+        alpha = torch.full((4,), 2.0)
+        ggd.attention(q, k, v, alpha=alpha, beta=2.0, mu=0.0)
+        alpha.fill_(-1.0)   # (out of alpha's domain, with no version to move)
+        with pytest.raises(ValueError, match="alpha"):
+            ggd.attention(q, k, v, alpha=alpha, beta=2.0, mu=0.0)
+
+
 @pytest.mark.parametrize("key_mask", [False, True])
 def test_key_counts_span_every_row_the_kernels_address(key_mask):
     """The kernels load each query row's key count n at NRow + row, whether the prior reads n or
