@@ -72,7 +72,9 @@ class _NoSecondDerivative(torch.autograd.Function):
 
     @staticmethod
     def forward(count, *tensors):
-        return tuple(t.view_as(t) for t in tensors[:count])
+        # (copies, not views: a caller may change a gradient in place, dq.mul_(0.5), which a
+        # custom Function's view output refuses)
+        return tuple(t.clone() for t in tensors[:count])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
