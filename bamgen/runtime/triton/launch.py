@@ -551,10 +551,12 @@ class KernelLayout:
 def work_items(cu_seqlens, block):
     """int32 [items, 2] on cu_seqlens' device: (document, tile) for every tile of `block` rows
     of every document, in order."""
-    bounds = HOST_READS.read(values, cu_seqlens)
-    items = [(doc, tile) for doc, (start, end) in enumerate(zip(bounds, bounds[1:]))
-             for tile in range(triton.cdiv(end - start, block))]
-    return torch.tensor(items, dtype=torch.int32).reshape(-1, 2).to(cu_seqlens.device)
+    bounds = torch.tensor(HOST_READS.read(values, cu_seqlens), dtype=torch.int64)   # (host)
+    tiles = (bounds[1:] - bounds[:-1] + block - 1) // block            # per document
+    doc = torch.repeat_interleave(torch.arange(tiles.numel()), tiles)
+    first = torch.cumsum(tiles, 0) - tiles                             # each document's first item
+    tile = torch.arange(doc.numel()) - first[doc]
+    return torch.stack([doc, tile], 1).to(device=cu_seqlens.device, dtype=torch.int32).contiguous()
 
 
 def eager_kernel(kernel):
