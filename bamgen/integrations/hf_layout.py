@@ -60,7 +60,9 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if isinstance(attention_mask, PaddingLayout):
         return attention_mask   # built by generate() for this very step
     layout = _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
-    both_ways = not torch.compiler.is_compiling() and _or_rule(mask_function)
+    both_ways = (not torch.compiler.is_compiling() and _or_rule(mask_function)
+                 and _sees_ahead(mask_function, batch_size, q_length, kv_length, q_offset,
+                                 kv_offset, attention_mask))
     return PaddingLayout(layout.key_mask, layout.q_offset, layout.k_offset, local_size or None,
                          both_ways)
 
@@ -83,6 +85,24 @@ def _or_rule(mask_function, depth: int = 0) -> bool:
         if any(f.__qualname__ != "causal_mask_function" for f in inner):
             return True
     return any(_or_rule(f, depth + 1) for f in inner)
+
+
+def _sees_ahead(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset,
+                attention_mask) -> bool:
+    """Whether an OR-ed mask lets some query of this call see a key after it, evaluated as HF's
+    SDPA mask evaluates it, over the call's (batch, query, key) grid: Gemma 3's processor gives
+    every prompt token_type_ids, so its overlay is there for text alone, where no token is in an
+    image and the mask is causal. True (refuse) where the mask cannot be evaluated so."""
+    device = attention_mask.device if isinstance(attention_mask, torch.Tensor) else "cpu"
+    q_start, kv_start = int(q_offset), int(kv_offset)
+    batch = torch.arange(batch_size, device=device)[:, None, None]
+    query = torch.arange(q_start, q_start + q_length, device=device)[None, :, None]
+    key = torch.arange(kv_start, kv_start + kv_length, device=device)[None, None, :]
+    try:
+        seen = mask_function(batch, torch.zeros((), dtype=torch.long, device=device), query, key)
+        return bool((seen & (key > query)).any())
+    except (IndexError, RuntimeError, TypeError):
+        return True
 
 
 def _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset,
@@ -213,6 +233,19 @@ def install_document_markers(model) -> None:
         if module is model or isinstance(module, PreTrainedModel):
             if not any(getattr(hook, "func", None) is mark_documents for hook in hooks):
                 _register_marker_hook(module)
+
+
+def install_read_scope(model) -> None:
+    """Register (once) on ``model`` the hooks that keep what its layers' attention calls read of
+    their shared layout on the host for the rest of its forward (runtime/host_reads.py: on a GPU
+    a left-padded or packed forward then waits once, not once a layer)."""
+    from ..runtime.host_reads import ReadScope
+    if any(isinstance(getattr(hook, "__self__", None), ReadScope)
+           for hook in model._forward_pre_hooks.values()):
+        return
+    scope = ReadScope()
+    model.register_forward_pre_hook(scope.enter)
+    model.register_forward_hook(scope.leave, always_call=True)
 
 
 def _register_marker_hook(module) -> None:

@@ -40,8 +40,8 @@ from types import ModuleType
 
 import torch
 
-from .hf_layout import (PaddingLayout, install_document_markers, packed_documents,
-                        padding_layout)
+from .hf_layout import (PaddingLayout, install_document_markers, install_read_scope,
+                        packed_documents, padding_layout)
 from .hf_variants import (LayerExtras, call_extras, forward_source, layer_extras, prior_source,
                           variant_module)
 
@@ -367,6 +367,7 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
         _remove_rotary(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     install_document_markers(model)
+    install_read_scope(model)
 
 
 def _attention_layers(model) -> list[torch.nn.Module]:

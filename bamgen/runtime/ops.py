@@ -31,6 +31,7 @@ import torch
 
 from . import autograd, checks
 from .constants import TABLE_PAD
+from .host_reads import read_fresh
 from .params import dtheta
 from .tables import acc_dtype
 from .triton import interpreting
@@ -115,6 +116,7 @@ def _op_layout(q, k, q_offset, k_offset, q_offsets, k_offsets, key_mask, cu_seql
                          cu_seqlens_k)
 
 
+@read_fresh   # (a compiled graph runs it: host_reads)
 def _op_fwd(prior, q, k, v, theta, causal, scale, q_offset, k_offset, q_offsets, k_offsets, key_mask,
             cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check):
     """(out, stats, extra): out contiguous in q's dtype; stats the softmax statistics of the
@@ -151,6 +153,7 @@ def _op_fwd_fake(q, k, v, theta, causal, scale, q_offset, k_offset, q_offsets, k
     return out, q.new_empty((B, Hq, Nq, 2), dtype=acc_dtype(q)), q.new_empty((0,))
 
 
+@read_fresh   # (a compiled graph runs it: host_reads)
 def _op_bwd(prior, dout, q, k, v, out, stats, extra, theta, causal, scale, q_offset, k_offset,
             q_offsets, k_offsets, key_mask, cu_seqlens_q, cu_seqlens_k, use_triton):
     """(dq, dk, dv, dparams [Hq, learnable] in theta's dtype) of one _op_fwd."""
@@ -210,6 +213,7 @@ def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backen
     return prior.ops.pfwd(*args)[0]
 
 
+@read_fresh   # (a compiled graph runs it: host_reads)
 def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
              cu_seqlens_k, use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0):
     """(out, stats, extra) as _op_fwd's, of a call with position tensors (the int offsets
@@ -238,6 +242,7 @@ def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seql
                         cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check)
 
 
+@read_fresh   # (a compiled graph runs it: host_reads)
 def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal, scale, key_mask,
              cu_seqlens_q, cu_seqlens_k, use_triton, position_grads, q_offset=0, k_offset=0):
     """(dq, dk, dv, dparams, dpos_q, dpos_k) of one _op_pfwd."""
@@ -397,6 +402,7 @@ class Ops:
 # ----------------------------------------------------------------------------------------
 # The triton ops (see the module's docstring)
 # ----------------------------------------------------------------------------------------
+@read_fresh   # (a compiled graph runs it: host_reads)
 def _op_prepare(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_backward, check):
     """(table, window, counts) of a traced GPU call, after the eager checks: the distance table
     (with its derivative slots when a backward follows; [1] for an inline prior), the block

@@ -1116,6 +1116,17 @@ def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
                                          r"see keys after them"):
         model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == 110).long())
     assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits).all()
+    # text alone with the token_type_ids Gemma 3's processor gives every prompt (all 0): the
+    # overlay is in the mask, but no token is in an image, so the mask is causal and it runs
+    # (it was refused); the zero prior with RoPE kept is the model's own attention
+    text_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    text_types = torch.zeros_like(text_ids)
+    with torch.no_grad():
+        got = model(input_ids=text_ids, token_type_ids=text_types).logits
+    assert torch.isfinite(got).all()
+    out = model.generate(input_ids=text_ids, attention_mask=torch.ones_like(text_ids),
+                         token_type_ids=text_types, max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 7)
 
     def embedding_gemma():
         torch.manual_seed(0)
@@ -1131,3 +1142,28 @@ def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
     got = apply_prior(embedding_gemma(), "uniform", rope="keep")(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1, :8], want[1, :8], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_a_left_padded_step_reads_its_layout_once_whatever_its_layers(monkeypatch, layers):
+    """Every layer's attention call gets the forward's one layout (per-row offsets of the left
+    padding). On a GPU each host read of it waits for the queue: the model's forward keeps
+    what the first layer read for the others (host_reads.kept, entered by apply_prior's hooks),
+    so a decode step makes the same facts at 2 layers as at 4, and keeps none after it. The
+    model still pickles whole (the hooks hold no open scope)."""
+    import io
+
+    from bamgen.runtime import host_reads
+    monkeypatch.setattr(host_reads, "reads_wait", lambda tensor: True)
+    torch.manual_seed(0)
+    model = apply_prior(LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": layers})).eval(), ggd)
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        before = host_reads.HOST_READS.reads
+        model(token, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+    assert host_reads.HOST_READS.reads - before == 2   # (q_offset's and k_offset's ranges)
+    assert not host_reads.HOST_READS.kept
+    torch.save(model, io.BytesIO())
