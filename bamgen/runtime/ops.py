@@ -289,49 +289,37 @@ def _op_p_backward(prior, ctx, dout, _dstats, _dextra):
     return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 11
 
 
-class FuncAttention(torch.autograd.Function):
-    """The custom ops' autograd under torch.func transforms (grad, vmap, jacrev), which the ops'
-    own register_autograd does not support: the same forward and backward ops, and vmap runs
-    them once per vmapped element (torch's fallback loop). Second derivatives are not defined."""
-    generate_vmap_rule = True
-
-    @staticmethod
+def _func_attention(name: str, doc: str, op: str, setup_context, backward) -> type:
+    """An autograd Function around a prior's custom ops under torch.func transforms (grad,
+    vmap, jacrev), which the ops' own register_autograd does not support: forward runs the op
+    named ``op`` of prior.ops, setup_context and backward are the ops' own, and vmap runs them
+    once per vmapped element (torch's fallback loop, generate_vmap_rule). Second derivatives
+    raise (autograd.first_order)."""
     def forward(prior, *args):
         with torch.no_grad():   # (the op's own autograd would refuse the transform)
-            return prior.ops.fwd(*args)
+            return getattr(prior.ops, op)(*args)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup(ctx, inputs, output):
         ctx.prior = inputs[0]
-        _op_setup_context(ctx, inputs[1:], output)
+        setup_context(ctx, inputs[1:], output)
         ctx.mark_non_differentiable(output[1], output[2])
 
-    @staticmethod
     @autograd.first_order
-    def backward(ctx, dout, _dstats, _dextra):
-        return (None,) + _op_backward(ctx.prior, ctx, dout, _dstats, _dextra)
+    def run_backward(ctx, dout, _dstats, _dextra):
+        return (None,) + backward(ctx.prior, ctx, dout, _dstats, _dextra)
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": doc, "__module__": __name__, "generate_vmap_rule": True,
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup),
+        "backward": staticmethod(run_backward)})
 
 
-class FuncPositionalAttention(torch.autograd.Function):
-    """FuncAttention for a call with position tensors: the positional ops under torch.func
-    transforms, gradients for the positions included."""
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(prior, *args):
-        with torch.no_grad():   # (the op's own autograd would refuse the transform)
-            return prior.ops.pfwd(*args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.prior = inputs[0]
-        _op_p_setup_context(ctx, inputs[1:], output)
-        ctx.mark_non_differentiable(output[1], output[2])
-
-    @staticmethod
-    @autograd.first_order
-    def backward(ctx, dout, _dstats, _dextra):
-        return (None,) + _op_p_backward(ctx.prior, ctx, dout, _dstats, _dextra)
+FuncAttention = _func_attention(
+    "FuncAttention", "The ops _fwd and _bwd under torch.func transforms.", "fwd",
+    _op_setup_context, _op_backward)
+FuncPositionalAttention = _func_attention(
+    "FuncPositionalAttention", "The positional ops _pfwd and _pbwd under torch.func transforms, "
+    "gradients for the positions included.", "pfwd", _op_p_setup_context, _op_p_backward)
 
 
 class Ops:
