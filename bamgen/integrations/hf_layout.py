@@ -16,6 +16,7 @@ call carries, as bamgen's ``cu_seqlens_q/k``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import types
@@ -63,8 +64,7 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     both_ways = (not torch.compiler.is_compiling() and _or_rule(mask_function)
                  and _sees_ahead(mask_function, batch_size, q_length, kv_length, q_offset,
                                  kv_offset, attention_mask))
-    return PaddingLayout(layout.key_mask, layout.q_offset, layout.k_offset, local_size or None,
-                         both_ways)
+    return dataclasses.replace(layout, window=local_size or None, both_ways=both_ways)
 
 
 def _or_rule(mask_function, depth: int = 0) -> bool:

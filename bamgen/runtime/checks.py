@@ -141,9 +141,8 @@ def offset(name, value, B, device):
             raise ValueError(f"{name} must be an int or an integer tensor of shape [B] = [{B}] (one "
                              f"start position per batch row), got shape {tuple(value.shape)}")
         else:
-            if B == 0:
-                return value.to(device=device, dtype=torch.int64), 0, 0
-            lo, hi = HOST_READS.read(min_max, value)   # (a model's layers: read once)
+            # (within host_reads.kept(), a model's layers: read once)
+            lo, hi = HOST_READS.read(min_max, value) if B else (0, 0)
             return value.to(device=device, dtype=torch.int64), lo, hi
     number = as_int(value)
     if number is None:
@@ -165,7 +164,7 @@ def _cu_seqlens(name, value, total, device):
                          f"lengths (FlashAttention's varlen convention), got {value!r}")
     if value.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be an int32 tensor (cumulative document lengths), got {value.dtype}")
-    bounds = HOST_READS.read(values, value)   # (a model's layers: read once)
+    bounds = HOST_READS.read(values, value)   # (within host_reads.kept(): read once)
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0]}")
     if any(b < a for a, b in zip(bounds, bounds[1:])):
@@ -212,10 +211,9 @@ def layout(q, k, q_offset, k_offset, key_mask=None, cu_seqlens_q=None, cu_seqlen
 def block_offsets(q, k, q_offset, k_offset):
     """The block API takes int offsets (a block is one slice of keys of every batch row):
     (q_offset, k_offset) as Python ints."""
-    offsets = []
-    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if as_int(off) is None:
+    offsets = tuple(as_int(off) for off in (q_offset, k_offset))
+    for name, off, number in zip(("q_offset", "k_offset"), (q_offset, k_offset), offsets):
+        if number is None:
             raise ValueError(f"{name} must be an int in the block API, got {off!r}")
-        offsets.append(as_int(off))
     check_positions(q.shape[2], k.shape[2], offsets[0], offsets[0], offsets[1], offsets[1])
-    return tuple(offsets)
+    return offsets

@@ -14,7 +14,7 @@ Why a scope, not a cache across calls: some writes move no version. A compiled g
 dead buffer to a new tensor and fills it with its own kernel; .data writes, collectives
 (dist.broadcast into a buffer) and DLPack aliases write past the counter. Within one forward of
 eager code a layout is not rewritten, and the custom ops' implementations, which compiled
-graphs run, read afresh (fresh()) even inside kept(). Outside kept() every call reads anew, as
+graphs run, read afresh (read_fresh) even inside kept(). Outside kept() every call reads anew, as
 do CPU tensors (a read costs nothing there) and inference tensors (no version counter).
 """
 from __future__ import annotations
@@ -56,7 +56,6 @@ class HostReads:
         refs = tuple(weakref.ref(t, lambda _, key=key: self.kept.pop(key, None)) for t in tensors)
         self.kept[key] = (refs, tuple(t._version for t in tensors), facts)
         return facts
-
 
     def forget(self) -> None:
         self.kept.clear()

@@ -523,15 +523,19 @@ class KernelLayout:
             self._cu = (cu_seqlens_q, cu_seqlens_k)
         else:
             self.cu_q = self.cu_k = placeholder
+        self._work = {}
         self._placeholder = placeholder
 
     def work(self, side, block):
         """int32 [items, 2] of (document, tile) for the documents' query (side 0) or key (side 1)
-        tiles of `block` rows; the placeholder without packed documents. Kept while cu_seqlens is
-        unchanged (host_reads: every layer of a model passes the same one)."""
+        tiles of `block` rows; the placeholder without packed documents. Made once a call (a
+        launch asks twice: its grid and its pointers), and within host_reads.kept() once while
+        cu_seqlens is unchanged (every layer of a model passes the same one)."""
         if not self.varlen:
             return self._placeholder
-        return HOST_READS.read(work_items, self._cu[side], block)
+        if (side, block) not in self._work:
+            self._work[side, block] = HOST_READS.read(work_items, self._cu[side], block)
+        return self._work[side, block]
 
     def grid0(self, side, block, count):
         """Programs along the grid's first axis: the work items, or the tiles of count rows."""
