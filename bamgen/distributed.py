@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .runtime.autograd import first_order
-from .runtime.checks import check_causal
+from .runtime.checks import autocast_inputs, check_causal
 from .runtime.params import param_block
 from .runtime.positions import given_positions
 
@@ -755,10 +755,12 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     **params: the prior's parameters, in the shapes its attention() takes (a float or a tensor
         [Hq] for a scalar, [Hq, size] or [size] for a vector), the same values on every rank; tensors that require grad get the gradient of the whole sequence (summed
         over the group), e.g. the values of `layer.prior_params()`.
-    Returns this rank's shard of the output [B, Hq, 2c, D] in q's dtype. Differentiable in q, k,
+    Returns this rank's shard of the output [B, Hq, 2c, D] in q's dtype (the autocast dtype under
+    torch.autocast, as `mod.attention`). Differentiable in q, k,
     v and the parameters; every rank of the group must call it (and its backward) alike.
     """
     _check_module(mod)
+    q, k, v = autocast_inputs(q, k, v)   # as mod.attention takes them under torch.autocast
     _check_shards(q, k, v)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")

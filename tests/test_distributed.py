@@ -617,6 +617,25 @@ def test_ring_second_derivatives_raise():
         torch.autograd.grad(g.square().sum(), q)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ring_takes_autocast_s_dtype_as_attention_does(backend):
+    """Under torch.autocast the ring casts q, k, v to its dtype, as mod.attention does: float32
+    q and k (a float32 rotary table) beside bfloat16 v ran into a dtype error, and a model
+    moved from attention() to the ring under autocast changed precision. Equal to attention()
+    under the same autocast; the gradients come back in the inputs' dtype."""
+    mod = importlib.import_module("generated.generalized_gaussian")
+    q, k, v, dout = _inputs(1, 4, 2, 16, 16, seed=5)
+    params = mod.default_params(4)
+    q.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ring = ring_attention(mod, q, k, v.bfloat16(), causal=True, backend=backend, **params)
+        whole = mod.attention(q, k, v, causal=True, backend=backend, **params)
+    assert ring.dtype == whole.dtype == torch.bfloat16
+    torch.testing.assert_close(ring, whole, rtol=0, atol=2 ** -7)
+    ring.backward(dout.bfloat16())
+    assert q.grad.dtype == torch.float32 and q.grad.isfinite().all()
+
+
 def test_ring_attention_argument_errors():
     mod = importlib.import_module("generated.generalized_gaussian")
     q = torch.randn(1, 2, 8, 16)

@@ -28,7 +28,9 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
     n: for a prior that reads n, the number of keys each row sees over all blocks, a tensor
     [B, Nq] or [Nq] (default: the keys of this block it sees).
     pos_q, pos_k: the rows' and keys' positions as tensors (docs/positions.md), read by the
-    prior; the offsets still place the block for the causal mask."""
+    prior; the offsets still place the block for the causal mask.
+    Under torch.autocast q, k, v are taken in its dtype, as attention() takes them."""
+    q, k, v = checks.autocast_inputs(q, k, v)
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_causal(prior.traits, causal, pos_q, pos_k)
     q_offset, k_offset = checks.block_offsets(q, k, q_offset, k_offset)
@@ -62,7 +64,9 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
     parameters' gradients. n: as forward_block's. No autograd.
     pos_q, pos_k: as forward_block's; then (dpos_q, dpos_k) follow, [B, Hq, N, C] in the
     compute dtype: this block's shares of the rows' sums of dS * d logit / d i_c and the keys'
-    sums of dS * d logit / d j_c (no row correction: they add up over the blocks as they are)."""
+    sums of dS * d logit / d j_c (no row correction: they add up over the blocks as they are).
+    Under torch.autocast q, k, v are taken in its dtype, as forward_block takes them."""
+    q, k, v = checks.autocast_inputs(q, k, v)
     checks.check_inputs(q, k, v, causal, scale, backend)
     checks.check_causal(prior.traits, causal, pos_q, pos_k)
     q_offset, k_offset = checks.block_offsets(q, k, q_offset, k_offset)
