@@ -657,7 +657,7 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backwa
     (table strategy), built with its derivative slots when a backward will follow.
 
     The backward reuses this table rather than building its own (the same values by
-    construction, one build per step). shifted: see _prior_tables; n: see _row_key_counts.
+    construction, one build per step). shifted: see tables.prior_tables; n: see _row_key_counts.
     key_mask, cu_seqlens_q/k and tensor offsets: as _layout() normalised them. pos: position
     tensors (pos_q, pos_k) [B, Hq, N, C] (docs/positions.md), taken by prior.positional's
     kernels (offsets 0; packed documents taken), or at integer positions that need no gradient
