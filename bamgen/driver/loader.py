@@ -34,8 +34,13 @@ def load_prior(prior: str | os.PathLike, *, strategy: str | None = None,
 def build_into_cache(spec: PriorSpec, source: bytes, source_name: str, strategy: str | None,
                      root: Path) -> str:
     """Compile ``spec`` and store it under ``root``; returns the artifact id. Each of the
-    build's SpecWarnings becomes a PriorWarning (the caller's: bamgen.load's)."""
-    artifact = compile_spec(spec, strategy)
+    build's SpecWarnings becomes a PriorWarning (the caller's: bamgen.load's).
+
+    The build's checks compute with CPU tensors whatever default device the caller has set
+    (a model built under ``with torch.device("meta")`` or ``"cuda"`` loads its prior there)."""
+    import torch
+    with torch.device("cpu"):
+        artifact = compile_spec(spec, strategy)
     for warning in artifact.warnings:
         warn_once(str(warning))
     try:

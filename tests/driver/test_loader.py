@@ -67,6 +67,19 @@ def test_load_finds_a_shipped_prior_by_the_name_bamgen_list_prints(tmp_path):
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 
+def test_load_under_a_meta_default_device_builds_and_gives_meta_modules(tmp_path):
+    """A model built under ``with torch.device("meta")`` may load its prior there: the build's
+    checks still compute on the CPU, and the module made in that context holds meta
+    parameters, ready for to_empty() and reset_parameters()."""
+    with torch.device("meta"):
+        module = bamgen.load("laplace", cache_dir=tmp_path / "cache")
+        layer = module.LaplaceAttention(num_heads=4)
+    assert layer.raw_b.device.type == "meta"
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert torch.allclose(layer.prior_params()["b"], module.default_params(4)["b"])
+
+
 def test_every_shipped_file_is_named_after_its_prior():
     from bamgen.resources import shipped_priors
     from bamgen.compiler.spec import load_spec
