@@ -160,10 +160,11 @@ def as_int(value):
 
 def _cu_seqlens(name, value, total, device):
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 1:
-        raise ValueError(f"{name} must be a 1-D int32 tensor [docs + 1] of cumulative document "
-                         f"lengths (FlashAttention's varlen convention), got {value!r}")
+        raise ValueError(f"{name} must be a 1-D int32 (or int64) tensor [docs + 1] of cumulative "
+                         f"document lengths (FlashAttention's varlen convention), got {value!r}")
     if value.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be an int32 tensor (cumulative document lengths), got {value.dtype}")
+        raise ValueError(f"{name} must be an int32 or int64 tensor (cumulative document lengths), "
+                         f"got {value.dtype}")
     bounds = HOST_READS.read(values, value)   # (within host_reads.kept(): read once)
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0]}")

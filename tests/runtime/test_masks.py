@@ -351,7 +351,7 @@ def test_n_counts_the_keys_a_query_sees():
     (dict(cu_seqlens_q=torch.tensor([0, 4, 3, 6], dtype=torch.int32),
           cu_seqlens_k=torch.tensor([0, 4, 3, 6], dtype=torch.int32)), "non-decreasing"),
     (dict(cu_seqlens_q=torch.tensor([0, 4, 5], dtype=torch.int32)), "must end at the packed length 6"),
-    (dict(cu_seqlens_q=torch.tensor([0.0, 4.0, 6.0])), "cu_seqlens_q must be an int32 tensor"),
+    (dict(cu_seqlens_q=torch.tensor([0.0, 4.0, 6.0])), "cu_seqlens_q must be an int32 or int64 tensor"),
     (dict(cu_seqlens_q=torch.tensor([0, 6], dtype=torch.int32)), "same number of documents"),
     (dict(cu_seqlens_k=None), "go together"),
     (dict(q_offset=2), "must be 0 with packed documents"),
