@@ -299,8 +299,10 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
                             lambda e: sp.Piecewise(*[(-sp.oo if v == 0 else sp.log(v), c)
                                                      for v, c in e.args[0].args]))
         # log of an unnormalised density: split products and powers so log(exp(x)) -> x.
-        expr = sp.expand_log(expr, force=True)
-        expr = sp.powsimp(sp.expand_log(sp.logcombine(expr, force=True), force=True))
+        logs = lambda e: isinstance(e, sp.log)   # noqa: E731
+        expr = sp.expand_log(expr.replace(logs, _even_powers_as_abs), force=True)
+        expr = sp.logcombine(expr, force=True).replace(logs, _even_powers_as_abs)
+        expr = sp.powsimp(sp.expand_log(expr, force=True))
         expr = expr.replace(_positive_sum_log, _log_sum_exp)
     else:
         # a mixture or a softplus written as a log-prior: the same log-sum-exp as a density's
@@ -310,6 +312,19 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
         raise SpecError("the formula is not finite (division by zero or log of zero)",
                         field=field, hint="check constants; use Abs(...) + eps under logs")
     return expr
+
+
+def _even_powers_as_abs(e: sp.log) -> sp.Expr:
+    """log(... * x**(2m) * ...) with x real but of either sign (SymPy folds Abs(d)**2 to d**2)
+    holding x**(2m) as Abs(x)**(2m), so that the forced expansion below gives 2m*log(Abs(x))
+    and not 2m*log(x), which is nan wherever x < 0 (a density d**2 * exp(-Abs(d)/b))."""
+    factors = sp.Mul.make_args(e.args[0])
+    even = [f.is_Pow and f.exp.is_integer and f.exp.is_even and f.base.is_extended_real
+            and not f.base.is_nonnegative for f in factors]
+    if not any(even):
+        return e
+    return sp.log(sp.Mul(*[sp.Pow(sp.Abs(f.base), f.exp, evaluate=False) if ev else f
+                           for f, ev in zip(factors, even)], evaluate=False))
 
 
 def _causal_side(expr: sp.Expr) -> sp.Expr:

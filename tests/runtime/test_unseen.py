@@ -113,6 +113,19 @@ UNSEEN = {
         None,
         {"k1": [0.5, 2.0], "b": [3.0, 8.0]},
     ),
+    # The same shape with a fixed even power, which SymPy writes d**2: its log is 2*log(Abs(d)),
+    # not 2*log(d) (nan at d < 0, which once had the build refuse it).
+    "even_power_density_unseen": (
+        """
+        name: even_power_density_unseen
+        density: Abs(d)**2 * exp(-Abs(d)/b)
+        params:
+          b: {init: 8.0, domain: positive}
+        """,
+        lambda d, p: 2 * torch.log(torch.abs(d)) - torch.abs(d) / p["b"],
+        None,
+        {"b": [3.0, 8.0]},
+    ),
     # A density with a window, 0 beyond it: its log taken per branch, -oo beyond the window.
     "windowed_density_unseen": (
         """
