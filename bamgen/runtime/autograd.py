@@ -3,6 +3,7 @@ dispatch (Triton on CUDA, the torch path on the CPU, each backend's decode step 
 one), and the backward that routes to the same backend with what its forward saved."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -30,6 +31,23 @@ def use_triton(q, backend) -> bool:
     return q.is_cuda and q.dtype != torch.float64   # float64 runs on the torch path
 
 
+def outside_autocast(fn):
+    """Run ``fn`` with torch.autocast off: its inputs are already in the autocast dtype
+    (checks.autocast_inputs), and the torch path's own float32 arithmetic (its score matmuls,
+    the accumulator it adds P @ V into in place) must stay float32. Under autocast those matmuls
+    ran in bfloat16, and a logit that is not s + f(d) (BAM-SSMax, a softcapped window as Gemma
+    2's layers run) failed in baddbmm_ ('Input dtypes must be the same')."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@outside_autocast
 def forward(prior, q, k, v, theta, causal, scale, layout, use_triton, for_backward, stats=True):
     """(out, then what the backend's backward needs) of one call: Triton's (stats, out32,
     table) or the torch path's (stats,). A call with no backward to follow takes the backend's
@@ -45,6 +63,7 @@ def forward(prior, q, k, v, theta, causal, scale, layout, use_triton, for_backwa
         prior, q, k, v, theta, causal, scale, layout.q_offset, layout.k_offset, **layout.masks())
 
 
+@outside_autocast
 def backward(prior, use_triton, dout, q, k, v, out, saved, theta, causal, scale, layout):
     """(dq, dk, dv, dparams) of one forward, from what it saved."""
     if use_triton:
@@ -147,6 +166,7 @@ class PriorAttention(torch.autograd.Function):
         return None, dq, dk, dv, dtheta, None, None, None, None, None
 
 
+@outside_autocast
 def positional_forward(prior, q, k, v, theta, pos, causal, scale, layout, use_triton,
                        for_backward, position_grads=True):
     """(out, then what the backend's backward needs) of a call with position tensors pos
@@ -191,18 +211,23 @@ class PositionalAttention(torch.autograd.Function):
                     None)
         q, k, v, theta, pos_q, pos_k, out, *saved = ctx.saved_tensors
         prior, causal, scale, layout, use_triton = ctx.settings
-        pos = (pos_q.detach(), pos_k.detach())
-        if use_triton:
-            from .triton import launch
-            dq, dk, dv, dparams, dpos_q, dpos_k = launch.backward(
-                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale,
-                layout.q_offset, layout.k_offset, pos=pos, position_grads=ctx.position_grads,
-                **layout.masks())
-        else:
-            dq, dk, dv, dparams, dpos_q, dpos_k = cpu_backward.backward(
-                prior, dout, q, k, v, out, *saved, theta.detach(), causal, scale,
-                layout.q_offset, layout.k_offset, pos=pos, **layout.masks())
+        dq, dk, dv, dparams, dpos_q, dpos_k = positional_backward(
+            prior, use_triton, dout, q, k, v, out, saved, theta.detach(), causal, scale, layout,
+            (pos_q.detach(), pos_k.detach()), ctx.position_grads)
         dtheta = make_dtheta(prior.traits, theta, dparams) if ctx.needs_input_grad[4] else None
         return (None, dq, dk, dv, dtheta,
                 dpos_q.to(pos_q.dtype) if ctx.needs_input_grad[5] else None,
                 dpos_k.to(pos_k.dtype) if ctx.needs_input_grad[6] else None, None, None, None, None)
+
+
+@outside_autocast
+def positional_backward(prior, use_triton, dout, q, k, v, out, saved, theta, causal, scale,
+                        layout, pos, position_grads):
+    """(dq, dk, dv, dparams, dpos_q, dpos_k) of one positional forward, from what it saved."""
+    if use_triton:
+        from .triton import launch
+        return launch.backward(prior, dout, q, k, v, out, *saved, theta, causal, scale,
+                               layout.q_offset, layout.k_offset, pos=pos,
+                               position_grads=position_grads, **layout.masks())
+    return cpu_backward.backward(prior, dout, q, k, v, out, *saved, theta, causal, scale,
+                                 layout.q_offset, layout.k_offset, pos=pos, **layout.masks())

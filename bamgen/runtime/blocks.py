@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import checks
-from .autograd import use_triton
+from .autograd import outside_autocast, use_triton
 from .cpu import backward as cpu_backward
 from .cpu import forward as cpu_forward
 from .params import grads_by_name, param_block, theta as make_theta
@@ -20,6 +20,7 @@ from .positions import given_positions
 from .tables import distance_prior
 
 
+@outside_autocast
 def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_offset=0,
                   backend="auto", n=None, pos_q=None, pos_k=None):
     """(out, stats): out float32 [B, Hq, Nq, D] (0 where a row sees no key of this block) and
@@ -55,6 +56,7 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
         return out, stats
 
 
+@outside_autocast
 def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=None, q_offset=0,
                    k_offset=0, backend="auto", n=None, pos_q=None, pos_k=None):
     """(dq, dk, dv, dparams, row_sums) of one block of keys, given dout and the merged out

@@ -243,6 +243,7 @@ def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seql
 
 
 @read_fresh   # (a compiled graph runs it: host_reads)
+@autograd.outside_autocast
 def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal, scale, key_mask,
              cu_seqlens_q, cu_seqlens_k, use_triton, position_grads, q_offset=0, k_offset=0):
     """(dq, dk, dv, dparams, dpos_q, dpos_k) of one _op_pfwd."""

@@ -836,6 +836,21 @@ def test_every_family_trains_and_generates_each_prompt_as_alone(family):
             assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), (family, cache, row)
 
 
+def test_a_softcapped_family_trains_under_autocast():
+    """Gemma 2's softcapped layers run a logit that is not s + f(d) (the CPU's general path):
+    under torch.autocast (Trainer's bf16=True) its forward raised 'Input dtypes must be the
+    same'. It runs in bfloat16, as eager attention under autocast, and every prior parameter
+    gets a finite gradient."""
+    model = apply_prior(family_model("gemma2", seed=2), ggd).train()
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids)
+    assert out.logits.dtype == torch.bfloat16
+    out.loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "bamgen_prior" in n]
+    assert len(grads) == 6 and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 def test_a_shared_prior_serves_local_and_global_layers_and_compiles(tmp_path):
     """Gemma 2 with one shared prior: its local layers (window and softcap) and global layers
     (softcap) read the same parameters, which every layer's gradient reaches; the model has

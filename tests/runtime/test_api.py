@@ -185,6 +185,33 @@ def test_autocast_runs_the_attention_in_its_dtype_as_sdpa(backend):
                                               backend=backend), rtol=0, atol=0)
 
 
+def test_autocast_runs_a_logit_that_is_not_s_plus_f_d():
+    """BAM-SSMax's logit is not s + f(d), so the CPU runs its general path, whose own float32
+    matmuls autocast recast to bfloat16: the in-place P @ V into the float32 accumulator raised
+    'Input dtypes must be the same'. Under autocast it gives what bfloat16 inputs give without,
+    and its backward the same gradients."""
+    import bamgen
+    ssmax = bamgen.load("bam_ssmax")
+    torch.manual_seed(0)
+    layer = ssmax.BamSsmaxAttention(num_heads=4)
+    q, k, v = qkv(Hq=4, Hk=2, Nq=40, Nk=40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(q, k, v)
+    out.float().sum().backward()
+    got = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    want = layer(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    want.float().sum().backward()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=0, atol=0)
+    values = {name: value.detach() for name, value in layer.prior_params().items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # the block API computes in float32
+        block = ssmax.forward_block(q, k, v, **values)
+    for got_part, want_part in zip(block, ssmax.forward_block(q, k, v, **values)):
+        torch.testing.assert_close(got_part, want_part, rtol=0, atol=0)
+
+
 def test_module_parameters_stay_in_domain_and_train():
     attn = ggd.GeneralizedGaussianAttention(num_heads=4)
     names = sorted(n for n, _ in attn.named_parameters())
