@@ -415,7 +415,10 @@ def _check_model(model, rope: str) -> None:
     layers = _attention_layers(model)
     if not layers:
         raise ValueError(f"model type {family!r}: no attention layer dispatches through "
-                         f"transformers' ALL_ATTENTION_FUNCTIONS, so bamgen cannot replace it")
+                         f"transformers' ALL_ATTENTION_FUNCTIONS (its attention is its own "
+                         f"code), so bamgen cannot replace it; use a family whose attention "
+                         f"does (Llama, Mistral, Qwen2, Gemma, Phi-3, GPT-NeoX, GPT-2, ...: "
+                         f"the table in docs/huggingface.md)")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         raise ValueError(f"model type {family!r}: encoder-decoder models (and decoders with "
                          f"cross-attention) are not supported: bamgen's attention takes a "

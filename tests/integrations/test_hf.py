@@ -364,6 +364,11 @@ def test_unsupported_model_and_bad_arguments_are_named():
         apply_prior(llama, 3)
     with pytest.raises(ValueError, match="init: unknown parameter 'sigma'"):
         apply_prior(llama, ggd, sigma=1.0)
+    bloom = tiny_auto("bloom", hidden_size=32, n_layer=1, n_head=2, vocab_size=50)
+    with pytest.raises(ValueError, match=r"model type 'bloom': no attention layer dispatches "
+                                         r"through .* use a family whose attention does"):
+        apply_prior(bloom, "uniform", rope="keep")
+    assert_untouched(bloom)
 
 
 def tiny_auto(family, **config):
