@@ -31,18 +31,26 @@ def use_triton(q, backend) -> bool:
     return q.is_cuda and q.dtype != torch.float64   # float64 runs on the torch path
 
 
+@contextlib.contextmanager
+def autocast_off():
+    """torch.autocast off on every device where it is on: the kernels' inputs are already in
+    the autocast dtype (checks.autocast_inputs), and the torch path's own float32 arithmetic
+    (its score matmuls, the accumulator it adds P @ V into in place) must stay float32. Under
+    autocast those matmuls ran in bfloat16, and a logit that is not s + f(d) (BAM-SSMax, a
+    softcapped window as Gemma 2's layers run) failed in baddbmm_ ('Input dtypes must be the
+    same')."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 def outside_autocast(fn):
-    """Run ``fn`` with torch.autocast off: its inputs are already in the autocast dtype
-    (checks.autocast_inputs), and the torch path's own float32 arithmetic (its score matmuls,
-    the accumulator it adds P @ V into in place) must stay float32. Under autocast those matmuls
-    ran in bfloat16, and a logit that is not s + f(d) (BAM-SSMax, a softcapped window as Gemma
-    2's layers run) failed in baddbmm_ ('Input dtypes must be the same')."""
+    """Run ``fn`` with torch.autocast off (autocast_off)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with contextlib.ExitStack() as stack:
-            for device in ("cpu", "cuda"):
-                if torch.is_autocast_enabled(device):
-                    stack.enter_context(torch.autocast(device, enabled=False))
+        with autocast_off():
             return fn(*args, **kwargs)
     return wrapper
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import checks
-from .autograd import outside_autocast, use_triton
+from .autograd import autocast_off, use_triton
 from .cpu import backward as cpu_backward
 from .cpu import forward as cpu_forward
 from .params import grads_by_name, param_block, theta as make_theta
@@ -20,7 +20,6 @@ from .positions import given_positions
 from .tables import distance_prior
 
 
-@outside_autocast
 def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_offset=0,
                   backend="auto", n=None, pos_q=None, pos_k=None):
     """(out, stats): out float32 [B, Hq, Nq, D] (0 where a row sees no key of this block) and
@@ -39,7 +38,7 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
     theta = make_theta(prior.traits, q, values, grad=False, check=prior.domain_check,
                        head_rows=True)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    with torch.no_grad():
+    with torch.no_grad(), autocast_off():   # (q, k, v are in autocast's dtype)
         pos_t = None if pos is None else (pos.q, pos.k)
         if use_triton(q, backend):
             from .triton import launch
@@ -56,7 +55,6 @@ def forward_block(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k
         return out, stats
 
 
-@outside_autocast
 def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=None, q_offset=0,
                    k_offset=0, backend="auto", n=None, pos_q=None, pos_k=None):
     """(dq, dk, dv, dparams, row_sums) of one block of keys, given dout and the merged out
@@ -84,7 +82,7 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
     out, stats = out.to(theta.dtype), stats.to(theta.dtype)
     pos_t = None if pos is None else (pos.q, pos.k)
     dpos = ()
-    with torch.no_grad():
+    with torch.no_grad(), autocast_off():   # (q, k, v are in autocast's dtype)
         if use_triton(q, backend):
             from .triton import launch
             dq, dk, dv, dparams, rows, *dpos = launch.backward(

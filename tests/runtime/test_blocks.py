@@ -171,20 +171,23 @@ def test_blocks_with_positions_add_up_to_the_whole(case):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_blocks_take_autocast_s_dtype_as_attention_does(backend):
+@pytest.mark.parametrize("prior", ["laplace", "bam_ssmax"])
+def test_blocks_take_autocast_s_dtype_as_attention_does(prior, backend):
     """Under torch.autocast forward_block and backward_block take q, k, v in its dtype, as
     attention() does: float32 q and k beside bfloat16 v ran into 'q, k and v must share a
-    dtype'. The results equal the blocks' of the inputs cast by hand."""
-    mod = load("laplace")
+    dtype', and BAM-SSMax's logit (not s + f(d): the torch path's general kernel) failed in its
+    float32 matmuls, which autocast recast. The results equal the blocks' of the inputs cast
+    by hand."""
+    mod = load(prior)
     g = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(4))
-    b = torch.tensor([2.0, 5.0])
+    params = mod.default_params(2)
     bf = [t.bfloat16() for t in (q, k, v)]
-    out, stats = mod.forward_block(*bf, b=b, backend=backend)
-    want = mod.backward_block(dout, *bf, out, stats, b=b, backend=backend)
+    out, stats = mod.forward_block(*bf, **params, backend=backend)
+    want = mod.backward_block(dout, *bf, out, stats, **params, backend=backend)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got_out, got_stats = mod.forward_block(q, k, v.bfloat16(), b=b, backend=backend)
-        got = mod.backward_block(dout, q, k, v, out, stats, b=b, backend=backend)
+        got_out, got_stats = mod.forward_block(q, k, v.bfloat16(), **params, backend=backend)
+        got = mod.backward_block(dout, q, k, v, out, stats, **params, backend=backend)
     torch.testing.assert_close(got_out, out, rtol=0, atol=0)
     torch.testing.assert_close(got_stats, stats, rtol=0, atol=0)
     for w, x in zip(want[:3], got[:3]):
