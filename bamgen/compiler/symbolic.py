@@ -290,6 +290,7 @@ def _canonical_positions(expr: sp.Expr) -> sp.Expr:
 
 def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
     expr = _canonical_positions(spec.log_prior)
+    bounds = _interval_bounds(spec)
     if spec.causal_only:
         expr = _causal_side(expr)
     if spec.from_density:
@@ -303,10 +304,10 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
         expr = sp.expand_log(expr.replace(logs, _even_powers_as_abs), force=True)
         expr = sp.logcombine(expr, force=True).replace(logs, _even_powers_as_abs)
         expr = sp.powsimp(sp.expand_log(expr, force=True))
-        expr = expr.replace(_positive_sum_log, _log_sum_exp)
+        expr = expr.replace(lambda e: _positive_sum_log(e, bounds), _log_sum_exp)
     else:
         # a mixture or a softplus written as a log-prior: the same log-sum-exp as a density's
-        expr = expr.replace(_exp_sum_log, _log_sum_exp)
+        expr = expr.replace(lambda e: _exp_sum_log(e, bounds), _log_sum_exp)
     if expr.has(sp.zoo, sp.nan) or expr == sp.oo:
         field = "density" if spec.from_density else "log_prior"
         raise SpecError("the formula is not finite (division by zero or log of zero)",
@@ -338,18 +339,41 @@ def _causal_side(expr: sp.Expr) -> sp.Expr:
     return expr.xreplace({d: sp.Abs(d)})
 
 
-def _positive_sum_log(e: sp.Basic) -> bool:
+def _interval_bounds(spec: PriorSpec) -> dict:
+    """{symbol: (lo, hi)} of the parameters declared in an interval domain, whose bounds SymPy's
+    assumptions cannot carry (a weight p in [0, 1] is only `positive` to it)."""
+    return {sym: (p.domain.lo, p.domain.hi) for p in spec.params
+            if p.domain.kind == "interval" for sym in p.symbols()}
+
+
+def _is_positive(t: sp.Expr, bounds: dict) -> bool:
+    """t > 0 for every value of the parameters in their domains: SymPy's assumptions, and for
+    a term in a parameter of an interval (lo, hi) the same term with the parameter written as
+    lo + (hi - lo)*z/(1 + z), z > 0, which covers the interval (a mixture's weight 1 - p for p
+    in (0, 1) becomes 1/(1 + z))."""
+    if t.is_positive:
+        return True
+    used = {sym: b for sym, b in bounds.items() if sym in t.free_symbols}
+    if not used:
+        return False
+    z = {sym: sp.Dummy("z", positive=True) for sym in used}
+    inside = t.xreplace({sym: sp.Rational(lo) + (sp.Rational(hi) - sp.Rational(lo)) * z[sym]
+                         / (1 + z[sym]) for sym, (lo, hi) in used.items()})
+    return bool(sp.factor_terms(sp.together(inside)).is_positive)
+
+
+def _positive_sum_log(e: sp.Basic, bounds: dict | None = None) -> bool:
     """log(t_1 + ... + t_n) of terms that are each positive (a mixture density)."""
     return (isinstance(e, sp.log) and isinstance(e.args[0], sp.Add)
-            and all(t.is_positive for t in e.args[0].args))
+            and all(_is_positive(t, bounds or {}) for t in e.args[0].args))
 
 
-def _exp_sum_log(e: sp.Basic) -> bool:
+def _exp_sum_log(e: sp.Basic, bounds: dict | None = None) -> bool:
     """log(t_1 + ... + t_n) of positive terms with an exponential among them: a mixture
     (log(exp(-|d|/b1) + a*exp(-|d|/b2))) or a softplus (log(1 + exp(x))) written as a log-prior,
     whose terms underflow or overflow far away as a density's do. (A log of a positive sum
     without exp, KERPLE's log(1 + r*|d|), is left as it is: nothing in it leaves the range.)"""
-    return _positive_sum_log(e) and any(t.has(sp.exp) for t in e.args[0].args)
+    return _positive_sum_log(e, bounds) and any(t.has(sp.exp) for t in e.args[0].args)
 
 
 def _log_sum_exp(e: sp.log) -> sp.Expr:

@@ -21,6 +21,17 @@ params:
   b2: {init: 8.0, domain: positive}
   a: {init: 0.3, domain: positive}
 """
+# a mixture whose weights p and 1 - p come from an interval: SymPy's assumptions know p > 0
+# only, so 1 - p was not seen as positive, no log-sum-exp was taken, and the build refused
+# the file (the derivative in p was 0/0 where both terms underflow, |d| past 1490 at b = 2)
+WEIGHTED = """
+name: weighted_mixture
+density: p*exp(-Abs(d)/b1)/b1 + (1 - p)*exp(-Abs(d)/b2)/b2
+params:
+  p: {init: 0.7, domain: [0, 1]}
+  b1: {init: 0.5, domain: positive}
+  b2: {init: 8.0, domain: positive}
+"""
 # a softplus penalty per score (it reads i: computed in the kernels, not tabulated), whose
 # exp(|d|) overflows float32 at |d| = 89
 SOFTPLUS = """
@@ -36,12 +47,19 @@ def _mixture(d, p):
     return torch.logaddexp(-d.abs() / p["b1"], torch.log(p["a"]) - d.abs() / p["b2"])
 
 
+def _weighted(d, p):
+    return torch.logaddexp(torch.log(p["p"] / p["b1"]) - d.abs() / p["b1"],
+                           torch.log((1 - p["p"]) / p["b2"]) - d.abs() / p["b2"])
+
+
 def _softplus(d, p):
     return -torch.nn.functional.softplus(d.abs() / p["c"]) - p["i"].abs() / p["b"]
 
 
 CASES = {"mixture": (MIXTURE, dict(b1=[0.5, 0.25], b2=[8.0, 3.0], a=[0.3, 1.5]),
                      _mixture),
+         "weighted": (WEIGHTED, dict(p=[0.7, 0.2], b1=[0.5, 0.25], b2=[8.0, 3.0]),
+                      _weighted),
          "softplus": (SOFTPLUS, dict(c=[0.5, 0.3], b=[64.0, 9.0]),
                       _softplus)}
 
