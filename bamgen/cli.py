@@ -317,6 +317,11 @@ def show(file: Path, heads: int) -> None:
     for label, code in zip(labels, block.outputs):
         click.echo(f"    {label}: {code}")
     where = "" if analysis.distance_only else " (depends on i too: at query position 1024)"
+    if spec.channels > 1:   # (read along the first channel: analysis.log_prior_function)
+        rest = ", ".join(f"d{c}" for c in range(1, spec.channels))
+        absolute = any(p[0] in "ij" for p in ir.positions_used)
+        where = (f" (along d0, with {rest} = 0"
+                 + ("; positions at 1024)" if absolute else ")"))
     click.echo(f"\nanalysis at init, {heads} heads{where}:")
     if analysis.causal_only:
         click.echo("  causal only: yes (analysed at d >= 0)")

@@ -85,7 +85,17 @@ def log_prior_function(ir: PriorIR, values: dict[sp.Symbol, float], held: str = 
         i, j = sp.Integer(QUERY_POSITION), QUERY_POSITION - pos["d"]
     else:
         i, j = QUERY_POSITION + pos["d"], sp.Integer(QUERY_POSITION)
-    expr = ir.log_prior.xreplace(values).xreplace({pos["j"]: j, pos["i"]: i, pos["n"]: i + 1})
+    expr = ir.log_prior.xreplace(values)
+    channels = ir.spec.channels
+    if channels > 1:
+        # a prior over C channels is read along the first (d0 = d), the others' query and key
+        # at the same place (d1 = .. = 0): a grid prior along a row
+        grid = position_symbols(channels)
+        still = sp.Integer(QUERY_POSITION)
+        expr = expr.xreplace({grid["d0"]: pos["d"], grid["i0"]: pos["i"], grid["j0"]: pos["j"],
+                              **{grid[f"{x}{c}"]: (sp.S.Zero if x == "d" else still)
+                                 for c in range(1, channels) for x in "dij"}})
+    expr = expr.xreplace({pos["j"]: j, pos["i"]: i, pos["n"]: i + 1})
     fn = sp.lambdify(pos["d"], expr, modules=[_LAMBDIFY, "math"])
 
     def safe(d: float) -> float:

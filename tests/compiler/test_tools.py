@@ -60,6 +60,18 @@ def test_show_prints_derivatives_plan_and_analysis():
         assert words in res.stdout
 
 
+def test_show_analyses_a_grid_prior_along_its_first_channel():
+    """A prior over C > 1 channels (positions: 2) is analysed along d0 with d1 = 0; the analysis
+    substituted d alone, so `bamgen show alibi_2d` stopped with an internal error."""
+    res = run_cli("show", str(PRIORS / "alibi_2d.yaml"), "--heads", "2")
+    assert res.returncode == 0, res.stderr
+    assert "(along d0, with d1 = 0)" in res.stdout
+    # -(|d0| + 0)/b < -20 first at |d0| = 20*b + 1 for b = 2**(8*(h + 1)/2) = 16, 256
+    analysis = analyse_prior(analyse(load_spec(PRIORS / "alibi_2d.yaml")), num_heads=2)
+    assert [h.reach for h in analysis.heads] == [321.0, 5121.0]
+    assert analysis.symmetric and analysis.tail.startswith("exponential-type")
+
+
 def test_show_reports_a_bad_file_in_one_line(tmp_path):
     bad = write_prior(tmp_path, "name: x\nlog_prior: -q\n")
     res = run_cli("show", str(bad))
