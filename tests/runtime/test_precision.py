@@ -58,6 +58,34 @@ def test_an_inline_prior_far_from_position_zero_on_triton(case):
         assert err <= floor, f"{name}: {err:.2e} > {floor:.2e} ({case.name})"
 
 
+@pytest.mark.parametrize("b", [0.5, 0.2])
+def test_a_steep_ramp_near_its_keys_under_a_gpu_s_tiles(b, monkeypatch):
+    """Laplace as shipped with a steep slope (b = 0.5, 0.2: 2 and 5 nats per token), queries
+    at their keys, sm_90's 128-row query tiles. The forward measured a whole tile's scores
+    from one reference key, the tile's first row, so row r of a tile carried r slopes (up to
+    370 in log2 units) on top of its q.k, and lost the low bits of q.k to it: the output and
+    every gradient (the backward rebuilds P from the forward's statistics) were off by 1e-5 to
+    2.4e-5 of their size, past the float32 floor. Each row now has its own reference key."""
+    monkeypatch.setenv("BAMGEN_INTERPRET_TILES", "sm_90")
+    g = torch.Generator().manual_seed(0)
+    n = 256
+    q, k, v, dout = (torch.randn(1, 1, n, 64, generator=g, dtype=torch.float64) for _ in range(4))
+    d = torch.arange(n)[:, None] - torch.arange(n)[None]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    slope = torch.tensor([b], dtype=torch.float64, requires_grad=True)
+    logit = leaves[0] @ leaves[1].transpose(-1, -2) / 8 - d.abs() / slope
+    ref = torch.softmax(logit.masked_fill(d < 0, float("-inf")), -1) @ leaves[2]
+    refs = [ref] + list(torch.autograd.grad(ref, leaves + [slope], dout))
+    mine = [t.float().requires_grad_() for t in (q, k, v)]
+    b32 = slope.detach().float().requires_grad_()
+    out = precision.laplace.attention(*mine, b=b32, causal=True, backend="triton")
+    got = [out] + list(torch.autograd.grad(out, mine + [b32], dout.float()))
+    for name, x, r in zip(["out", "dq", "dk", "dv", "db"], got, refs):
+        err = (x.double() - r).abs().max().item()
+        floor = atol_for(torch.float32, r)
+        assert err <= floor, f"{name}: {err:.2e} > {floor:.2e} (b = {b})"
+
+
 @triton.jit
 def _bf16_cast(X, Y, N: tl.constexpr):
     at = tl.arange(0, N)

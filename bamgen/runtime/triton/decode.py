@@ -93,30 +93,30 @@ def _attn_decode(Q, K, V, Theta, PartO, PartM, PartL, Table, Window, NRow, KeyMa
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
     if RAMP:
         # the prior is a line in d on the causal side (see forward.py); every split measures
-        # its scores from the same reference key, so that their m compare
+        # a row's scores from the same reference key, its own, so that their m compare
         ramp = prior_ramp(sc)
         ramp_slope = ramp[0]
-        ramp_ref = _ramp_reference(q_offset, Nk - 1 + k_offset, k_offset, ramp_slope)
+        ramp_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
+        ramp_ref_f = ramp_ref.to(tl.float32)
     else:
         ramp_slope = 0.0
         ramp_ref = 0
+        ramp_ref_f = 0.0
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, s_lo, s_full, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
-                                    ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, True, BLOCK_N,
+                                    ramp_ref_f, km_base, sc, 0.0, Theta, 0, CAUSAL, True, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
                                     TABLE_GATHER, kv_row, KV_TMA)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, s_full, s_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
-                                    ramp_ref, km_base, sc, 0.0, Theta, 0, CAUSAL, False, BLOCK_N,
+                                    ramp_ref_f, km_base, sc, 0.0, Theta, 0, CAUSAL, False, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
                                     TABLE_GATHER, kv_row, KV_TMA)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference, as the forward's statistics are
-            row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
-            m_i += ramp_slope * (row_ref - ramp_ref).to(tl.float32) + _ramp_row_term(
-                offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
+            m_i += _ramp_row_term(offs_m_abs, ramp_ref, ramp_slope, ramp[1], row_abs)
         elif RAMP_SYMMETRIC:   # measured from each row's nearest key, as the forward's statistics are
             near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
             m_i += _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)

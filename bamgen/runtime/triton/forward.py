@@ -78,9 +78,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     STEADY: every key of these tiles exists and is visible to every row of the tile (the
     causal part strictly left of the diagonal tile), so nothing is masked. Where the prior
     is a line in d on the causal side (RAMP), a causal logit is s + slope * (ref - j)
-    (log2 units): the tile's reference key ramp_ref, a broadcast vector per key tile
-    instead of a per-score evaluation. POSITIONS: the rows' positions are pos_rows, the keys'
-    read from PosK (this head's first key at pk_head). KV_TMA: k_base and v_base are the
+    (log2 units): ramp_ref holds each row's reference key (float32), and the difference is
+    exact, instead of a per-score evaluation of the prior. POSITIONS: the rows' positions are
+    pos_rows, the keys' read from PosK (this head's first key at pk_head). KV_TMA: k_base and v_base are the
     descriptors, and this (batch, kv head) is their row kv_row."""
     if POSITIONS > 0:
         pos_i = pos_rows
@@ -133,7 +133,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
             z = qk
         elif RAMP:
             if CAUSAL:   # (a hidden score, d < 0, is off the line: the mask below drops it)
-                z = qk * qk_scale + (ramp_slope * (ramp_ref - offs_n_abs).to(tl.float32))[None, :]
+                # (ref - j in float32 is exact: positions stay within 2**24, MAX_POSITION)
+                ramp_d = ramp_ref[:, None] - offs_n_abs.to(tl.float32)[None, :]
+                z = tl.fma(ramp_d, ramp_slope, qk * qk_scale)
             elif RAMP_SYMMETRIC:
                 z = _ramp_logit2(qk, qk_scale, ramp_slope, offs_m_abs[:, None], offs_n_abs[None, :],
                                  near_ref)
@@ -262,27 +264,29 @@ def _attn_fwd(Q, K, V, Theta, O, O32, Mrow, Lrow, Table, Window, NRow, KeyMask, 
         # the prior is a line in d on the causal side: log2(e) * log_prior = intercept + slope * d
         ramp = prior_ramp(sc)
         ramp_slope = ramp[0]
-        ramp_ref = _ramp_reference(pid_m * BLOCK_M + q_offset, Nk - 1 + k_offset, k_offset, ramp_slope)
+        # each row's own reference key: one per tile put the rows of a tile up to BLOCK_M
+        # slopes from theirs, and a steep ramp's scores lost their low bits to that offset
+        ramp_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
+        ramp_ref_f = ramp_ref.to(tl.float32)
     else:
         ramp_slope = 0.0
         ramp_ref = 0
+        ramp_ref_f = 0.0
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, n_lo, n_full, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
-                                    ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, True, BLOCK_N,
+                                    ramp_ref_f, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, True, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
                                     TABLE_GATHER, kv_row, KV_TMA)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m_abs, n_visible, row_ok, offs_d, n_full, n_hi, Nk,
                                     k_offset, qk_scale, sm_scale, tab_rows, ramp_slope,
-                                    ramp_ref, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, False, BLOCK_N,
+                                    ramp_ref_f, km_base, sc, pos_rows, PosK, pk_head, CAUSAL, False, BLOCK_N,
                                     D, HEAD_DIM, DOT_PREC, UPCAST_DOT, HAS_KEY_MASK,
                                     TABLE_GATHER, kv_row, KV_TMA)
     if RAMP:
         if CAUSAL:   # m measured from each row's own reference (what the backward rebuilds)
-            row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
-            m_i += ramp_slope * (row_ref - ramp_ref).to(tl.float32) + _ramp_row_term(
-                offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
+            m_i += _ramp_row_term(offs_m_abs, ramp_ref, ramp_slope, ramp[1], row_abs)
         elif RAMP_SYMMETRIC:   # measured from each row's nearest key (_ramp_logit2)
             near = _ramp_nearest_key(offs_m_abs, Nk - 1 + k_offset, k_offset)
             m_i += _ramp_nearest_row_term(offs_m_abs, near, ramp_slope, ramp[1], row_abs)
