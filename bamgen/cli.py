@@ -139,7 +139,7 @@ def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = Fal
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--arch", type=click.Choice(["sm_80", "sm_90"]), default="sm_90", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--head-dim", type=click.IntRange(1, 256), default=64, show_default=True)
@@ -164,13 +164,18 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
             as_json: bool, save_dir: Path | None, kernels: tuple[str, ...]) -> None:
     """Compile FILE's kernels ahead of time for a GPU and report their resources.
 
-    FILE is a prior (.yaml) or a generated module (.py). No GPU is needed.
+    FILE is a prior (.yaml), a generated module (.py) or a shipped prior's name. No GPU is
+    needed.
     """
     import json
     import os
     os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU, not the interpreter
     from .aot import compile_module, decode_step_model, loop_model
     from .driver.loader import import_module_file, load_prior
+    file = _prior_path(file)
+    if file.suffix == ".py" and not file.is_file():
+        _fail(f"{file}: no such file (give a prior's .yaml, a generated module's .py or a "
+              f"shipped prior's name)")
     with _reported(file):
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
     if layout.startswith("positions_table") and getattr(module._prior, "position_table", None) is None:
@@ -254,8 +259,15 @@ def _mix(mix: dict) -> dict:
             "mma_shapes": dict(sorted(mix["mma_shapes"].items()))}
 
 
+def _prior_path(file: Path) -> Path:
+    """FILE as a path: a file, or a shipped prior's name, as `bamgen build` takes them."""
+    with _reported(file, "reading"):
+        return resolve_prior(file)
+
+
 def _load_ir(file: Path):
     from .compiler.symbolic import analyse
+    file = _prior_path(file)
     with _reported(file, "analysing"):
         return analyse(load_spec(file))
 
@@ -265,7 +277,8 @@ def _load_ir(file: Path):
 @click.option("--heads", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Number of heads for the analysis at init.")
 def show(file: Path, heads: int) -> None:
-    """Show the derived log-prior, its derivatives, the kernel plan and an analysis."""
+    """Show FILE's derived log-prior, its derivatives, the kernel plan and an analysis (FILE: a
+    prior file or a shipped prior's name)."""
     from .compiler.analysis import analyse_prior
     from .driver.build import plan_prior as make_plan
     ir = _load_ir(file)
@@ -296,8 +309,8 @@ def show(file: Path, heads: int) -> None:
     click.echo(f"  cost model (issue slots per score over NoPE's): {costs}")
     if kernel_plan.ramp is not None:
         click.echo(f"  causal side: log2(e) * log_prior = {kernel_plan.ramp.outputs[1]} + "
-                   f"{kernel_plan.ramp.outputs[0]} * d (scores from a reference key per tile: "
-                   f"one add per score)")
+                   f"{kernel_plan.ramp.outputs[0]} * d (each row's scores from its own reference "
+                   f"key: one subtract and one FMA per score)")
         for name, code in kernel_plan.ramp.hoisted:
             click.echo(f"    {name} = {code}")
     if kernel_plan.distance_table is not None:
@@ -359,7 +372,8 @@ def _show_params(values) -> str:
 @click.option("--heads", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option("--max-distance", type=click.IntRange(1, 1 << 20), default=256, show_default=True)
 def plot(file: Path, out_file: Path, heads: int, max_distance: int) -> None:
-    """Plot the prior at init, one curve per head (needs matplotlib)."""
+    """Plot FILE's prior at init, one curve per head (needs matplotlib; FILE: a prior file or a
+    shipped prior's name)."""
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -109,3 +109,24 @@ def test_plot_writes_a_png(tmp_path):
     res = run_cli("plot", str(PRIORS / "kerple_power.yaml"), "-o", str(out), "--heads", "3")
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_plot_and_inspect_take_a_shipped_prior_s_name_as_build_does(tmp_path):
+    """`bamgen build laplace` builds the shipped prior by name; show, plot and inspect took
+    only a path ("cannot read the file", and click's own usage error from inspect). A name
+    that is no shipped prior is one line naming the shipped ones, exit 2."""
+    res = run_cli("show", "laplace", "--heads", "2")
+    assert res.returncode == 0, res.stderr
+    assert "prior 'laplace'" in res.stdout and "causal side" in res.stdout
+    png = tmp_path / "laplace.png"
+    res = run_cli("plot", "laplace", "-o", str(png), "--heads", "2")
+    assert res.returncode == 0 and png.stat().st_size > 0, res.stderr
+    for command in (["show", "nosuch"], ["plot", "nosuch", "-o", str(tmp_path / "x.png")],
+                    ["inspect", "nosuch"]):
+        res = run_cli(*command)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert "no shipped prior named 'nosuch'" in res.stderr and "laplace" in res.stderr
+    res = run_cli("inspect", "uniform", "--head-dim", "16", "--kernel", "attn_fwd")
+    assert res.returncode == 0 and "uniform: sm_90" in res.stdout, res.stderr
+    res = run_cli("inspect", str(tmp_path / "gone.py"))
+    assert res.returncode == 2 and "gone.py: no such file" in res.stderr
