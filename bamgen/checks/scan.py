@@ -248,6 +248,8 @@ def _full_grid(used: set[str], extra: set[int]) -> dict[str, torch.Tensor]:
     small = torch.arange(0, 17, dtype=torch.float64)
     si, sj, sn = torch.meshgrid(small, small, counts, indexing="ij")
     i, j, n = torch.cat([i, si.reshape(-1)]), torch.cat([j, sj.reshape(-1)]), torch.cat([n, sn.reshape(-1)])
+    if "i" not in used and "j" not in used:   # (i = d, j = 0 stand in: no message names them)
+        return {"d": i - j, "n": n}
     return {"d": i - j, "i": i, "j": j, "n": n}
 
 

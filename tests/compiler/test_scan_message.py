@@ -39,3 +39,17 @@ def test_a_scale_left_in_the_real_domain_is_named_with_its_fix(tmp_path):
     line = res.stderr.strip()
     assert "b = 0" in line and "b = 0 is in the domain of b, real" in line, line
     assert "declare its domain: positive" in line, line
+
+
+def test_a_formula_of_d_and_n_is_not_named_at_positions_it_does_not_read(tmp_path):
+    """A formula of the distance and n alone is scanned over distances to 2**25 with stand-in
+    positions (i = d, j = 0); the message named them, i = -33554432 against the hint's own
+    |i| <= 2**24. It names d, n, s and the parameters (b = 1: log(b) = 0 divides)."""
+    text = ("name: ssm\nscore: s*log(n)/log(b)\nlog_prior: 0\n"
+            "params:\n  b: {init: 512.0, domain: positive}\n")
+    res = run_cli_in_process("build", str(write_prior(tmp_path, text)), "-o", str(tmp_path / "out"))
+    assert res.exit_code == 2
+    line = res.stderr.strip()
+    assert "field 'score'" in line and "b = 1" in line, line
+    names = re.findall(r"(\w+(?:\[\d+\])?) = ", line.split(" (hint")[0])
+    assert names == ["d", "n", "s", "b"], line
