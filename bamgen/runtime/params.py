@@ -115,6 +115,9 @@ class DomainCheck:
 
     def __init__(self, traits: PriorTraits):
         self.traits = traits
+        # scalars the heads share (per_head: false): given [Hq] (default_params' shape), every
+        # head must hold the same value, tested in the same read as the domains
+        self.shared = [p.slot for p in traits.params if p.size is None and not p.per_head]
         self.bounds = {}
         self.in_domain = set()
         self.passed = {}   # id(tensor) -> (weak reference, version) of tensors found in domain
@@ -150,15 +153,29 @@ class DomainCheck:
         ok = (values > lo_open) & (values < hi_open)
         if lo_closed is not None:
             ok &= values >= lo_closed
+        if self.shared:
+            ok[:, self.shared] &= values[:, self.shared] == values[:1, self.shared]
         if not bool(ok.all()):
             check_domains(self.traits, {p.name: values[:, p.slot] if p.size is None
                                         else values[:, p.slot:p.slot + p.size]
                                         for p in self.traits.params}, what)
+            self._refuse_split_shared(values, what)
         if seen is not None:
             if len(self.in_domain) >= 1024:
                 self.in_domain.clear()
             self.in_domain.add(seen)
         self._remember(sources)
+
+    def _refuse_split_shared(self, values, what):
+        """A scalar the heads share, given a different value per head: each head would silently
+        use its own."""
+        for p in self.traits.params:
+            if p.slot in self.shared and not bool((values[:, p.slot] == values[0, p.slot]).all()):
+                heads = values[:, p.slot].tolist()
+                shown = ", ".join(f"{v:g}" for v in heads[:4]) + (", ..." if len(heads) > 4 else "")
+                raise ValueError(f"{what}{p.name} is shared by the heads (per_head: false in the "
+                                 f"prior file): pass a float or a 0-d tensor, got a different "
+                                 f"value per head ({shown})")
 
     def _known(self, sources) -> bool:
         """Whether every value is a number in its domain or a tensor that passed, unchanged."""

@@ -167,6 +167,25 @@ def test_a_shared_vector_of_the_wrong_shape_is_named():
     assert fire.attention(q, q, q, **{**p, "w1": p["w1"][None]}).shape == q.shape   # [1, size]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shared_scalar_given_a_value_per_head_is_named(backend):
+    """FIRE's c and L are shared by the heads (per_head: false). Given [Hq] (default_params'
+    shape) they are taken when every head holds the same value; different values per head were
+    taken too, each head silently using its own. Refused by name, in the domain test's read."""
+    q = torch.randn(1, 4, 5, 8)
+    p = _fire_params(4)
+    base = fire.attention(q, q, q, **p, backend=backend)
+    same = fire.attention(q, q, q, **{**p, "c": torch.full((4,), 0.3)}, backend=backend)
+    assert torch.equal(same, base)
+    assert fire.attention(q, q, q, **fire.default_params(4), backend=backend).shape == q.shape
+    with pytest.raises(ValueError, match=r"c is shared by the heads \(per_head: false in the "
+                                         r"prior file\): pass a float or a 0-d tensor, got a "
+                                         r"different value per head \(0.1, 0.9, 0.9, 0.9\)"):
+        fire.attention(q, q, q, **{**p, "c": torch.tensor([0.1, 0.9, 0.9, 0.9])}, backend=backend)
+    with pytest.raises(ValueError, match=r"L must be positive"):   # the domain's message first
+        fire.attention(q, q, q, **{**p, "L": torch.tensor([8.0, -1.0, 8.0, 8.0])}, backend=backend)
+
+
 def test_an_infinite_index_is_clamped_like_any_other(tmp_path):
     """log2 buckets: at d = 0 the index formula is -inf, which clamps to w[0] (it built with
     Max(0, ...) around it, and must build without); a random init written as 2e-2 (which YAML
