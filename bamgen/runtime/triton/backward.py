@@ -268,7 +268,9 @@ def _attn_bwd_dkdv(Q, K, V, Theta, DO, RowM, RowL, Delta, RowF, DK, DV, Table, W
             if RAMP:
                 if CAUSAL:   # scores and statistics from each row's reference (see the forward)
                     row_ref = _ramp_reference(offs_m_abs, Nk - 1 + k_offset, k_offset, ramp_slope)
-                    zT = qkT * qk_scale + ramp_slope * (row_ref[None, :] - offs_n_abs[:, None]).to(tl.float32)
+                    # (one FMA over the exact distance, bit for bit the forward's z)
+                    ramp_d = (row_ref[None, :] - offs_n_abs[:, None]).to(tl.float32)
+                    zT = tl.fma(ramp_d, ramp_slope, qkT * qk_scale)
                     m_row -= _ramp_row_term(offs_m_abs, row_ref, ramp_slope, ramp[1], row_abs)
                 elif RAMP_SYMMETRIC:
                     # from each row's nearest key (_ramp_logit2), as the forward's statistics are

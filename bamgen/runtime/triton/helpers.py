@@ -377,8 +377,8 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 @triton.jit
 def _ramp_reference(rows_abs, last_key, first_key, slope):
-    """The key a causal ramp's scores are measured from, for a row (or a tile's first row)
-    at rows_abs: the nearest key it can see, min(i, last key), where the prior falls with
+    """The key a causal ramp's scores are measured from, for each row at rows_abs (forward,
+    decode and backward alike): the nearest key it can see, min(i, last key), where the prior falls with
     the distance (slope <= 0), else the first key. Measured from there, the scores that
     carry the weight stay small numbers whatever the positions: queries at 2**20 against
     keys 0..255 have absolute logits -|d|/b near -3e5, which float32 rounds to 1/32, far
