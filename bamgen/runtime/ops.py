@@ -243,7 +243,6 @@ def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seql
 
 
 @read_fresh   # (a compiled graph runs it: host_reads)
-@autograd.outside_autocast
 def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causal, scale, key_mask,
              cu_seqlens_q, cu_seqlens_k, use_triton, position_grads, q_offset=0, k_offset=0):
     """(dq, dk, dv, dparams, dpos_q, dpos_k) of one _op_pfwd."""
@@ -251,17 +250,10 @@ def _op_pbwd(prior, dout, q, k, v, out, stats, extra, theta, pos_q, pos_k, causa
         return tuple(g.zero_() for g in _op_pbwd_fake(prior, dout, q, k, v, out, stats, extra,
                                                       theta, pos_q, pos_k))
     layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
-    pos = (pos_q, pos_k)
-    if use_triton:
-        from .triton import launch
-        grads = launch.backward(prior, dout, q, k, v, out, stats, extra if extra.numel() else out,
-                                None, theta, causal, scale, layout.q_offset, layout.k_offset,
-                                pos=pos, position_grads=position_grads, **layout.masks())
-    else:
-        from .cpu import backward as cpu_backward
-        grads = cpu_backward.backward(prior, dout, q, k, v, out, stats, theta, causal, scale,
-                                      layout.q_offset, layout.k_offset, pos=pos, **layout.masks())
-    dq, dk, dv, dparams, dpos_q, dpos_k = grads
+    saved = (stats, extra if extra.numel() else out, None) if use_triton else (stats,)
+    dq, dk, dv, dparams, dpos_q, dpos_k = autograd.positional_backward(
+        prior, use_triton, dout, q, k, v, out, saved, theta, causal, scale, layout, (pos_q, pos_k),
+        position_grads)
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(), dparams.to(theta.dtype).contiguous(),
             dpos_q.to(pos_q.dtype).contiguous(), dpos_k.to(pos_k.dtype).contiguous())
 
