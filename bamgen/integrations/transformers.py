@@ -16,6 +16,9 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
   hands a custom attention ``attention_mask=None`` and padding is silently ignored; bamgen's
   (bamgen/integrations/hf_layout.py) turns the token mask and the cache's sizes into
   ``key_mask`` and per-row offsets, right for dynamic and static caches.
+- A forward pre-hook refuses a forward once another attention implementation is set
+  (``set_attn_implementation("sdpa")`` after apply_prior): the layers would run without
+  their priors, silently.
 - ``rope="remove"`` replaces the rotary embedding with the identity (the prior is then the
   only positional encoding); ``"keep"`` leaves it.
 - A forward pre-hook on the model (and on each transformers model inside it) hands a packed
@@ -368,6 +371,23 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     install_document_markers(model)
     install_read_scope(model)
+    if _runs_its_priors not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_runs_its_priors)
+
+
+def _runs_its_priors(model, args) -> None:
+    """A forward pre-hook (apply_prior's): the layers' priors run only through the "bamgen"
+    attention implementation, so a model switched to another one after apply_prior
+    (``set_attn_implementation("sdpa")``) would run without them, silently: with RoPE removed,
+    with no positional encoding at all. Refused by name instead."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"attn_implementation: this model's attention layers hold bamgen priors "
+                         f"(apply_prior), which only attn_implementation="
+                         f"{ATTN_IMPLEMENTATION!r} runs, but it is now {implementation!r} (set "
+                         f"after apply_prior); call model.set_attn_implementation("
+                         f"{ATTN_IMPLEMENTATION!r}) to run them, or compare against a copy of "
+                         f"the model made before apply_prior")
 
 
 def _attention_layers(model) -> list[torch.nn.Module]:

@@ -1013,6 +1013,39 @@ def test_a_multimodal_model_is_refused_and_its_language_model_takes_the_prior():
         assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
 
 
+def test_another_attention_implementation_set_after_apply_prior_is_refused():
+    """set_attn_implementation("sdpa") after apply_prior ran the model without its priors,
+    silently (with RoPE removed, with no positional encoding at all: logits off by 0.02 on a
+    tiny Llama). The forward is now refused by name, and set back to "bamgen" it runs the
+    priors again. Llava switched whole reaches its language model's prior the same way; its
+    vision tower alone switched is no concern of the prior's."""
+    model = tiny_llama()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match=r"attn_implementation: .* hold bamgen priors .* "
+                                             r"now 'sdpa' .*set_attn_implementation\('bamgen'\)"):
+            model(ids)
+        with pytest.raises(ValueError, match="now 'sdpa'"):
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+        model.set_attn_implementation("bamgen")
+        torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+
+    llava = _tiny_llava()
+    apply_prior(llava.model.language_model, ggd)
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    image = torch.tensor([[110] * 4 + [5, 6, 7]])
+    with torch.no_grad():
+        want = llava(input_ids=image, pixel_values=pixels).logits
+        llava.set_attn_implementation({"vision_config": "sdpa"})
+        torch.testing.assert_close(llava(input_ids=image, pixel_values=pixels).logits, want,
+                                   rtol=1e-6, atol=1e-6)
+        llava.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match="now 'sdpa'"):
+            llava(input_ids=image, pixel_values=pixels)
+
+
 def test_a_multimodal_model_whose_language_model_took_the_prior_reloads_whole(tmp_path, caplog):
     """The prior applied to Llava's language model is recorded in its text_config; from_pretrained
     found no record at the top and refused the checkpoint. It now builds the prior into the
