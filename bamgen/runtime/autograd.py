@@ -4,6 +4,7 @@ one), and the backward that routes to the same backend with what its forward sav
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -174,16 +175,29 @@ class PriorAttention(torch.autograd.Function):
         return None, dq, dk, dv, dtheta, None, None, None, None, None
 
 
+def decide_positions(prior, pos, position_grads, use_triton, extent=None):
+    """pos as the backend takes it: for Triton, its kernels' way with them decided
+    (launch.position_call: a table prior may read its table at integer positions, which takes
+    a host read unless extent, Positions.extent, gives what it reads), once for a forward and
+    its backward; the CPU takes them as they are."""
+    if not use_triton:
+        return pos
+    from .triton import launch
+    return launch.decided(prior, pos, position_grads, extent)
+
+
 @outside_autocast
 def positional_forward(prior, q, k, v, theta, pos, causal, scale, layout, use_triton,
-                       for_backward, position_grads=True):
+                       for_backward, position_grads=True, extent=None):
     """(out, then what the backend's backward needs) of a call with position tensors pos
-    (docs/positions.md; no decode step); layout: its int offsets (token order, for the causal
-    mask: a chunk of rows after a cache), key_mask and documents.
-    position_grads: whether a backward will want the positions' gradients (else the Triton
-    kernels may read a table prior at integer positions, launch.position_call)."""
+    (docs/positions.md; no decode step), or for Triton, pos as decide_positions made it; layout:
+    its int offsets (token order, for the causal mask: a chunk of rows after a cache), key_mask
+    and documents. position_grads: whether a backward will want the positions' gradients (else
+    the Triton kernels may read a table prior at integer positions, launch.position_call);
+    extent: Positions.extent."""
     if use_triton:
         from .triton import launch
+        pos = decide_positions(prior, pos, position_grads, use_triton, extent)
         return launch.forward(prior, q, k, v, theta, causal, scale, layout.q_offset,
                               layout.k_offset, for_backward=for_backward, pos=pos,
                               position_grads=position_grads, **layout.masks())
@@ -197,15 +211,23 @@ class PositionalAttention(torch.autograd.Function):
     sums of dS * d logit / d i and dS * d logit / d j, on either backend."""
 
     @staticmethod
-    def forward(ctx, prior, q, k, v, theta, pos_q, pos_k, causal, scale, layout, use_triton):
+    def forward(ctx, prior, q, k, v, theta, pos_q, pos_k, causal, scale, layout, use_triton,
+                extent=None):
         ctx.settings = (prior, causal, scale, layout, use_triton)
         if q.numel() == 0 or k.shape[2] == 0:   # no query, or no key: every row is 0
             ctx.empty = True
             ctx.save_for_backward(q, k, v, theta, pos_q, pos_k)
             return torch.zeros_like(q, memory_format=torch.contiguous_format)
         ctx.empty = False
-        pos = (pos_q.detach(), pos_k.detach())
         ctx.position_grads = any(ctx.needs_input_grad[5:7])
+        # decided once: the backward takes the forward's kernels and table without a host read
+        pos = decide_positions(prior, (pos_q.detach(), pos_k.detach()), ctx.position_grads,
+                               use_triton, extent)
+        # (Triton's choice; inline, its positions are the inputs, which the backward takes as
+        # saved, checked for in-place writes; a table's are moved copies, our own)
+        ctx.position_call = None
+        if use_triton:
+            ctx.position_call = pos if pos.span is not None else dataclasses.replace(pos, pos=None)
         out, *saved = positional_forward(prior, q, k, v, theta.detach(), pos, causal, scale,
                                          layout, use_triton, True, ctx.position_grads)
         ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, *saved)
@@ -216,16 +238,21 @@ class PositionalAttention(torch.autograd.Function):
     def backward(ctx, dout):
         if ctx.empty:
             return (None, *(torch.zeros_like(t) for t in ctx.saved_tensors), None, None, None,
-                    None)
+                    None, None)
         q, k, v, theta, pos_q, pos_k, out, *saved = ctx.saved_tensors
         prior, causal, scale, layout, use_triton = ctx.settings
+        pos = (pos_q.detach(), pos_k.detach())
+        if ctx.position_call is not None:
+            pos = ctx.position_call if ctx.position_call.pos else dataclasses.replace(
+                ctx.position_call, pos=pos)
         dq, dk, dv, dparams, dpos_q, dpos_k = positional_backward(
             prior, use_triton, dout, q, k, v, out, saved, theta.detach(), causal, scale, layout,
-            (pos_q.detach(), pos_k.detach()), ctx.position_grads)
+            pos, ctx.position_grads)
         dtheta = make_dtheta(prior.traits, theta, dparams) if ctx.needs_input_grad[4] else None
         return (None, dq, dk, dv, dtheta,
                 dpos_q.to(pos_q.dtype) if ctx.needs_input_grad[5] else None,
-                dpos_k.to(pos_k.dtype) if ctx.needs_input_grad[6] else None, None, None, None, None)
+                dpos_k.to(pos_k.dtype) if ctx.needs_input_grad[6] else None, None, None, None, None,
+                None)
 
 
 @outside_autocast

@@ -53,9 +53,10 @@ def attend(prior, q, k, v, theta, causal, scale, layout, backend, pos=None):
             if q.numel() == 0 or k.shape[2] == 0:
                 return torch.zeros_like(q, memory_format=torch.contiguous_format)
             return autograd.positional_forward(prior, q, k, v, theta, (pos.q, pos.k), causal,
-                                               scale, layout, use_triton, False, False)[0]
+                                               scale, layout, use_triton, False, False,
+                                               pos.extent)[0]
         return autograd.PositionalAttention.apply(prior, q, k, v, theta, pos.q, pos.k, causal,
-                                                  scale, layout, use_triton)
+                                                  scale, layout, use_triton, pos.extent)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, theta)):
         # no graph to record (inference, a decode step): the forward alone, without the autograd
         # Function's bookkeeping, which costs a decode step of a small model a tenth of its time

@@ -34,13 +34,17 @@ class Positions:
     through them)."""
     q: torch.Tensor
     k: torch.Tensor
+    # (smallest q, largest q, smallest k, largest k) where both were given as integers: the
+    # range check read them, so the Triton kernels' choice of a table (launch.position_call)
+    # need not read them again; None for float positions, and under tracing
+    extent: tuple[int, int, int, int] | None = None
 
     @property
     def channels(self) -> int:
         return self.q.shape[-1]
 
     def detached(self) -> "Positions":
-        return Positions(self.q.detach(), self.k.detach())
+        return Positions(self.q.detach(), self.k.detach(), self.extent)
 
 
 def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) -> Positions | None:
@@ -77,26 +81,32 @@ def given_positions(prior, q, k, pos_q, pos_k) -> Positions | None:
                          f"tensor twice for self-attention)")
     B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
     cdt = acc_dtype(q)
-    return Positions(_normalise("pos_q", pos_q, B, Hq, Nq, channels, q, cdt),
-                     _normalise("pos_k", pos_k, B, Hq, k.shape[2], channels, q, cdt))
+    normalised_q = _normalise("pos_q", pos_q, B, Hq, Nq, channels, q, cdt)
+    normalised_k = _normalise("pos_k", pos_k, B, Hq, k.shape[2], channels, q, cdt)
+    return Positions(normalised_q, normalised_k, _integer_extent(pos_q, pos_k, q))
 
 
-def _check_integer_range(name, pos, q) -> None:
+def _integer_extent(pos_q, pos_k, q) -> tuple[int, int, int, int] | None:
     """Integer positions within +-2**24, where float32, the kernels' positions, holds every
     integer: beyond, distances round (2**24 + 13 and 2**24 + 12 read alike) and the prior is
     silently wrong, as the offsets' range check (checks.check_positions) refuses for token
-    positions. A host read (on a GPU it waits for the queue; integer positions are read on the
-    host anyway, to choose the table path); not under tracing, where values are unknown."""
+    positions. One host read for both tensors (on a GPU it waits for the queue), not under
+    tracing, where values are unknown. Returns (q_lo, q_hi, k_lo, k_hi) where both are integer
+    and hold some position, for the table's choice (Positions.extent), else None."""
     from .ops import tracing
-    if pos.is_floating_point() or pos.numel() == 0 or tracing(q):
-        return
-    lo, hi = (int(x) for x in pos.aminmax())
-    worst = lo if -lo > hi else hi
-    if abs(worst) > MAX_POSITION:
-        raise ValueError(f"{name} holds {worst}: integer positions must lie in [-2**24, 2**24], "
-                         f"where float32 holds every integer (beyond, distances round); shift "
-                         f"them (a prior of d alone reads only differences), or pass float "
-                         f"positions, computed to float32's rounding")
+    named = [(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k))
+             if not p.is_floating_point() and p.numel()]
+    if not named or tracing(q):
+        return None
+    bounds = torch.stack([b.to(torch.int64) for _, p in named for b in p.aminmax()]).tolist()
+    for (name, _), lo, hi in zip(named, bounds[0::2], bounds[1::2]):
+        worst = lo if -lo > hi else hi
+        if abs(worst) > MAX_POSITION:
+            raise ValueError(f"{name} holds {worst}: integer positions must lie in [-2**24, "
+                             f"2**24], where float32 holds every integer (beyond, distances "
+                             f"round); shift them (a prior of d alone reads only differences), "
+                             f"or pass float positions, computed to float32's rounding")
+    return tuple(bounds) if len(named) == 2 else None
 
 
 def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:
@@ -117,7 +127,6 @@ def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:
         ch = f", {channels}" if channels > 1 else ""
         raise ValueError(f"{name} has shape {list(pos.shape)}; expected [B, N{ch}] = "
                          f"[{B}, {N}{ch}] or [B, Hq, N{ch}] = [{B}, {Hq}, {N}{ch}]")
-    _check_integer_range(name, pos, q)
     if channels == 1:
         pos = pos.unsqueeze(-1)
     if pos.dim() == 3:   # shared by every head

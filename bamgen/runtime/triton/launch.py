@@ -407,26 +407,30 @@ class PositionCall:
     span: tuple | None = None
 
 
-def position_call(prior, pos, position_grads) -> PositionCall:
+def position_call(prior, pos, position_grads, extent=None) -> PositionCall:
     """How the kernels take a call's position tensors (docs/positions.md, "Integer positions").
     A table prior (Prior.position_table) whose positions are all integers, need no gradient,
     and span at most POSITION_TABLE_SPAN * (Nq + Nk) distances reads its distance table at
     d = pos_i - pos_j, as it does at token positions. Otherwise (and while a CUDA graph is being
     captured: deciding reads five numbers on the host) the positional plan computes the prior
-    inline. The same positions give the same decision in the backward."""
+    inline. extent: the positions' (q_lo, q_hi, k_lo, k_hi) where the caller read them of
+    integer tensors (Positions.extent), else they are read here."""
     table_prior = getattr(prior, "position_table", None)
     inline = PositionCall(prior.positional, pos)
     pos_q, pos_k = pos
     if (position_grads or table_prior is None or pos_q.shape[-1] != 1 or pos_q.numel() == 0
             or pos_k.numel() == 0 or (pos_q.is_cuda and torch.cuda.is_current_stream_capturing())):
         return inline
-    # (float32 positions: an integer there is exact, and so is the difference of two of them
-    # up to 2**24)
-    integral = torch.stack([(p == p.round()).all() for p in pos]).all()   # (NaN fails it)
-    q_lo, q_hi, k_lo, k_hi, whole = torch.stack(
-        [pos_q.min(), pos_q.max(), pos_k.min(), pos_k.max(), integral.float()]).tolist()
-    if whole != 1.0:
-        return inline
+    if extent is not None:
+        q_lo, q_hi, k_lo, k_hi = (float(x) for x in extent)
+    else:
+        # (float32 positions: an integer there is exact, and so is the difference of two of
+        # them up to 2**24)
+        integral = torch.stack([(p == p.round()).all() for p in pos]).all()   # (NaN fails it)
+        q_lo, q_hi, k_lo, k_hi, whole = torch.stack(
+            [pos_q.min(), pos_q.max(), pos_k.min(), pos_k.max(), integral.float()]).tolist()
+        if whole != 1.0:
+            return inline
     shift = table_shift(q_lo, q_hi, k_lo, k_hi)
     q_lo, q_hi, k_lo, k_hi = q_lo - shift, q_hi - shift, k_lo - shift, k_hi - shift
     # a masked load reads position 0 (rows and keys past a tile's end): its distances to the
@@ -437,6 +441,14 @@ def position_call(prior, pos, position_grads) -> PositionCall:
         return inline
     moved = tuple((p - shift).contiguous() for p in pos)
     return PositionCall(table_prior, moved, (int(bottom), int(top)))
+
+
+def decided(prior, pos, position_grads, extent=None) -> PositionCall:
+    """pos as a PositionCall: as the caller decided it (the autograd Function decides once, for
+    the forward and its backward: autograd.decide_positions), else decided here."""
+    if isinstance(pos, PositionCall):
+        return pos
+    return position_call(prior, pos, position_grads, extent)
 
 
 def table_shift(q_lo, q_hi, k_lo, k_hi) -> float:
@@ -662,10 +674,11 @@ def forward(prior, q, k, v, theta, causal, scale, q_offset, k_offset, for_backwa
     tensors (pos_q, pos_k) [B, Hq, N, C] (docs/positions.md), taken by prior.positional's
     kernels (offsets 0; packed documents taken), or at integer positions that need no gradient
     (position_grads False) by the prior's table (position_call); the default, position_grads
-    True (the block API's and the ring's calls), is always the inline kernels."""
+    True (the block API's and the ring's calls), is always the inline kernels. pos may be the
+    PositionCall already decided (autograd.decide_positions)."""
     span = None
     if pos is not None:
-        call = position_call(prior, pos, position_grads)
+        call = decided(prior, pos, position_grads)
         prior, pos, span = call.prior, call.pos, call.span
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, for_backward,
                                                 shifted, None, n, key_mask, cu_seqlens_q, cu_seqlens_k,
@@ -795,10 +808,11 @@ def backward(prior, dout, q, k, v, out, stats, out32, table, theta, causal, scal
     gradients, float32 [B, Hq, N, C] each (with row_sums, pos_q's without its row correction:
     one block's share, which adds up over the blocks; zeros where position_grads is False and
     the forward read the table at integer positions: position_call decides as it did for the
-    forward; the default, True, is always the inline kernels)."""
+    forward, or takes the forward's PositionCall as pos; the default, True, is always the
+    inline kernels)."""
     span = None
     if pos is not None:
-        call = position_call(prior, pos, position_grads)
+        call = decided(prior, pos, position_grads)
         prior, pos, span = call.prior, call.pos, call.span
     table, d_top, window, counts = prior_inputs(prior, q, k, theta, q_offset, k_offset, causal, True, shifted,
                                                 table, n, key_mask, cu_seqlens_q, cu_seqlens_k, span)
