@@ -99,7 +99,7 @@ class TableIR:
     score with ``log_prior`` replaced by :data:`TABLE_VALUE`, and the chain rule through it:
     d logit / d p = (d score / d p) + (d score / d log_prior) * tab_p.
     """
-    value: sp.Expr                              # log_prior over d and runtime parameters
+    value: sp.Expr                              # log_prior (for s + b: b) over d and parameters
     value_grads: tuple[tuple[str, sp.Expr], ...]  # (param, d log_prior / d param), guarded
     logit: sp.Expr                              # over s, tab_v, positions, parameters
     dlogit_ds: sp.Expr
@@ -107,25 +107,31 @@ class TableIR:
 
 
 def split_for_table(ir: PriorIR) -> TableIR | None:
-    """The table form of ``ir``, or None when the log-prior is not a function of d alone."""
+    """The table form of ``ir``, or None when what it would tabulate is not a function of d
+    alone. A logit s + b (the score is s plus anything of the positions: ``s + log_prior``,
+    ``s + 2*log_prior``, ``s + log_prior + c*sin(d)``) tabulates the whole b, which the kernels
+    add to s as they add an entry; any other score tabulates the log-prior and reads it per score."""
     pos = position_symbols()
     spec = ir.spec
-    if ir.log_prior.free_symbols & {pos["i"], pos["j"], pos["n"]} or not ir.log_prior.has(pos["d"]):
-        return None
     score = S + LOG_PRIOR if spec.score is None else _canonical_positions(spec.score)
-    if not score.has(LOG_PRIOR):
+    if ir.score_is_identity:
+        tabulated_expr, logit = ir.logit.xreplace({S: sp.S.Zero}), S + TABLE_VALUE
+    elif score.has(LOG_PRIOR):
+        tabulated_expr, logit = ir.log_prior, score.xreplace({LOG_PRIOR: TABLE_VALUE})
+    else:
+        return None
+    if tabulated_expr.free_symbols & {pos["i"], pos["j"], pos["n"]} or not tabulated_expr.has(pos["d"]):
         return None
     symbols = runtime_symbols(spec)
     notes: list[str] = []    # the kinks are already reported by the inline analysis
     limits = [0]
-    value = _guard(ir.log_prior, "the log-prior", notes, limits=limits, value=True)
-    present = ir.log_prior.free_symbols
+    value = _guard(tabulated_expr, "the log-prior", notes, limits=limits, value=True)
+    present = tabulated_expr.free_symbols
     tabulated = [label for label in learnable_labels(spec) if symbols[label] in present]
     value_grads = tuple(
-        (label, _guard(clean_derivative(sp.diff(ir.log_prior, symbols[label]), label),
+        (label, _guard(clean_derivative(sp.diff(tabulated_expr, symbols[label]), label),
                        f"d log_prior / d {label}", notes, limits=limits))
         for label in tabulated)
-    logit = score.xreplace({LOG_PRIOR: TABLE_VALUE})
     dlds = clean_derivative(sp.diff(logit, S), "s")
     chain = sp.diff(logit, TABLE_VALUE)
     grads = []

@@ -38,7 +38,7 @@ def test_cost_model_choices():
 
 
 def _check_against_reference(module, log_prior, params, *, causal, Nq, Nk, q_offset, poison=0,
-                             kink=None, context=""):
+                             kink=None, context="", backend="triton"):
     torch.manual_seed(3)
     B, H, D = 1, 2, 16
     q, k, v, dout = (torch.randn(B, H, n, D) for n in (Nq, Nk, Nk, Nq))
@@ -48,7 +48,7 @@ def _check_against_reference(module, log_prior, params, *, causal, Nq, Nk, q_off
     leaves = [t.clone().requires_grad_() for t in (q, k_used, v_used)]
     learnable = module.LEARNABLE
     p_leaves = {n: t.clone().requires_grad_(n in learnable) for n, t in params.items()}
-    out = module.attention(*leaves, **p_leaves, causal=causal, q_offset=q_offset, backend="triton")
+    out = module.attention(*leaves, **p_leaves, causal=causal, q_offset=q_offset, backend=backend)
     grads = torch.autograd.grad(out, leaves + [p_leaves[n] for n in learnable], dout)
     kw = dict(causal=causal, q_offset=q_offset, dout=dout, kink=kink)
     ref = reference_attention(q, k, v, params, log_prior, **kw)
@@ -72,6 +72,40 @@ def test_both_strategies_match_reference(tmp_path, strategy, causal):
               "mu": torch.tensor([0.0, 2.5])}
     _check_against_reference(module, GGD, params, causal=causal, Nq=37, Nk=53, q_offset=16,
                              kink=GGD_KINK, context=f"ggd {strategy} causal={causal}")
+
+
+# A score of s plus more than the log-prior: (the score as YAML, the bias it adds to s in torch)
+ADDED_TO_S = {
+    "s + 2*log_prior": lambda d, p: 2 * (-torch.abs(d) / p["b"]),
+    "s - log_prior/2 + c*sin(d)": lambda d, p: torch.abs(d) / p["b"] / 2 + p["c"] * torch.sin(d),
+    "s + tanh(log_prior)": lambda d, p: torch.tanh(-torch.abs(d) / p["b"]),
+    "s + log_prior + c*Abs(d)": lambda d, p: -torch.abs(d) / p["b"] + p["c"] * torch.abs(d),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("strategy", ["inline", "table"])
+@pytest.mark.parametrize("score", list(ADDED_TO_S))
+def test_a_score_that_adds_more_than_the_log_prior_to_s(tmp_path, score, strategy, backend):
+    """A logit s + b(d) whose b is not the log-prior itself (twice it, a function of it, or it
+    and more of d): the distance table held the log-prior alone and the kernels added it to s
+    as if it were b, so the CPU path (which reads the table at token positions) and the
+    table strategy on both paths were off by up to 0.44 in the output, and c's gradient was 0.
+    The table now holds the whole b; both strategies, both paths, match the float64 reference."""
+    reads_c = "c*" in score
+    text = f"""
+    name: added_to_s
+    log_prior: -Abs(d) / b
+    score: {score}
+    params:
+      b: {{init: 2.0, domain: positive}}
+    """ + ("  c: {init: 0.5}\n" if reads_c else "")
+    module = bamgen.load(write_prior(tmp_path, text), strategy=strategy, cache_dir=tmp_path / "c")
+    params = {"b": torch.tensor([2.0, 0.7])}
+    if reads_c:
+        params["c"] = torch.tensor([0.5, -0.3])
+    _check_against_reference(module, ADDED_TO_S[score], params, causal=False, Nq=19, Nk=23,
+                             q_offset=4, context=f"{score} {strategy} {backend}", backend=backend)
 
 
 WINDOW = """
