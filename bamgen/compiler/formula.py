@@ -76,9 +76,10 @@ class ElementSymbol(sp.Symbol):
 
 
 class Gather(sp.Function):
-    """``w[e]``: the element clamp(e, 0, K - 1) of a vector w of K elements, for an
-    integer-valued e (arguments: e, w[0], ..., w[K - 1]). A constant e picks its element
-    directly; the derivative in w[k] is 1 where clamp(e) = k, else 0 (the index is piecewise
+    """``w[e]``: the element clamp(floor(e), 0, K - 1) of a vector w of K elements
+    (arguments: e, w[0], ..., w[K - 1]); e is integer-valued where positions are tokens, and
+    may be fractional at float positions. A constant e picks its element directly; the
+    derivative in w[k] is 1 where clamp(floor(e)) = k, else 0 (the index is piecewise
     constant: its own derivative is 0)."""
 
     @classmethod
@@ -113,14 +114,14 @@ def clamp_index(value: float, size: int) -> int:
 
 
 def selects(index: sp.Expr, k: int, size: int) -> sp.Expr:
-    """1 where the clamped ``index`` is k, else 0: d w[index] / d w[k]."""
+    """1 where the clamped floor of ``index`` is k, else 0: d w[index] / d w[k]."""
     if size == 1:
         return sp.S.One
     return Selects(index, sp.Integer(k), sp.Integer(size))
 
 
 class Selects(sp.Function):
-    """1 where clamp(index, 0, size - 1) = k, else 0 (arguments: index, k, size): the derivative
+    """1 where clamp(floor(index), 0, size - 1) = k, else 0 (arguments: index, k, size): the derivative
     of a Gather in one element. A function of its own, so that SymPy keeps the comparison
     as written (a Piecewise index inside a relational becomes an ITE it cannot print)."""
 

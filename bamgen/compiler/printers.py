@@ -207,14 +207,19 @@ class _KernelPrinter(StrPrinter):
         return self.element.format(self._index(expr.args[0]), elements)
 
     def _print_Selects(self, expr):
-        """1 where the clamped index is k (the ends take what lies beyond them), else 0."""
+        """1 where the clamped index's floor is k (the ends take what lies beyond them), else
+        0: the element the gather reads, the largest k <= index (a fractional index, as a
+        bucket of positions given as floats reads, picks its floor's element, and so does its
+        gradient; NaN reads the first)."""
         index, k, size = expr.args
         at = self._index(index)
         k, size = int(k), int(size)
         if k == 0:
             return self.where.format(f"{at} >= 1.0", "0.0", "1.0")
-        cond = f"{at} >= {float(size - 1)!r}" if k == size - 1 else f"{at} == {float(k)!r}"
-        return self.where.format(cond, "1.0", "0.0")
+        if k == size - 1:
+            return self.where.format(f"{at} >= {float(k)!r}", "1.0", "0.0")
+        return self.where.format(f"{at} >= {float(k + 1)!r}", "0.0",
+                                 self.where.format(f"{at} >= {float(k)!r}", "1.0", "0.0"))
 
     def _index(self, index) -> str:
         """An index, in float64: by name where lower.py computed it beforehand."""

@@ -119,6 +119,54 @@ def test_gradients_are_bit_identical_run_to_run(name, backend):
         assert torch.equal(a, b)
 
 
+def _fractional_buckets(d, bidirectional):
+    """transformers' T5 buckets (_relative_position_bucket) computed at fractional distances
+    d = i - j, the bucket being the floor of what its formula gives: a small distance's own
+    floor, a large one's truncated logarithm."""
+    relative = -d   # j - i
+    buckets, exact, count = torch.zeros_like(d), 16.0, 32
+    if bidirectional:
+        count, exact = 16, 8.0
+        buckets = (relative > 0).to(d.dtype) * 16
+        relative = relative.abs()
+    else:
+        relative = -torch.clamp(relative, max=0.0)
+    large = exact + torch.log(relative / exact) / math.log(128 / exact) * (count - exact)
+    large = torch.clamp(large.floor(), max=count - 1)
+    return (buckets + torch.where(relative < exact, relative.floor(), large)).long()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("module", [t5, t5_bidirectional], ids=["t5", "t5_bidirectional"])
+def test_a_bucket_read_at_fractional_positions_takes_its_gradient(module, backend):
+    """T5's buckets over float positions (docs/positions.md): a fractional distance reads the
+    element at its index's floor, and its gradient went nowhere (d w[k] was 1 where the index
+    equalled k, which a fractional index never does: dw of bucket 2 came out 0 where finite
+    differences of the forward give 0.031). Against autograd of a float64 reference reading the
+    same buckets, output and dw, at positions whose distances fall between integers."""
+    g = torch.Generator().manual_seed(5)
+    B, H, N, D = 1, 2, 9, 8
+    q, k, v, dout = (torch.randn(B, H, N, D, generator=g) for _ in range(4))
+    pos = torch.tensor([[0.0, 18.6, 2.5, 40.3, 20.7, 57.1, 3.25, 9.9, 130.4]])
+    w = torch.randn(H, 32, generator=g) * 0.5
+    d = pos[0, :, None].double() - pos[0, None, :].double()
+    index = _fractional_buckets(d, module is t5_bidirectional)
+    assert torch.equal(_fractional_buckets(d.round(), module is t5_bidirectional),
+                       _buckets(d.round().long(), module is t5_bidirectional))
+    w64 = w.double().requires_grad_()
+    bias = w64[:, index]
+    mask = torch.ones(N, N, dtype=torch.bool).tril() if module is t5 else torch.ones(N, N, dtype=torch.bool)
+    logits = (q.double() @ k.double().transpose(-1, -2)) / D ** 0.5 + bias
+    want = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v.double()
+    (want_dw,) = torch.autograd.grad(want, w64, dout.double())
+    w32 = w.clone().requires_grad_()
+    out = module.attention(q, k, v, w=w32, causal=module is t5, pos_q=pos, pos_k=pos,
+                           backend=backend)
+    (dw,) = torch.autograd.grad(out, w32, dout)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(dw.double(), want_dw, rtol=0, atol=1e-5)
+
+
 def test_vectors_take_the_shapes_a_user_has():
     """A per-head vector [Hq, size] or [size] (the same for every head; [1, size] too); a
     shared vector [size]; a shared scalar a float or a 0-d tensor; gradients come back in the
