@@ -40,9 +40,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .runtime.autograd import first_order
-from .runtime.checks import autocast_inputs, check_causal
-from .runtime.params import param_block
+from .runtime.autograd import first_order, use_triton
+from .runtime.checks import MAX_POSITION, autocast_inputs, check_causal, check_inputs
+from .runtime.params import param_block, theta as make_theta
 from .runtime.positions import given_positions
 
 __all__ = ["shard", "unshard", "ring_attention"]
@@ -643,6 +643,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, learned, out, stats, *pos = ctx.saved_tensors
         ring, call = ctx.ring, ctx.call
         params = _block_params(call.mod, ctx.fixed, learned)
+        # (again: a fixed parameter passed as a tensor may have been written since the forward)
+        _check_blocks(call.mod, q, k, v, call.causal, call.scale, call.backend, params)
         dq, dk, dv, grads, dpos = _ring_backward(ring, call, dout, q, k, v, out, stats, params,
                                                  tuple(pos) or None)
         dlearned = None
@@ -729,6 +731,28 @@ def _check_params(mod, params, hq):
         _block(mod.TRAITS, name, value, hq, "cpu")   # (a ValueError naming it and its shapes)
 
 
+def _check_blocks(mod, q, k, v, causal, scale, backend, params):
+    """The block API's own checks (dtype, head dim, backend, the parameters' domains), run on
+    this rank's shards before the ring sends anything. forward_block and backward_block make
+    them on every block, but there a refusal comes after the next step's K/V transfer is
+    posted: every rank raises with it in flight, and the group's next call pairs its messages
+    with it (gloo times out, NCCL hangs). params: the values the blocks are given."""
+    check_inputs(q, k, v, causal, scale, backend)
+    use_triton(q, backend)   # (backend='triton' without CUDA, or in float64)
+    prior = mod._prior
+    make_theta(prior.traits, q, params, grad=False, check=prior.domain_check, head_rows=True)
+
+
+def _check_span(span: int):
+    """The block API refuses a block whose positions or distances pass 2**24 (exact integers in
+    float32): a query sees at most `span` keys (the sequence, or its longest packed document),
+    so refuse such a sequence on every rank before the ring starts, not on some ranks midway."""
+    if span - 1 > MAX_POSITION:
+        raise ValueError(f"positions 0 .. {span - 1} (the sequence, or its longest packed "
+                         f"document) pass 2**24, where positions are exact integers in float32; "
+                         f"split it into documents (cu_seqlens) or shorten it")
+
+
 def _block(traits, name, value, hq, device):
     """A parameter's columns [Hq, width] (float32), as the runtime takes them."""
     return param_block(traits.param(name), value, hq, device, torch.float32)
@@ -781,6 +805,7 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
                          dim=1)
                if mod.LEARNABLE else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
     fixed = {name: value for name, value in params.items() if name not in mod.LEARNABLE}
+    _check_blocks(mod, q, k, v, causal, scale, backend, _block_params(mod, fixed, learned))
     chunk = q.shape[2] // 2
     docs = None
     if cu_seqlens is not None:
@@ -788,11 +813,12 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
             raise ValueError(f"packed documents (cu_seqlens) take B = 1: the documents lie one after "
                              f"another in dim 2, got B = {q.shape[0]}")
         docs = _documents(cu_seqlens, 2 * world * chunk, group, world, q.device)
+    span = 2 * world * chunk if docs is None else max(b - a for a, b in docs.bounds)
+    _check_span(span)
     ring = _Ring(group, rank, world, chunk, causal, None, docs)
     window = None
     if traits.window:
         window = _Window(mod, _block_params(mod, fixed, learned), hq, q.device, traits.skip_below)
-        span = 2 * world * chunk if docs is None else max(b - a for a, b in docs.bounds)
         ring = _Ring(group, rank, world, chunk, causal, _agreed_distances(
             window.chunk_distances(chunk, world, causal, span), ring, q.device), docs)
     call = _Call(mod, causal, scale, backend, 2 * world * chunk if traits.uses_n else None, window)

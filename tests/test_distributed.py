@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import math
 import os
 import re
 import socket
@@ -590,6 +589,47 @@ def test_zigzag_layout(pool):
     assert all(all(r[1:]) for r in res.values())
 
 
+def _refused_then_valid(rank):
+    """On a pair of its own, every rank makes the same refused call, then a valid one."""
+    # (a short timeout: a message left in flight fails this in seconds, in a group no other
+    # test uses; new_group is called on every rank of the world)
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=10))
+    if rank > 1:
+        return
+    mod = importlib.import_module("generated.generalized_gaussian")
+    q, k, v, dout = _inputs(1, 2, 2, 8, 16, seed=6)
+    params = mod.default_params(2)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    one = mod.attention(*whole, causal=True, **params)
+    one.backward(dout)
+    shards = [shard(t, group=group) for t in (q, k, v)]
+    wide = [torch.randn(1, 2, 4, 300)] * 3
+    refusals = [   # (q, k, v, call's keywords, the refusal)
+        (*shards, dict(params, alpha=-1.0), "alpha must be positive"),
+        (*shards, dict(params, alpha=float("nan")), "alpha must be positive"),
+        (*(t.long() for t in shards), params, "q has dtype torch.int64"),
+        (*wide, params, r"head dim \(q.shape\[3\]\) must be in 1..256"),
+        (*(t.double() for t in shards), dict(params, backend="triton"), "backend='triton'"),
+    ]
+    for bad_q, bad_k, bad_v, kw, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            ring_attention(mod, bad_q, bad_k, bad_v, group=group, **kw)
+        ring = [t.clone().requires_grad_() for t in shards]
+        out = unshard(ring_attention(mod, *ring, causal=True, group=group, **params), group=group)
+        out.backward(dout)
+        torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5, msg=f"after {message!r}")
+        torch.testing.assert_close(_gather(ring[0].grad, group), whole[0].grad, rtol=1e-5, atol=1e-5)
+    dist.destroy_process_group(group)
+
+
+def test_refused_call_leaves_no_message_in_flight(pool):
+    """A call that every rank refuses (a parameter outside its domain, an input the block API
+    refuses: dtype, head dim, backend) raises before the ring posts a message: the next call
+    on the group then runs, where the refused call's K/V transfer, left in flight, paired with
+    the next call's messages (gloo timed out; NCCL would hang)."""
+    pool.run(_refused_then_valid, list(range(WORLD)))
+
+
 def test_ssmax_n_counts_the_whole_row():
     """The block API counts n over the keys of the block, so two blocks merged by log-sum-exp
     differ from one call for a prior that uses n; the ring (here one process, two chunks, which
@@ -665,6 +705,9 @@ def test_ring_attention_argument_errors():
     with pytest.raises(ValueError, match=r"packed documents \(cu_seqlens\) take B = 1"):
         two = torch.randn(2, 2, 8, 16)
         ring_attention(mod, two, two, two, cu_seqlens=torch.tensor([0, 8]), **p)
+    with pytest.raises(ValueError, match=r"positions 0 .. 16777217 .* pass 2\*\*24"):
+        long = torch.zeros(1, 1, 1, 1).expand(1, 1, 2 ** 24 + 2, 1)   # (no memory: refused first)
+        ring_attention(mod, long, long, long, **mod.default_params(1))
     # positions as tensors: they come together, in a shape attention() takes
     with pytest.raises(ValueError, match="pos_k is missing"):
         ring_attention(mod, q, q, q, pos_q=torch.zeros(1, 8), **p)
