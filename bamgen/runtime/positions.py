@@ -91,8 +91,9 @@ def _integer_extent(pos_q, pos_k, q) -> tuple[int, int, int, int] | None:
     integer: beyond, distances round (2**24 + 13 and 2**24 + 12 read alike) and the prior is
     silently wrong, as the offsets' range check (checks.check_positions) refuses for token
     positions. One host read for both tensors (on a GPU it waits for the queue), not under
-    tracing, where values are unknown. Returns (q_lo, q_hi, k_lo, k_hi) where both are integer
-    and hold some position, for the table's choice (Positions.extent), else None."""
+    tracing, where values are unknown; and where both are, their distances within +-2**24 too.
+    Returns (q_lo, q_hi, k_lo, k_hi) where both are integer and hold some position, for the
+    table's choice (Positions.extent), else None."""
     from .ops import tracing
     named = [(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k))
              if not p.is_floating_point() and p.numel()]
@@ -106,7 +107,16 @@ def _integer_extent(pos_q, pos_k, q) -> tuple[int, int, int, int] | None:
                              f"2**24], where float32 holds every integer (beyond, distances "
                              f"round); shift them (a prior of d alone reads only differences), "
                              f"or pass float positions, computed to float32's rounding")
-    return tuple(bounds) if len(named) == 2 else None
+    if len(named) != 2:
+        return None
+    q_lo, q_hi, k_lo, k_hi = bounds
+    far = max(abs(q_hi - k_lo), abs(k_hi - q_lo))
+    if far > MAX_POSITION:   # (as the offsets' check refuses it: checks.check_positions)
+        raise ValueError(f"pos_q and pos_k ({q_lo}..{q_hi}, {k_lo}..{k_hi}): distances between "
+                         f"queries and keys reach {far}, beyond 2**24, where they are exact "
+                         f"integers in float32; bring them closer (a prior of d alone reads only "
+                         f"differences: shift both by one integer)")
+    return q_lo, q_hi, k_lo, k_hi
 
 
 def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:

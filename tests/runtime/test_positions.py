@@ -263,15 +263,46 @@ def test_a_chunk_after_a_cache_takes_its_offset_for_the_causal_mask(backend, com
     (lambda q, p: GGD.attention(q, q, q, alpha=2.0, beta=1.0, mu=0.0,
                                 pos_q=torch.arange(9)[None].expand(2, 9),
                                 pos_k=-torch.arange(9)[None].expand(2, 9) - 2 ** 24), r"pos_k holds -16777224"),
+    # each within 2**24, their distances beyond (2**24 and 1 - 2**24 read 2**25 - 1 apart)
+    (lambda q, p: GGD.attention(q, q, q, alpha=2.0, beta=1.0, mu=0.0,
+                                pos_q=torch.full((2, 9), 2 ** 24), pos_k=-torch.arange(9)[None].expand(2, 9)
+                                - 2 ** 24 + 9), r"pos_q and pos_k .*reach 33554431, beyond 2\*\*24"),
     (lambda q, p: ALIBI_2D.attention(q, q, q, b=1.0, pos_q=p, pos_k=p), "pos_q"),
 ])
 def test_wrong_positions_name_the_argument(call, argument):
     """Each refused, naming the argument: a bad shape, dtype or offset, and integer positions
-    beyond float32's integers (an outside test found 2**24 + 13 silently off by 0.84)."""
+    beyond float32's integers (an outside test found 2**24 + 13 silently off by 0.84), or
+    whose distances are (one at 2**24 and keys near -2**24: Laplace's weights off by 0.2 on
+    the CPU path and 0.24 in the kernels, which disagreed with each other; token offsets that
+    far apart were already refused)."""
     q = torch.randn(2, 2, 9, 8)
     p = torch.randn(2, 9)
     with pytest.raises(ValueError, match=argument):
         call(q, p)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), 3e38, -3e38])
+def test_infinite_or_far_float_positions_touch_only_the_rows_that_see_them(bad, backend):
+    """A float position at an infinity, or finite and far past 2**24 (3e38), among integer
+    ones, through GGD (a table prior: integer positions read its table) and FoX: the CPU path
+    raised OverflowError (an infinity passed the integer test, then int(inf)) and the kernels'
+    choice of a table ValueError at -inf. Such positions now take the per-score kernels and
+    behave as a non-finite input (docs/reliability.md): causal rows before the token are those
+    of the same call without it, whatever its value (to float32's rounding: the table and the
+    per-score kernels round apart)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g) for _ in range(3))
+    calls = [lambda p: GGD.attention(q, k, v, alpha=torch.tensor([2.0, 5.0]), beta=1.0, mu=0.0,
+                                     pos_q=p, pos_k=p, backend=backend),
+             lambda p: FOX.attention(q, k, v, pos_q=-p, pos_k=-p, backend=backend)]
+    plain = torch.arange(8.0)[None]
+    odd = plain.clone()
+    odd[0, 5] = bad
+    for call in calls:
+        want = call(plain)[:, :, :5]
+        torch.testing.assert_close(call(odd)[:, :, :5], want, rtol=0,
+                                   atol=atol_for(torch.float32, want))
 
 
 CORE = {   # the core three, in the library's form (tests/runtime/test_library.py: the others)

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..checks import MAX_POSITION
 from ..constants import FLOAT32_MAX, POSITION_TABLE_SPAN, TABLE_PAD
 from ..tables import distance_span, prior_tables
 from .common import tile_entries
@@ -108,12 +109,16 @@ def position_tables(prior, theta, pos, grads, shifted):
     pos_q, pos_k = pos
     if pos_q.numel() == 0 or pos_k.numel() == 0:
         return None
-    if not all(bool((p == p.round()).all()) for p in pos):   # (NaN and inf fail it too)
+    # (NaN fails p == p.round(), an infinity does not: isfinite)
+    if not all(bool(((p == p.round()) & p.isfinite()).all()) for p in pos):
         return None
-    top = int(pos_q.max() - pos_k.min())
-    bottom = int(pos_q.min() - pos_k.max())
-    if top - bottom + 1 > POSITION_TABLE_SPAN * (pos_q.shape[2] + pos_k.shape[2]):
+    q_lo, q_hi, k_lo, k_hi = (float(x) for x in (pos_q.min(), pos_q.max(), pos_k.min(), pos_k.max()))
+    # (in float64: a finite float32 position may still be far past 2**24, 3e38 apart)
+    top, bottom = q_hi - k_lo, q_lo - k_hi
+    if (max(abs(q_lo), abs(q_hi), abs(k_lo), abs(k_hi)) > MAX_POSITION
+            or top - bottom + 1 > POSITION_TABLE_SPAN * (pos_q.shape[2] + pos_k.shape[2])):
         return None
+    top, bottom = int(top), int(bottom)
     tables, d_top = prior_tables(prior, theta, bottom, top, False, grads, shifted)
     width = top - bottom + 1
     entries = [tables[:, slot, TABLE_PAD:TABLE_PAD + width].contiguous()

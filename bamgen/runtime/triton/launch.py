@@ -426,7 +426,8 @@ def position_call(prior, pos, position_grads, extent=None) -> PositionCall:
     else:
         # (float32 positions: an integer there is exact, and so is the difference of two of
         # them up to 2**24)
-        integral = torch.stack([(p == p.round()).all() for p in pos]).all()   # (NaN fails it)
+        # (NaN fails p == p.round(), an infinity does not: isfinite)
+        integral = torch.stack([((p == p.round()) & p.isfinite()).all() for p in pos]).all()
         q_lo, q_hi, k_lo, k_hi, whole = torch.stack(
             [pos_q.min(), pos_q.max(), pos_k.min(), pos_k.max(), integral.float()]).tolist()
         if whole != 1.0:
