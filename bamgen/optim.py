@@ -20,24 +20,28 @@ import torch
 
 def param_groups(model: torch.nn.Module, weight_decay: float = 0.01, *,
                  prior_lr: float | None = None) -> list[dict]:
-    """Two parameter groups: ``weight_decay`` for everything but the prior parameters of every
-    generated attention module inside ``model`` (and names any submodule lists in
-    ``no_weight_decay()``), which get 0, and the learning rate ``prior_lr`` when it is given
-    (a few scalars per head often want a larger one). Frozen parameters and empty groups are
-    left out."""
+    """Parameter groups: ``weight_decay`` for everything but the prior parameters of every
+    generated attention module inside ``model`` and the names any submodule lists in
+    ``no_weight_decay()``, which get 0 (two groups). With ``prior_lr`` (a few scalars per head
+    often want a larger learning rate) the prior parameters take it in a third group of their
+    own: a timm model's ``pos_embed`` or norm weights want no decay, not the prior's rate.
+    Frozen parameters and empty groups are left out."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if prior_lr is not None and not prior_lr >= 0:
         raise ValueError(f"prior_lr: expected a learning rate >= 0, got {prior_lr!r}")
     keep = {id(p) for p in no_decay_parameters(model)}
-    decay, no_decay = [], []
+    priors = set()
+    if prior_lr is not None:
+        priors = {id(p) for module in model.modules() for p in _prior_parameters(module)}
+    decay, no_decay, prior = [], [], []
     for _, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if id(param) in keep else decay).append(param)
+            group = prior if id(param) in priors else no_decay if id(param) in keep else decay
+            group.append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if prior_lr is not None:
-        groups[1]["lr"] = prior_lr
+              {"params": no_decay, "weight_decay": 0.0},
+              {"params": prior, "weight_decay": 0.0, "lr": prior_lr}]
     return [group for group in groups if group["params"]]
 
 

@@ -103,6 +103,28 @@ def test_prior_learning_rate():
     assert [g["lr"] for g in opt.param_groups] == [3e-3, 3e-2]
 
 
+def test_prior_learning_rate_leaves_timms_no_decay_names_at_the_models():
+    """A timm-style model lists its position embedding and norm weights in no_weight_decay():
+    they joined the prior parameters' group, and so prior_lr too (the position embedding
+    trained at the prior scalars' larger rate). With prior_lr the priors have a group of
+    their own; the listed names keep no decay at the model's rate."""
+    class Vit(Block):
+        def __init__(self):
+            super().__init__(dim=8, heads=2)
+            self.pos_embed = torch.nn.Parameter(torch.zeros(1, 4, 8))
+
+        def no_weight_decay(self):
+            return {"pos_embed", "norm.weight"}
+    model = Vit()
+    decay, listed, priors = bamgen.param_groups(model, weight_decay=0.1, prior_lr=3e-2)
+    assert _ids(listed["params"]) == _ids([model.pos_embed, model.norm.weight])
+    assert "lr" not in listed and listed["weight_decay"] == 0.0
+    assert _ids(priors["params"]) == _ids([model.attn.raw_alpha, model.attn.raw_beta, model.attn.raw_mu])
+    assert priors["lr"] == 3e-2 and priors["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    _, no_decay = bamgen.param_groups(model, weight_decay=0.1)   # without prior_lr: two groups
+    assert _ids(no_decay["params"]) == _ids(listed["params"]) | _ids(priors["params"])
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="model"):
         bamgen.param_groups([torch.nn.Parameter(torch.zeros(2))], weight_decay=0.1)
