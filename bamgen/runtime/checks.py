@@ -190,7 +190,8 @@ def layout(q, k, q_offset, k_offset, key_mask=None, cu_seqlens_q=None, cu_seqlen
             raise ValueError(f"key_mask must be a bool tensor of shape [B, Nk] = [{B}, {Nk}] (False: a "
                              f"padding key), got {tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else key_mask!r}")
         if key_mask.is_floating_point() or key_mask.is_complex():
-            raise ValueError(f"key_mask must be a bool tensor (or integer 0/1), got {key_mask.dtype}")
+            raise ValueError(f"key_mask must be a bool tensor (or integers: 0 for a padding key, "
+                             f"nonzero for a real one), got {key_mask.dtype}")
         key_mask = key_mask.to(device=q.device, dtype=torch.bool).contiguous()
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k go together (packed documents): give both or neither")
