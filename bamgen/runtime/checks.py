@@ -200,8 +200,9 @@ def layout(q, k, q_offset, k_offset, key_mask=None, cu_seqlens_q=None, cu_seqlen
             raise ValueError(f"packed documents (cu_seqlens_q/k) take B = 1: the documents lie one after "
                              f"another in dim 2; q has B = {B}")
         if (q_lo, q_hi, k_lo, k_hi) != (0, 0, 0, 0):
-            raise ValueError("q_offset and k_offset must be 0 with packed documents: positions restart "
-                             "at 0 in each document")
+            raise ValueError("q_offset and k_offset must be 0 with packed documents: each document's "
+                             "tokens are placed from its own start (token positions restart at 0 "
+                             "in each; position tensors place them for the prior)")
         cu_seqlens_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Nq, q.device)
         cu_seqlens_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Nk, q.device)
         if cu_seqlens_q.shape != cu_seqlens_k.shape:

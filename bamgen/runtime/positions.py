@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import MAX_POSITION
+from .checks import MAX_POSITION, as_int
 from .tables import acc_dtype
 
 
@@ -54,7 +54,7 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
     pos = given_positions(prior, q, k, pos_q, pos_k)
     if pos is not None:
         for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-            if isinstance(off, torch.Tensor):
+            if as_int(off) is None:   # (a tensor, a float: the message that fits positions)
                 raise ValueError(f"{name} must be an int when pos_q and pos_k are given (per-row "
                                  f"tensor offsets are not taken with positions): the positions "
                                  f"place each token for the prior, and int offsets place the "

@@ -256,6 +256,8 @@ def test_a_chunk_after_a_cache_takes_its_offset_for_the_causal_mask(backend, com
     (lambda q, p: FOX.attention(q, q, q, pos_q=p[..., None], pos_k=p[..., None]), "pos_q"),
     (lambda q, p: FOX.attention(q, q, q, pos_q=p > 0, pos_k=p > 0), "pos_q"),
     (lambda q, p: FOX.attention(q, q, q, pos_q=p, pos_k=p, q_offset=torch.tensor([3])), "q_offset"),
+    (lambda q, p: FOX.attention(q, q, q, pos_q=p, pos_k=p, q_offset=3.0),
+     "q_offset must be an int when pos_q and pos_k are given"),
     # integers float32 cannot hold: 2**24 + 13 and 2**24 + 12 would read alike
     (lambda q, p: GGD.attention(q, q, q, alpha=2.0, beta=1.0, mu=0.0,
                                 pos_q=torch.arange(9)[None].expand(2, 9) + 2 ** 24 + 4,
