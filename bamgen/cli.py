@@ -23,6 +23,10 @@ from .compiler.spec import load_spec
 from .compiler.timeout import BuildTimeout, time_limit
 
 BUILD_SECONDS = 120
+# A prior file's path, or a shipped prior's name, as typed: a str, since Path("") would be the
+# current folder (resolve_prior refuses an empty path by name); a folder is refused by
+# load_spec in one line, as a FIFO is, not by click's three-line usage error.
+PRIOR_ARG = click.Path()
 
 
 def _fail(message: str) -> None:
@@ -47,7 +51,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("files", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("files", nargs=-1, type=PRIOR_ARG)
 @click.option("-o", "--out", "out_dir", default="generated", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="Folder for the generated modules, e.g. a package of yours: mypkg/attention.")
@@ -59,7 +63,7 @@ def main() -> None:
 @click.option("--standalone", is_flag=True,
               help="Inline bamgen's runtime: one file per prior that runs without bamgen "
                    "installed (about 450 KB; it keeps the runtime of this build).")
-def build(files: tuple[Path, ...], out_dir: Path, build_all: bool, check: bool,
+def build(files: tuple[str, ...], out_dir: Path, build_all: bool, check: bool,
           strategy: str | None, standalone: bool) -> None:
     """Build prior FILES (paths, or shipped priors' names) into Python modules."""
     paths = list(files) + (shipped_priors() if build_all else [])
@@ -139,7 +143,7 @@ def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = Fal
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=PRIOR_ARG)
 @click.option("--arch", type=click.Choice(["sm_80", "sm_90"]), default="sm_90", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--head-dim", type=click.IntRange(1, 256), default=64, show_default=True)
@@ -160,7 +164,7 @@ def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = Fal
                                  "attn_decode", "decode_combine"]),
               help="Compile only these kernels (repeat the option; attn_fwd always, the report's "
                    "model is its). Default: all.")
-def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layout: str,
+def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layout: str,
             as_json: bool, save_dir: Path | None, kernels: tuple[str, ...]) -> None:
     """Compile FILE's kernels ahead of time for a GPU and report their resources.
 
@@ -174,8 +178,8 @@ def inspect(file: Path, arch: str, dtype: str, head_dim: int, causal: bool, layo
     from .driver.loader import import_module_file, load_prior
     file = _prior_path(file)
     if file.suffix == ".py" and not file.is_file():
-        _fail(f"{file}: no such file (give a prior's .yaml, a generated module's .py or a "
-              f"shipped prior's name)")
+        _fail(f"{file}: {'not a regular file' if file.exists() else 'no such file'} (give a "
+              f"prior's .yaml, a generated module's .py or a shipped prior's name)")
     with _reported(file):
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
     if layout.startswith("positions_table") and getattr(module._prior, "position_table", None) is None:
@@ -259,13 +263,13 @@ def _mix(mix: dict) -> dict:
             "mma_shapes": dict(sorted(mix["mma_shapes"].items()))}
 
 
-def _prior_path(file: Path) -> Path:
+def _prior_path(file: str | Path) -> Path:
     """FILE as a path: a file, or a shipped prior's name, as `bamgen build` takes them."""
     with _reported(file, "reading"):
         return resolve_prior(file)
 
 
-def _load_ir(file: Path):
+def _load_ir(file: str | Path):
     from .compiler.symbolic import analyse
     file = _prior_path(file)
     with _reported(file, "analysing"):
@@ -273,10 +277,10 @@ def _load_ir(file: Path):
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=PRIOR_ARG)
 @click.option("--heads", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Number of heads for the analysis at init.")
-def show(file: Path, heads: int) -> None:
+def show(file: str, heads: int) -> None:
     """Show FILE's derived log-prior, its derivatives, the kernel plan and an analysis (FILE: a
     prior file or a shipped prior's name)."""
     from .compiler.analysis import analyse_prior
@@ -366,12 +370,12 @@ def _show_params(values) -> str:
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=PRIOR_ARG)
 @click.option("-o", "--out", "out_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="PNG file to write.")
 @click.option("--heads", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option("--max-distance", type=click.IntRange(1, 1 << 20), default=256, show_default=True)
-def plot(file: Path, out_file: Path, heads: int, max_distance: int) -> None:
+def plot(file: str, out_file: Path, heads: int, max_distance: int) -> None:
     """Plot FILE's prior at init, one curve per head (needs matplotlib; FILE: a prior file or a
     shipped prior's name)."""
     try:

@@ -63,6 +63,9 @@ def shipped_prior(name: str) -> Path | None:
 def resolve_prior(prior: str | os.PathLike) -> Path:
     """A prior file's path from a path or a shipped prior's name; an existing file wins."""
     path, text = Path(prior), os.fspath(prior)
+    if text == "":   # (Path("") is the current folder)
+        raise SpecError("the path is empty", file="''",
+                        hint="give the path of a prior file (.yaml) or a shipped prior's name")
     if path.exists() or not isinstance(text, str) or not _NAME.fullmatch(text):
         return path
     shipped = shipped_prior(text)

@@ -232,10 +232,13 @@ def _read_bounded(path: Path) -> bytes:
     except OSError as exc:
         raise SpecError(f"cannot read the file: {exc.strerror}", file=str(path),
                         hint="check the path") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):   # (before fdopen, which refuses a folder with its own error)
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
+        raise SpecError(f"not a regular file ({kind})", file=str(path),
+                        hint="give the path of a prior file (.yaml)")
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SpecError("not a regular file (a device, FIFO, socket or folder)", file=str(path),
-                            hint="give the path of a prior file (.yaml)")
         try:
             raw = fh.read(MAX_FILE_BYTES + 1)
         except OSError as exc:

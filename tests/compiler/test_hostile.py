@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -398,7 +399,7 @@ def _check_against_reference(module, case: Builds, backend: str, causal: bool, c
 # --------------------------------------------------------------------------------------------
 # files that are not regular text files, through a real process
 
-def _refused_by_cli(path: Path, tmp_path: Path, words: str) -> None:
+def _refused_by_cli(path: Path | str, tmp_path: Path, words: str) -> None:
     start = time.monotonic()
     res = run_cli("build", str(path), "-o", str(tmp_path / "out"), cwd=tmp_path)
     assert time.monotonic() - start < SUBPROCESS_LIMIT_S
@@ -419,6 +420,26 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     fifo = tmp_path / "pipe.yaml"
     os.mkfifo(fifo)
     _refused_by_cli(fifo, tmp_path, "not a regular file")
+
+
+def test_a_folder_or_an_empty_path_is_refused_in_one_line(tmp_path):
+    """A folder, or '' (which Path reads as the current folder), was opened, then os.fdopen
+    refused it: 'internal error while building (IsADirectoryError: ... Is a directory: 3)' from
+    the CLI and a raw IsADirectoryError naming a file descriptor from bamgen.load."""
+    import bamgen
+    folder = tmp_path / "a_folder.yaml"
+    folder.mkdir()
+    _refused_by_cli(folder, tmp_path, "not a regular file (a folder)")
+    _refused_by_cli("", tmp_path, "the path is empty")
+    for command in ("show", "inspect"):
+        res = run_cli(command, "", cwd=tmp_path)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        lines = res.stderr.splitlines()
+        assert len(lines) == 1 and "'': the path is empty" in lines[0], res.stderr
+    for path, words in ((folder, "not a regular file (a folder)"), ("", "the path is empty")):
+        with pytest.raises(bamgen.SpecError, match=re.escape(words)):
+            bamgen.load(path, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_a_refusal_by_the_domain_scan_in_a_fresh_process(tmp_path):
