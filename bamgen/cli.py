@@ -16,9 +16,9 @@ from . import __version__
 from .compiler.codegen import Artifact
 from .driver.build import compile_spec
 from .errors import SpecError
-from .driver.files import BuildLockTimeout, holds, write_if_different
+from .driver.files import BuildLockTimeout, generated_by_bamgen, holds, write_if_different
 from .compiler.lower import STRATEGIES
-from .resources import resolve_prior, shipped_priors
+from .resources import GENERATED_BY, resolve_prior, shipped_priors
 from .compiler.spec import load_spec
 from .compiler.timeout import BuildTimeout, time_limit
 
@@ -168,8 +168,8 @@ def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layou
             as_json: bool, save_dir: Path | None, kernels: tuple[str, ...]) -> None:
     """Compile FILE's kernels ahead of time for a GPU and report their resources.
 
-    FILE is a prior (.yaml), a generated module (.py) or a shipped prior's name. No GPU is
-    needed.
+    FILE is a prior (.yaml), a module bamgen generated (.py, as `bamgen build` wrote it: any
+    other .py is refused before it is run) or a shipped prior's name. No GPU is needed.
     """
     import json
     import os
@@ -180,8 +180,12 @@ def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layou
     if file.suffix == ".py" and not file.is_file():
         _fail(f"{file}: {'not a regular file' if file.exists() else 'no such file'} (give a "
               f"prior's .yaml, a generated module's .py or a shipped prior's name)")
+    if file.suffix == ".py" and not generated_by_bamgen(file):   # (checked before it is run)
+        _not_generated(file)
     with _reported(file):
         module = import_module_file(file) if file.suffix == ".py" else load_prior(file)
+    if not all(hasattr(module, name) for name in ("PRIOR", "triton_kernel_specs")):
+        _not_generated(file)   # (the header, and not the rest: edited by hand)
     if layout.startswith("positions_table") and getattr(module._prior, "position_table", None) is None:
         _fail(f"--layout {layout}: the prior '{module.PRIOR['name']}' reads no distance table at "
               f"integer positions (a table prior whose logit is s + log_prior(d) does); use "
@@ -238,6 +242,12 @@ def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layou
                        f" ({step['splits']} splits, {step['ratio']:.2f}x)")
     for name, path in cubins.items():
         click.echo(f"  wrote {path}")
+
+
+def _not_generated(file: Path) -> None:
+    _fail(f"{file}: not a module bamgen generated (its first line is not '# {GENERATED_BY} "
+          f"...', or it lacks what bamgen writes); build it from its prior file (`bamgen build "
+          f"PRIOR.yaml`) and inspect that module, or inspect the prior file itself")
 
 
 def _save_cubins(save_dir: Path | None, prior: str, kernels, arch: str, dtype: str,

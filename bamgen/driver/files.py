@@ -30,6 +30,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..resources import GENERATED_BY
+
 LOCK_TIMEOUT_ENV = "BAMGEN_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 60.0   # seconds; a write holds the lock for milliseconds
 
@@ -66,6 +68,17 @@ def holds(target: str | os.PathLike, content: bytes | str) -> bool:
         with open(target, "rb") as fh:
             return fh.read(len(data) + 1) == data
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+
+
+def generated_by_bamgen(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that begins with the header line bamgen writes at the top of
+    every module it generates (bamgen/resources.py: GENERATED_BY); a few bytes are read."""
+    mark = f"# {GENERATED_BY} ".encode()
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(mark)) == mark
+    except OSError:
         return False
 
 
