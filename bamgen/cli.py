@@ -14,7 +14,7 @@ import click
 
 from . import __version__
 from .compiler.codegen import Artifact
-from .driver.build import compile_spec
+from .driver.build import check_target, compile_spec
 from .errors import SpecError
 from .driver.files import BuildLockTimeout, generated_by_bamgen, holds, write_if_different
 from .compiler.lower import STRATEGIES
@@ -54,7 +54,8 @@ def main() -> None:
 @click.argument("files", nargs=-1, type=PRIOR_ARG)
 @click.option("-o", "--out", "out_dir", default="generated", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for the generated modules, e.g. a package of yours: mypkg/attention.")
+              help="Folder for the generated modules, e.g. a package of yours: mypkg/attention "
+                   "(a file there that bamgen did not generate is never replaced).")
 @click.option("--all", "build_all", is_flag=True, help="Build every shipped prior.")
 @click.option("--check", is_flag=True,
               help="Write nothing; exit 1 if an output is missing or differs.")
@@ -73,7 +74,7 @@ def build(files: tuple[str, ...], out_dir: Path, build_all: bool, check: bool,
         _fail(f"--out {out_dir} exists and is not a folder")
     artifacts = _compile_all(paths, strategy, standalone)
     if not check:
-        _check_targets([out_dir / artifact.filename for artifact in artifacts])
+        _check_targets([out_dir / artifact.filename for artifact in artifacts], paths)
     stale = []
     for path, artifact in zip(paths, artifacts):
         target = out_dir / artifact.filename
@@ -93,13 +94,18 @@ def build(files: tuple[str, ...], out_dir: Path, build_all: bool, check: bool,
         click.echo(f"{len(paths)} module(s) up to date in {out_dir}")
 
 
-def _check_targets(targets: list[Path]) -> None:
+def _check_targets(targets: list[Path], paths: list) -> None:
     """Refuse, before anything is written, a target that is there but is no file (a folder, a
-    FIFO): its write would fail after the modules before it had been replaced."""
-    for target in targets:
+    FIFO): its write would fail after the modules before it had been replaced; and a file that
+    bamgen did not generate (a module of the user's package named as the prior is)."""
+    for target, path in zip(targets, paths):
         if (target.exists() or target.is_symlink()) and not target.is_file():
             _fail(f"cannot write {target}: it exists and is not a regular file (a folder?); "
                   f"nothing was written (hint: remove it or build into another --out)")
+        try:
+            check_target(target, path)
+        except SpecError as err:
+            _fail(str(err))
 
 
 def _write(target: Path, text: str) -> bool:

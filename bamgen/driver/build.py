@@ -14,8 +14,8 @@ from ..compiler.symbolic import analyse, formula_field
 from ..compiler.timeout import cpu_budget, working_on
 from ..checks.inits import check_inits
 from ..errors import SpecError
-from ..resources import resolve_prior
-from .files import holds, write_if_different
+from ..resources import GENERATED_BY, resolve_prior
+from .files import generated_by_bamgen, holds, write_if_different
 from .standalone import inline_runtime
 
 
@@ -45,6 +45,18 @@ def compile_spec(spec: PriorSpec, strategy: str | None = None, *, standalone: bo
     return artifact
 
 
+def check_target(target: Path, prior: str | os.PathLike) -> None:
+    """Refuse to replace a file at ``target`` that bamgen did not generate (a module of the
+    user's package that has the prior's name, utils.py or layers.py): a SpecError naming it and
+    how to fix it. A module bamgen generated, by any version, is replaced as before."""
+    if target.is_file() and not generated_by_bamgen(target):
+        raise SpecError(f"exists and bamgen did not generate it (its first line is not "
+                        f"'# {GENERATED_BY} ...'): the module of {prior} would replace it; "
+                        f"nothing was written", file=str(target),
+                        hint=f"give the prior another name with `name:` in {prior}, build into "
+                             f"another --out folder, or remove {target} if it is not needed")
+
+
 def build_file(path: str | os.PathLike, out_dir: str | os.PathLike = "generated", *,
                strategy: str | None = None, check: bool = False,
                standalone: bool = False) -> tuple[Path, str]:
@@ -58,4 +70,5 @@ def build_file(path: str | os.PathLike, out_dir: str | os.PathLike = "generated"
     target = Path(out_dir) / artifact.filename
     if check:
         return target, "fresh" if holds(target, artifact.text) else "stale"
+    check_target(target, path)
     return target, "written" if write_if_different(target, artifact.text) else "unchanged"

@@ -88,3 +88,30 @@ def test_a_target_that_is_a_folder_is_refused_before_anything_is_written(tmp_pat
     assert len(lines) == 1 and "other.py" in lines[0] and "not a regular file" in lines[0]
     assert (out / "my_prior.py").read_bytes() == before
     assert "wrote" not in res.stdout
+
+
+def test_a_file_bamgen_did_not_generate_is_never_replaced(tmp_path):
+    """`bamgen build my_prior.yaml -o mypkg` replaced mypkg/my_prior.py whatever it held: a
+    hand-written module of the user's package that has the prior's name (utils.py, layers.py)
+    was lost without a word. Now: exit 2, one line naming it and how to fix it, nothing written
+    (not even the other prior's module); a module bamgen generated is still replaced."""
+    out = tmp_path / "mypkg"
+    other = write_prior(tmp_path, GOOD.replace("my_prior", "other"), "other.yaml")
+    assert run_cli("build", str(other), "-o", str(out)).returncode == 0
+    users = b"def helper():\n    return 1\n"
+    (out / "my_prior.py").write_bytes(users)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    changed = write_prior(tmp_path, GOOD.replace("my_prior", "other").replace("4.0", "3.0"),
+                          "changed.yaml")
+    mine = write_prior(tmp_path, GOOD)
+    res = run_cli("build", str(changed), str(mine), "-o", str(out))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{out / 'my_prior.py'}: exists and bamgen did not generate it" \
+        in lines[0], res.stderr
+    assert "name:" in lines[0] and "--out" in lines[0] and "nothing was written" in lines[0]
+    assert "wrote" not in res.stdout
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    res = run_cli("build", str(changed), "-o", str(out))   # bamgen's own module: replaced
+    assert res.returncode == 0 and f"wrote {out / 'other.py'}" in res.stdout, res.stderr
+    assert (out / "my_prior.py").read_bytes() == users
