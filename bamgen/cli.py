@@ -44,7 +44,32 @@ def _one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineErrors(click.Group):
+    """click's group, whose usage errors (a bad flag, a bad value for one) print as every other
+    error does, one line naming the option and where its help is, exit code 2, rather than
+    click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as err:   # bare `bamgen`: the help, as click
+            err.show()
+            sys.exit(err.exit_code)
+        except click.UsageError as err:
+            where = f" (see '{err.ctx.command_path} --help')" if err.ctx is not None else ""
+            _fail(err.format_message().rstrip(".") + where)
+        except click.ClickException as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="bamgen")
 def main() -> None:
     """Compile positional priors into fused attention kernels."""

@@ -1,6 +1,8 @@
 """The command line: builds, --check, and user errors (exit 2, one line, nothing written)."""
 import os
 
+from click.testing import CliRunner
+
 from tests.helpers import run_cli, write_prior
 
 GOOD = """
@@ -63,6 +65,29 @@ def test_bad_flags_and_missing_files_exit_2(tmp_path):
     assert res.returncode == 2 and "nope.yaml" in res.stderr and "Traceback" not in res.stderr
     assert run_cli("build").returncode == 2
     assert run_cli("frobnicate").returncode == 2
+
+
+def test_a_bad_flag_or_value_is_one_line_naming_it(tmp_path):
+    """click's own refusals (a value out of a choice or a range, an unknown option or command)
+    printed click's usage block, four lines unlike every other error: now one line naming the
+    option and where its help is, exit 2, nothing written. Help and version are unchanged."""
+    from bamgen.cli import main
+    runner = CliRunner()
+    for args, words in [(["build", "--strategy", "magic", "x.yaml", "-o", str(tmp_path / "o")],
+                         "'--strategy': 'magic' is not one of 'inline', 'table' (see 'bamgen build --help')"),
+                        (["inspect", "--arch", "sm_70", "laplace"], "'--arch': 'sm_70'"),
+                        (["show", "laplace", "--heads", "0"], "'--heads': 0 is not in the range"),
+                        (["build", "--bogus"], "No such option '--bogus'"),
+                        (["frobnicate"], "No such command 'frobnicate' (see 'bamgen --help')")]:
+        res = runner.invoke(main, args, prog_name="bamgen")
+        assert res.exit_code == 2, (args, res.output)
+        lines = res.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], res.stderr
+    assert not (tmp_path / "o").exists()
+    assert runner.invoke(main, ["--version"]).exit_code == 0
+    assert runner.invoke(main, ["build", "--help"], prog_name="bamgen").output.startswith("Usage: bamgen build")
+    bare = runner.invoke(main, [])   # the group's help, as click gives it
+    assert bare.exit_code == 2 and "Commands:" in bare.output
 
 
 def test_list_shows_the_shipped_priors():
