@@ -289,9 +289,35 @@ def guarded(expr: sp.Expr, what: str, value: bool = False) -> sp.Expr:
 
 def _canonical_positions(expr: sp.Expr) -> sp.Expr:
     """Write i as d + j (i_c as d_c + j_c), so a formula in j - i (BAM's own form) is seen to
-    depend on d alone."""
+    depend on d alone. A sum that then holds d + j among other terms (the user's 1 + i, which
+    the printed code would compute as d + (j + 1), 0 in float32 at d = -2**24, j = 2**24, i = 0)
+    reads i again, the position the kernels have. (d + j alone is exact for token positions,
+    integers whose sum lies in [0, 2**24]: FIRE's Max(i, L) stays Max(d + j, L).)"""
     pos = _ALL_POSITIONS
-    return expr.xreplace({pos[f"i{c}"]: pos[f"d{c}"] + pos[f"j{c}"] for c in _SUFFIXES})
+    expr = expr.xreplace({pos[f"i{c}"]: pos[f"d{c}"] + pos[f"j{c}"] for c in _SUFFIXES})
+    for c in _SUFFIXES:
+        d, i, j = pos[f"d{c}"], pos[f"i{c}"], pos[f"j{c}"]
+        if expr.has(d) and expr.has(j):
+            expr = expr.replace(lambda e: isinstance(e, sp.Add) and _holds_query(e, d, j) is not None,
+                                lambda e: _holds_query(e, d, j)[0] + _holds_query(e, d, j)[1] * i)
+    return expr
+
+
+def _holds_query(add: sp.Add, d: sp.Symbol, j: sp.Symbol) -> tuple[sp.Expr, sp.Expr] | None:
+    """(rest, c) of a sum c*d + c*j + rest (the same coefficient c, free of positions, on
+    both) other than d + j itself, or None."""
+    coeffs = {d: [], j: []}
+    rest = []
+    for term in add.args:
+        c, x = term.as_independent(d, j, as_Add=False)
+        if x in coeffs and not c.free_symbols & set(_ALL_POSITIONS.values()):
+            coeffs[x].append(c)
+        else:
+            rest.append(term)
+    cd, cj = sp.Add(*coeffs[d]), sp.Add(*coeffs[j])
+    if cj == 0 or sp.expand(cd - cj) != 0 or (not rest and cj == 1):
+        return None
+    return sp.Add(*rest), cj
 
 
 def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
