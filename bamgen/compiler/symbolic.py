@@ -129,14 +129,14 @@ def split_for_table(ir: PriorIR) -> TableIR | None:
     present = tabulated_expr.free_symbols
     tabulated = [label for label in learnable_labels(spec) if symbols[label] in present]
     value_grads = tuple(
-        (label, _guard(clean_derivative(sp.diff(tabulated_expr, symbols[label]), label),
+        (label, _guard(clean_derivative(differentiate(tabulated_expr, symbols[label]), label),
                        f"d log_prior / d {label}", notes, limits=limits))
         for label in tabulated)
-    dlds = clean_derivative(sp.diff(logit, S), "s")
-    chain = sp.diff(logit, TABLE_VALUE)
+    dlds = clean_derivative(differentiate(logit, S), "s")
+    chain = differentiate(logit, TABLE_VALUE)
     grads = []
     for label in learnable_labels(spec):
-        g = sp.diff(logit, symbols[label])
+        g = differentiate(logit, symbols[label])
         if label in tabulated:
             g = g + chain * table_grad_symbol(label)
         grads.append((label, _guard(clean_derivative(g, label), f"d logit / d {label}", notes,
@@ -176,14 +176,14 @@ def _analyse(spec: PriorSpec) -> PriorIR:
                         f"{MAX_KINKS}", field=field, hint="combine the Abs terms or use fewer of them")
 
     with working_on("score" if spec.score is not None else field, "differentiating the score"):
-        dlds = clean_derivative(sp.diff(logit, S), "s")
+        dlds = clean_derivative(differentiate(logit, S), "s")
         check_size(dlds, "score", "d logit / d s")
     grads = []
     present = logit.free_symbols
     for label in learnable_labels(spec):
         with working_on(field, f"differentiating the formula in {label}"):
             if symbols[label] in present:
-                grad = clean_derivative(sp.diff(logit, symbols[label]), label)
+                grad = clean_derivative(differentiate(logit, symbols[label]), label)
             else:   # (an element the formula never reads: a Sum over part of a vector)
                 grad = sp.S.Zero
             check_size(grad, field, f"d logit / d {label}")
@@ -240,12 +240,12 @@ def _position_grads(spec: PriorSpec, logit: sp.Expr, notes: list[str], field: st
     of dS times them."""
     pos = position_symbols(spec.channels)
     suffixes = ("",) if spec.channels == 1 else tuple(str(c) for c in range(spec.channels))
-    by_d = {c: sp.diff(logit, pos[f"d{c}"]) for c in suffixes}
+    by_d = {c: differentiate(logit, pos[f"d{c}"]) for c in suffixes}
     out = []
     for side, sign in (("i", 1), ("j", -1)):
         for c in suffixes:
             label = f"{side}{c}"
-            g = clean_derivative(sp.diff(logit, pos[label]) + sign * by_d[c], label)
+            g = clean_derivative(differentiate(logit, pos[label]) + sign * by_d[c], label)
             check_size(g, field, f"d logit / d {label}")
             g = _guard(g, f"d logit / d {label}", notes, field, limits)
             _check_real_constants(g, field, f"d logit / d {label}")
@@ -417,6 +417,28 @@ def _log_sum_exp(e: sp.log) -> sp.Expr:
     logs = [sp.expand_log(sp.log(t), force=True) for t in e.args[0].args]
     top = sp.Max(*logs)
     return top + sp.log(sp.Add(*[sp.exp(x - top) for x in logs]))
+
+
+class _RealAbs(sp.Function):
+    """Abs(u) of a u SymPy cannot prove real (sqrt(i) - sqrt(j): its positions are real, not
+    nonnegative), for differentiating alone. SymPy's Abs differentiates such a u through its
+    real and imaginary parts (atan2, which no kernel computes); but the printed code computes
+    u in real floating point, and a build's scan refuses a formula that is nan (a complex
+    branch) where its logit is defined, so wherever the derivative is used u is real and
+    d|u| = sign(u) du, as for a real u."""
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sp.sign(self.args[0])
+
+
+def differentiate(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
+    """d expr / d x, Abs(u) of every u differentiated as a real u's (_RealAbs)."""
+    unproven = lambda e: isinstance(e, sp.Abs) and e.args[0].is_extended_real is not True   # noqa: E731
+    if not any(unproven(a) for a in expr.atoms(sp.Abs)):
+        return sp.diff(expr, x)
+    real = expr.replace(unproven, lambda e: _RealAbs(e.args[0]))
+    return sp.diff(real, x).replace(lambda e: isinstance(e, _RealAbs), lambda e: sp.Abs(e.args[0]))
 
 
 STEPS = (sp.floor, sp.ceiling, sp.sign)   # piecewise constant: a derivative of 0 almost everywhere
