@@ -53,6 +53,7 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
     [1, Hq, N], each document's tokens at its own place; masks follow the documents.)"""
     pos = given_positions(prior, q, k, pos_q, pos_k)
     if pos is not None:
+        _check_integer_distances(pos.extent)
         for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
             if as_int(off) is None:   # (a tensor, a float: the message that fits positions)
                 raise ValueError(f"{name} must be an int when pos_q and pos_k are given (per-row "
@@ -91,8 +92,7 @@ def _integer_extent(pos_q, pos_k, q) -> tuple[int, int, int, int] | None:
     integer: beyond, distances round (2**24 + 13 and 2**24 + 12 read alike) and the prior is
     silently wrong, as the offsets' range check (checks.check_positions) refuses for token
     positions. One host read for both tensors (on a GPU it waits for the queue), not under
-    tracing, where values are unknown; and where both are, their distances within +-2**24 too.
-    Returns (q_lo, q_hi, k_lo, k_hi) where both are integer and hold some position, for the
+    tracing, where values are unknown. Returns (q_lo, q_hi, k_lo, k_hi) where both are integer and hold some position, for the
     table's choice (Positions.extent), else None."""
     from .ops import tracing
     named = [(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k))
@@ -107,16 +107,23 @@ def _integer_extent(pos_q, pos_k, q) -> tuple[int, int, int, int] | None:
                              f"2**24], where float32 holds every integer (beyond, distances "
                              f"round); shift them (a prior of d alone reads only differences), "
                              f"or pass float positions, computed to float32's rounding")
-    if len(named) != 2:
-        return None
-    q_lo, q_hi, k_lo, k_hi = bounds
+    return tuple(bounds) if len(named) == 2 else None
+
+
+def _check_integer_distances(extent) -> None:
+    """Integer positions' distances within +-2**24, as the offsets' check refuses token
+    positions further apart (checks.check_positions): beyond, they round. A whole call's check
+    (attention(), the module): the block API and the ring see one shard of the keys each, and
+    a refusal some ranks make and others do not would leave the ring waiting."""
+    if extent is None:
+        return
+    q_lo, q_hi, k_lo, k_hi = extent
     far = max(abs(q_hi - k_lo), abs(k_hi - q_lo))
-    if far > MAX_POSITION:   # (as the offsets' check refuses it: checks.check_positions)
+    if far > MAX_POSITION:
         raise ValueError(f"pos_q and pos_k ({q_lo}..{q_hi}, {k_lo}..{k_hi}): distances between "
                          f"queries and keys reach {far}, beyond 2**24, where they are exact "
                          f"integers in float32; bring them closer (a prior of d alone reads only "
                          f"differences: shift both by one integer)")
-    return q_lo, q_hi, k_lo, k_hi
 
 
 def _normalise(name, pos, B, Hq, N, channels, q, cdt) -> torch.Tensor:

@@ -307,6 +307,20 @@ def test_infinite_or_far_float_positions_touch_only_the_rows_that_see_them(bad, 
                                    atol=atol_for(torch.float32, want))
 
 
+def test_float_positions_further_apart_than_float32_distances_take_the_per_score_path():
+    """Integer-valued float positions each within 2**24 but further apart than that: the CPU
+    path's table, built over the exact float64 span, was gathered at the float32 distances,
+    which round past it (an IndexError). Both paths now compute them per score, alike."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    pos_q = torch.full((1, 4), 16000001.0)
+    pos_k = torch.tensor([[-16000002.0, -16000002.0, -16000001.0, -16000000.0]])
+    outs = [GGD.attention(q, k, v, alpha=torch.tensor([4e6, 9e6]), beta=1.0, mu=0.0, causal=False,
+                          pos_q=pos_q, pos_k=pos_k, backend=backend) for backend in ("torch", "triton")]
+    assert bool(torch.isfinite(outs[0]).all())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=atol_for(torch.float32, outs[1]))
+
+
 CORE = {   # the core three, in the library's form (tests/runtime/test_library.py: the others)
     "uniform": (None, None, {}, (), None),
     "laplace": (lambda d, p: -torch.abs(d) / p["b"], None, {"b": [1.0, 4.0, 0.5, 16.0]}, ("b",),

@@ -115,7 +115,8 @@ def position_tables(prior, theta, pos, grads, shifted):
     q_lo, q_hi, k_lo, k_hi = (float(x) for x in (pos_q.min(), pos_q.max(), pos_k.min(), pos_k.max()))
     # (in float64: a finite float32 position may still be far past 2**24, 3e38 apart)
     top, bottom = q_hi - k_lo, q_lo - k_hi
-    if (max(abs(q_lo), abs(q_hi), abs(k_lo), abs(k_hi)) > MAX_POSITION
+    # (distances past 2**24 round in float32, where the entries are gathered: per score)
+    if (max(abs(q_lo), abs(q_hi), abs(k_lo), abs(k_hi), abs(top), abs(bottom)) > MAX_POSITION
             or top - bottom + 1 > POSITION_TABLE_SPAN * (pos_q.shape[2] + pos_k.shape[2])):
         return None
     top, bottom = int(top), int(bottom)
