@@ -371,8 +371,18 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     install_document_markers(model)
     install_read_scope(model)
-    if _runs_its_priors not in model._forward_pre_hooks.values():
-        model.register_forward_pre_hook(_runs_its_priors)
+    _install_implementation_check(model)
+
+
+def _install_implementation_check(model) -> None:
+    """Register (once) :func:`_runs_its_priors` on ``model`` and on every transformers model
+    inside it, each of which a user may call directly (``model.model(ids)`` for hidden
+    states)."""
+    from transformers import PreTrainedModel
+    for module in model.modules():
+        if module is model or isinstance(module, PreTrainedModel):
+            if _runs_its_priors not in module._forward_pre_hooks.values():
+                module.register_forward_pre_hook(_runs_its_priors)
 
 
 def _runs_its_priors(model, args) -> None:

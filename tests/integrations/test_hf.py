@@ -1016,8 +1016,8 @@ def test_a_multimodal_model_is_refused_and_its_language_model_takes_the_prior():
 def test_another_attention_implementation_set_after_apply_prior_is_refused():
     """set_attn_implementation("sdpa") after apply_prior ran the model without its priors,
     silently (with RoPE removed, with no positional encoding at all: logits off by 0.02 on a
-    tiny Llama). The forward is now refused by name, and set back to "bamgen" it runs the
-    priors again. Llava switched whole reaches its language model's prior the same way; its
+    tiny Llama). The forward is now refused by name, the base model's called alone too, and set
+    back to "bamgen" it runs the priors again. Llava switched whole reaches its language model's prior the same way; its
     vision tower alone switched is no concern of the prior's."""
     model = tiny_llama()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -1029,6 +1029,8 @@ def test_another_attention_implementation_set_after_apply_prior_is_refused():
             model(ids)
         with pytest.raises(ValueError, match="now 'sdpa'"):
             model.generate(ids, max_new_tokens=2, do_sample=False)
+        with pytest.raises(ValueError, match="now 'sdpa'"):   # the base model, called alone
+            model.model(ids)
         model.set_attn_implementation("bamgen")
         torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
 
