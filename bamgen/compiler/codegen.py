@@ -29,6 +29,7 @@ from ..resources import GENERATED_BY, template_dir
 from ..runtime.traits import (GRAD_CLAMPED, GRAD_LOGIT_FACTOR, GRAD_TABLE, HOOK_HELPERS,
                              RUNTIME_ABI, ParamTraits, PriorTraits)
 from .spec import PriorSpec
+from .symbolic import S
 from .tiles import tile_kind
 
 _HASH_SLOT = "#" * 16   # where the build hash goes, while the text is hashed
@@ -70,7 +71,7 @@ def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
         distance_table=plan.distance_table is not None, score_is_s=plan.score_is_identity,
         strategy=plan.strategy,
         table_grads=tuple(plan.distance_table.grads) if plan.distance_table is not None else (),
-        window=plan.ir.log_prior.has(sp.S.NegativeInfinity),
+        window=_hides_keys(plan),
         skip=plan.skip, skip_below=spec.skip_below, has_bias=plan.has_bias_hook,
         ramp=plan.ramp is not None, ramp_symmetric=plan.ramp_symmetric,
         row_factors=plan.row_factors is not None,
@@ -605,3 +606,12 @@ def _tidy(text: str) -> str:
     """Strip trailing spaces (left by empty hooks) and runs of more than two blank lines."""
     text = "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
     return re.sub(r"\n{4,}", "\n\n\n", text)
+
+
+def _hides_keys(plan: KernelPlan) -> bool:
+    """Whether the prior is -oo somewhere (a window): where it hides keys. For a score s + b,
+    b is what hides them (b holds the log-prior, and may hold it under a function that maps
+    -oo to a finite value: s + tanh(log_prior)); for any other score, the log-prior."""
+    hider = plan.ir.logit.xreplace({S: sp.S.Zero}) if plan.score_is_identity else plan.ir.log_prior
+    # (folded: exp(Piecewise((-oo, ...), ...)) is a Piecewise of exp(-oo) = 0, no -oo left)
+    return hider.has(sp.S.NegativeInfinity) and sp.piecewise_fold(hider).has(sp.S.NegativeInfinity)

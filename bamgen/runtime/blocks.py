@@ -104,8 +104,9 @@ def backward_block(prior, dout, q, k, v, out, stats, values, causal=True, scale=
 
 def log_prior_at(prior, d, values, num_heads=None):
     """The log-prior at distances d = i - j (integers, a 1-D tensor or list), float64
-    [num_heads, len(d)], for a prior that depends on the positions through d alone: what a
-    library needs to know where a prior's window (-inf) lies, to skip blocks it hides.
+    [num_heads, len(d)], for a prior that depends on the positions through d alone (for a score
+    s + b, b: what the score adds to s, which is what hides a key): what a library needs to
+    know where a prior's window (-inf) lies, to skip blocks it hides.
     num_heads defaults to the parameters' length. ValueError for a prior that reads i, j or n."""
     if not (prior.traits.distance_table or not prior.traits.params):
         raise ValueError(f"the {prior.traits.name!r} prior reads positions other than d = i - j")

@@ -108,6 +108,43 @@ def test_a_score_that_adds_more_than_the_log_prior_to_s(tmp_path, score, strateg
                              q_offset=4, context=f"{score} {strategy} {backend}", backend=backend)
 
 
+@pytest.mark.parametrize("score, hides", [("s + 2*log_prior", True), ("s + exp(log_prior)", False),
+                                           ("(s + log_prior) * t", True)])
+def test_a_window_is_where_what_the_score_adds_to_s_is_minus_infinity(tmp_path, score, hides):
+    """The window (keys a prior hides, which the kernels and the ring skip) is where the logit is
+    -oo: for a score s + b where b is, not where the log-prior is (exp(-oo) adds 0 to s and
+    hides nothing; the trait said a window, and the ring all-reduced one that hid nothing);
+    for any other score, where the log-prior is. log_prior_at gives b, the values it reads."""
+    text = f"""
+    name: windowed
+    log_prior: Piecewise((-oo, Abs(d) > 3), (-Abs(d) / b, True))
+    score: {score}
+    params:
+      b: {{init: 2.0, domain: positive}}
+      t: {{init: 1.0, domain: positive, learnable: false}}
+    """
+    module = bamgen.load(write_prior(tmp_path, text), cache_dir=tmp_path / "c")
+    assert module.TRAITS.window is hides
+    if score.startswith("s +"):
+        at = module.log_prior_at(torch.arange(-5, 6), b=2.0, t=1.0)
+        assert bool(torch.isinf(at[:, :2]).all()) is hides
+
+
+def test_skip_below_names_the_term_the_score_adds_beside_the_log_prior(tmp_path):
+    """skip_below with a log-prior in d but a score that adds a term in n beside it was refused
+    as if the log-prior read n; the message now names what the score adds to s."""
+    text = """
+    name: with_n
+    log_prior: -Abs(d) / b
+    score: s + log_prior - log(n)
+    skip_below: 20
+    params:
+      b: {init: 2.0, domain: positive}
+    """
+    res = run_cli_in_process("build", str(write_prior(tmp_path, text)), "-o", str(tmp_path / "o"))
+    assert res.exit_code == 2 and "the b the score adds to s" in res.stderr, res.stderr
+
+
 WINDOW = """
 name: local_window
 description: ALiBi inside a window of w keys back, nothing beyond (a sliding window)
