@@ -103,6 +103,12 @@ class Gather(sp.Function):
         return selects(self.args[0], argindex - 2, len(self.args) - 1)
 
 
+class ElementFloor(sp.floor):
+    """The floor of a vector's index, the element ``w[e]`` reads, taken once per index where it
+    is named (lower._name_indices): printed as the target's plain floor, the index's own floors
+    having snapped their near-integers already (printers: ``floor`` under exact printing)."""
+
+
 def clamp_index(value: float, size: int) -> int:
     """An integer-valued index clamped into [0, size - 1] (NaN reads the first element, as
     the runtime's element_at does)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..errors import SpecError
-from .formula import ElementSymbol, Gather, Selects, unique_nodes
+from .formula import ElementFloor, ElementSymbol, Gather, Selects, unique_nodes
 from .printers import ExpressionTooLarge, NotARealNumber, prepare, print_expr
 from .spec import MAX_CHANNELS, Domain, position_symbols
 from .symbolic import (S, TABLE_VALUE, InternalSymbol, PriorIR, TableIR, clean_derivative, formula_field,
@@ -221,8 +221,9 @@ def _plan(ir: PriorIR, strategy: str | None, positional: bool = False) -> Kernel
     if strategy is None:
         strategy = "table" if skippable or _table_wins(dict(cost)) else "inline"
     if strategy == "table" and split is None:
-        raise SpecError("--strategy table needs a log-prior that depends on the positions "
-                        "through d = i - j alone (and a score that uses log_prior)",
+        raise SpecError("--strategy table needs a log-prior (for a score s + b: the b the "
+                        "score adds to s) that depends on the positions through d = i - j alone "
+                        "(and a score that uses log_prior)",
                         field="log_prior", hint="build with --strategy inline or without --strategy")
     params = param_plans(ir)
     fwd_exprs = [ir.logit]
@@ -316,9 +317,11 @@ def _skippable(ir: PriorIR, split: TableIR | None) -> bool:
     (skip_below); both need the log-prior as a function of d (the table gives the window)."""
     if split is None:
         if ir.spec.skip_below is not None:
-            raise SpecError("skip_below needs a log-prior that depends on the positions through "
-                            "d = i - j alone", field="skip_below",
-                            hint="remove skip_below, or write the log-prior in d")
+            raise SpecError("skip_below needs a log-prior (for a score s + b: the b the score "
+                            "adds to s) that depends on the positions through d = i - j alone",
+                            field="skip_below",
+                            hint="remove skip_below, or write the log-prior and the score's "
+                                 "terms beside s in d")
         return False
     return ir.spec.skip_below is not None or split.value.has(sp.S.NegativeInfinity)
 
@@ -667,6 +670,8 @@ def _name_indices(exprs: list[sp.Expr], taken: set[str]):
         return [], exprs
     found.sort(key=sp.default_sort_key)
     fresh = _fresh_symbols("k", taken | _symbol_names(exprs))
-    indices = [(InternalSymbol(next(fresh).name, real=True), e) for e in found]
+    # (each named index is its floor, the element w[e] reads: once an index, so that an
+    # element's derivative, 1 where it is the one read, is one comparison k<m> == k)
+    indices = [(InternalSymbol(next(fresh).name, integer=True), e) for e in found]
     mapping = {e: sym for sym, e in indices}
-    return indices, [expr.xreplace(mapping) for expr in exprs]
+    return [(sym, ElementFloor(e)) for sym, e in indices], [expr.xreplace(mapping) for expr in exprs]

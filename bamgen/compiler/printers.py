@@ -180,6 +180,10 @@ class _KernelPrinter(StrPrinter):
             raise NotImplementedError(f"{name} has no {type(self).__name__} translation")
         return fmt.format(*[self._print(a) for a in expr.args])
 
+    def _print_ElementFloor(self, expr):
+        """The element an index reads (formula.ElementFloor): the target's plain floor."""
+        return self.functions["floor"].format(self._print(expr.args[0]))
+
     _print_exp = _print_Function
     _print_log = _print_Function
     _print_Abs = _print_Function
@@ -218,6 +222,8 @@ class _KernelPrinter(StrPrinter):
             return self.where.format(f"{at} >= 1.0", "0.0", "1.0")
         if k == size - 1:
             return self.where.format(f"{at} >= {float(k)!r}", "1.0", "0.0")
+        if index.is_integer:   # (an index named by lower.py: already its floor)
+            return self.where.format(f"{at} == {float(k)!r}", "1.0", "0.0")
         return self.where.format(f"{at} >= {float(k + 1)!r}", "0.0",
                                  self.where.format(f"{at} >= {float(k)!r}", "1.0", "0.0"))
 

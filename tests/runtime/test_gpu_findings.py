@@ -187,8 +187,10 @@ def test_the_hosts_table_is_built_in_few_operations(name, forward, backward):
     """The torch build of a distance table (tables.prior_tables: the CPU path's, and the Triton
     path's for a prior without the table kernel). T5's forward table took 124 computing
     operations and its backward's 381 (a chain of 31 selects per gather, one cast per parameter
-    column, one shift per derivative slot); now 37 and 202 (GGD's 23 and 46, now 21 and 39),
-    unshifted (the block API's build), with the base-2 value slot."""
+    column, one shift per derivative slot); now 36 and 201 (GGD's 23 and 46, now 19 and 37),
+    unshifted (the block API's build), with the base-2 value slot. (An element's gradient at a
+    fractional index, taken as two compares and two selects a bucket, put T5's at 290: its
+    index is floored once instead, docs/performance.md.)"""
     from bamgen.runtime.params import theta as make_theta
     from bamgen.runtime.tables import prior_tables
     prior = importlib.import_module(f"bamgen.generated.{name}")._prior
