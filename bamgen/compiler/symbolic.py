@@ -298,9 +298,15 @@ def _canonical_positions(expr: sp.Expr) -> sp.Expr:
     for c in _SUFFIXES:
         d, i, j = pos[f"d{c}"], pos[f"i{c}"], pos[f"j{c}"]
         if expr.has(d) and expr.has(j):
-            expr = expr.replace(lambda e: isinstance(e, sp.Add) and _holds_query(e, d, j) is not None,
-                                lambda e: _holds_query(e, d, j)[0] + _holds_query(e, d, j)[1] * i)
+            expr = expr.replace(lambda e: isinstance(e, sp.Add),
+                                lambda e, d=d, i=i, j=j: _read_query(e, d, i, j))
     return expr
+
+
+def _read_query(add: sp.Add, d: sp.Symbol, i: sp.Symbol, j: sp.Symbol) -> sp.Expr:
+    """A sum c*d + c*j + rest as c*i + rest (see _holds_query), any other sum as it is."""
+    split = _holds_query(add, d, j)
+    return add if split is None else split[0] + split[1] * i
 
 
 def _holds_query(add: sp.Add, d: sp.Symbol, j: sp.Symbol) -> tuple[sp.Expr, sp.Expr] | None:

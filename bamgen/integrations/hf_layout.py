@@ -227,12 +227,18 @@ def install_document_markers(model) -> None:
     hook hands the model both forms, so whichever one a family passes on carries the documents.
     It keeps no state (it only adds keyword arguments), so torch.compile traces it like the
     rest of the forward: no graph break, no guard of its own."""
-    from transformers import PreTrainedModel
-    for module in model.modules():
+    for module in transformers_models(model):
         hooks = module._forward_pre_hooks.values()
-        if module is model or isinstance(module, PreTrainedModel):
-            if not any(getattr(hook, "func", None) is mark_documents for hook in hooks):
-                _register_marker_hook(module)
+        if not any(getattr(hook, "func", None) is mark_documents for hook in hooks):
+            _register_marker_hook(module)
+
+
+def transformers_models(model):
+    """``model`` and every transformers model inside it: each may be called on its own (a
+    causal LM's base model, OPT's decoder)."""
+    from transformers import PreTrainedModel
+    return [module for module in model.modules()
+            if module is model or isinstance(module, PreTrainedModel)]
 
 
 def install_read_scope(model) -> None:

@@ -44,7 +44,7 @@ from types import ModuleType
 import torch
 
 from .hf_layout import (PaddingLayout, install_document_markers, install_read_scope,
-                        packed_documents, padding_layout)
+                        packed_documents, padding_layout, transformers_models)
 from .hf_variants import (LayerExtras, call_extras, forward_source, layer_extras, prior_source,
                           variant_module)
 
@@ -378,11 +378,9 @@ def _install_implementation_check(model) -> None:
     """Register (once) :func:`_runs_its_priors` on ``model`` and on every transformers model
     inside it, each of which a user may call directly (``model.model(ids)`` for hidden
     states)."""
-    from transformers import PreTrainedModel
-    for module in model.modules():
-        if module is model or isinstance(module, PreTrainedModel):
-            if _runs_its_priors not in module._forward_pre_hooks.values():
-                module.register_forward_pre_hook(_runs_its_priors)
+    for module in transformers_models(model):
+        if _runs_its_priors not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(_runs_its_priors)
 
 
 def _runs_its_priors(model, args) -> None:

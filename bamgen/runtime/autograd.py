@@ -197,7 +197,7 @@ def positional_forward(prior, q, k, v, theta, pos, causal, scale, layout, use_tr
     extent: Positions.extent."""
     if use_triton:
         from .triton import launch
-        pos = decide_positions(prior, pos, position_grads, use_triton, extent)
+        pos = launch.decided(prior, pos, position_grads, extent)
         return launch.forward(prior, q, k, v, theta, causal, scale, layout.q_offset,
                               layout.k_offset, for_backward=for_backward, pos=pos,
                               position_grads=position_grads, **layout.masks())

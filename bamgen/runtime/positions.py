@@ -92,8 +92,8 @@ def _integer_extent(pos_q, pos_k, q) -> tuple[int, int, int, int] | None:
     integer: beyond, distances round (2**24 + 13 and 2**24 + 12 read alike) and the prior is
     silently wrong, as the offsets' range check (checks.check_positions) refuses for token
     positions. One host read for both tensors (on a GPU it waits for the queue), not under
-    tracing, where values are unknown. Returns (q_lo, q_hi, k_lo, k_hi) where both are integer and hold some position, for the
-    table's choice (Positions.extent), else None."""
+    tracing, where values are unknown. Returns (q_lo, q_hi, k_lo, k_hi) where both are integer
+    and hold some position, for the table's choice (Positions.extent), else None."""
     from .ops import tracing
     named = [(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k))
              if not p.is_floating_point() and p.numel()]
