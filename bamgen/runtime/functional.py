@@ -8,7 +8,7 @@ import torch
 
 from . import autograd, checks, ops
 from .params import theta as make_theta
-from .positions import positions_of
+from .positions import positions_of, traced_bounds
 
 
 def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_offset=0,
@@ -25,7 +25,8 @@ def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_off
         theta = make_theta(prior.traits, q, values, grad=True)
         return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale, backend,
                                      key_mask, cu_seqlens_q, cu_seqlens_k, check=True,
-                                     q_offset=q_offset, k_offset=k_offset)
+                                     q_offset=q_offset, k_offset=k_offset,
+                                     bounds=traced_bounds(pos_q, pos_k))
     if pos is not None:
         layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
         theta = make_theta(prior.traits, q, values, grad=True, check=prior.domain_check)

@@ -8,7 +8,7 @@ import torch
 from . import checks, ops
 from .functional import attend
 from .params import check_domains, from_domain, param_block, theta as make_theta, to_domain
-from .positions import positions_of
+from .positions import positions_of, traced_bounds
 
 
 class PriorAttention(torch.nn.Module):
@@ -109,7 +109,8 @@ class PriorAttention(torch.nn.Module):
         if pos is not None and ops.tracing(q):
             return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale,
                                          backend, key_mask, cu_seqlens_q, cu_seqlens_k,
-                                         check=False, q_offset=q_offset, k_offset=k_offset)
+                                         check=False, q_offset=q_offset, k_offset=k_offset,
+                                         bounds=traced_bounds(pos_q, pos_k))
         if pos is not None:
             layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
             return attend(prior, q, k, v, theta, causal, scale, layout, backend, pos)

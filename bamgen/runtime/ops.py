@@ -33,6 +33,7 @@ from . import autograd, checks
 from .constants import TABLE_PAD
 from .host_reads import read_fresh
 from .params import dtheta
+from .positions import check_traced_bounds
 from .tables import acc_dtype
 from .triton import interpreting
 
@@ -193,9 +194,10 @@ def _op_backward(prior, ctx, dout, _dstats, _dextra):
 # Positions as tensors (docs/positions.md): _pfwd and _pbwd, either backend inside
 # ----------------------------------------------------------------------------------------
 def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backend, key_mask,
-                      cu_seqlens_q, cu_seqlens_k, check, q_offset=0, k_offset=0):
+                      cu_seqlens_q, cu_seqlens_k, check, q_offset=0, k_offset=0, bounds=(None, None)):
     """attention() with position tensors ([B, Hq, N, C], checked and shaped by
-    positions.positions_of) through the positional custom ops."""
+    positions.positions_of) through the positional custom ops; bounds: positions.traced_bounds
+    of the tensors the user gave, which the op checks as eager attention() does."""
     for name, value in (("key_mask", key_mask), ("cu_seqlens_q", cu_seqlens_q),
                         ("cu_seqlens_k", cu_seqlens_k)):
         if value is not None and not isinstance(value, torch.Tensor):
@@ -207,7 +209,7 @@ def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backen
     # (no position gradient wanted: integer positions may read a table prior's distance table)
     position_grads = for_backward and (pos_q.requires_grad or pos_k.requires_grad)
     args = (q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q, cu_seqlens_k,
-            use_triton, for_backward, check, position_grads, q_offset, k_offset)
+            use_triton, for_backward, check, position_grads, q_offset, k_offset, *bounds)
     if torch._C._functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling():
         return FuncPositionalAttention.apply(prior, *args)[0]   # torch.func.grad, vmap, jacrev
     return prior.ops.pfwd(*args)[0]
@@ -215,10 +217,12 @@ def attend_positional(prior, q, k, v, theta, pos_q, pos_k, causal, scale, backen
 
 @read_fresh   # (a compiled graph runs it: host_reads)
 def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q,
-             cu_seqlens_k, use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0):
+             cu_seqlens_k, use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0,
+             q_bounds=None, k_bounds=None):
     """(out, stats, extra) as _op_fwd's, of a call with position tensors (the int offsets
-    place its tokens for the causal mask)."""
+    place its tokens for the causal mask); q_bounds, k_bounds: positions.traced_bounds."""
     checks.check_causal(prior.traits, causal, pos_q, pos_k)
+    extent = check_traced_bounds(q_bounds, k_bounds)
     layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
     if check:
         prior.domain_check(theta)
@@ -229,7 +233,7 @@ def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_se
                                                       position_grads, q_offset, k_offset))
     out, stats, *rest = autograd.positional_forward(prior, q, k, v, theta, (pos_q, pos_k), causal,
                                                     scale, layout, use_triton, for_backward,
-                                                    position_grads)
+                                                    position_grads, extent)
     extra = q.new_empty((0,), dtype=torch.float32)
     if use_triton and rest[0] is not out:
         extra = rest[0]
@@ -237,7 +241,8 @@ def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_se
 
 
 def _op_pfwd_fake(q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_seqlens_q, cu_seqlens_k,
-                  use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0):
+                  use_triton, for_backward, check, position_grads, q_offset=0, k_offset=0,
+                  q_bounds=None, k_bounds=None):
     return _op_fwd_fake(q, k, v, theta, causal, scale, q_offset, k_offset, None, None, key_mask,
                         cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check)
 
@@ -279,7 +284,7 @@ def _op_p_backward(prior, ctx, dout, _dstats, _dextra):
                                                          pos_q, pos_k, causal, scale, *masks,
                                                          use_triton, position_grads, q_offset,
                                                          k_offset)
-    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 11
+    return (dq, dk, dv, dtheta(prior.traits, theta, dparams), dpos_q, dpos_k) + (None,) * 13
 
 
 def _func_attention(name: str, doc: str, op: str, setup_context, backward) -> type:
@@ -353,11 +358,12 @@ class Ops:
                  pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool, scale: float,
                  key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                  cu_seqlens_k: Optional[torch.Tensor], use_triton: bool, for_backward: bool,
-                 check: bool, position_grads: bool, q_offset: int, k_offset: int
+                 check: bool, position_grads: bool, q_offset: int, k_offset: int,
+                 q_bounds: Optional[torch.Tensor] = None, k_bounds: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask,
                             cu_seqlens_q, cu_seqlens_k, use_triton, for_backward, check,
-                            position_grads, q_offset, k_offset)
+                            position_grads, q_offset, k_offset, q_bounds, k_bounds)
 
         def pbwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, stats: torch.Tensor, extra: torch.Tensor, theta: torch.Tensor,

@@ -92,22 +92,56 @@ def _integer_extent(pos_q, pos_k, q) -> tuple[int, int, int, int] | None:
     integer: beyond, distances round (2**24 + 13 and 2**24 + 12 read alike) and the prior is
     silently wrong, as the offsets' range check (checks.check_positions) refuses for token
     positions. One host read for both tensors (on a GPU it waits for the queue), not under
-    tracing, where values are unknown. Returns (q_lo, q_hi, k_lo, k_hi) where both are integer
-    and hold some position, for the table's choice (Positions.extent), else None."""
+    tracing, where values are unknown (the custom ops check traced_bounds' instead). Returns
+    (q_lo, q_hi, k_lo, k_hi) where both are integer and hold some position, for the table's
+    choice (Positions.extent), else None."""
     from .ops import tracing
-    named = [(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k))
-             if not p.is_floating_point() and p.numel()]
+    named = _integer_tensors(pos_q, pos_k)
     if not named or tracing(q):
         return None
     bounds = torch.stack([b.to(torch.int64) for _, p in named for b in p.aminmax()]).tolist()
-    for (name, _), lo, hi in zip(named, bounds[0::2], bounds[1::2]):
+    return check_integer_range([name for name, _ in named], bounds)
+
+
+def _integer_tensors(pos_q, pos_k) -> list:
+    """(name, tensor) of the given positions that are integers and hold some position."""
+    return [(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k))
+            if isinstance(p, torch.Tensor) and not p.is_floating_point() and p.numel()]
+
+
+def check_integer_range(names, bounds) -> tuple[int, int, int, int] | None:
+    """The range check of _integer_extent on (lo, hi) per named tensor, flattened in bounds;
+    returns the extent where both tensors are named."""
+    for name, lo, hi in zip(names, bounds[0::2], bounds[1::2]):
         worst = lo if -lo > hi else hi
         if abs(worst) > MAX_POSITION:
             raise ValueError(f"{name} holds {worst}: integer positions must lie in [-2**24, "
                              f"2**24], where float32 holds every integer (beyond, distances "
                              f"round); shift them (a prior of d alone reads only differences), "
                              f"or pass float positions, computed to float32's rounding")
-    return tuple(bounds) if len(named) == 2 else None
+    return tuple(bounds) if len(names) == 2 else None
+
+
+def traced_bounds(pos_q, pos_k) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each integer position tensor's (smallest, largest) as an int64 tensor [2], None for a
+    float one: under tracing the values are unknown when attention() runs, so the positional
+    custom op, which runs on the values, makes eager's checks on these (check_traced_bounds).
+    Computed in the graph: no host read while tracing."""
+    integer = dict(_integer_tensors(pos_q, pos_k))
+    return tuple(torch.stack(list(integer[name].aminmax())).to(torch.int64)
+                 if name in integer else None for name in ("pos_q", "pos_k"))
+
+
+def check_traced_bounds(q_bounds, k_bounds) -> tuple[int, int, int, int] | None:
+    """Eager's checks of integer positions (range, then distances) on traced_bounds' tensors,
+    in one host read; returns the extent where both are integer, as Positions.extent."""
+    named = [(name, b) for name, b in (("pos_q", q_bounds), ("pos_k", k_bounds)) if b is not None]
+    if not named:
+        return None
+    bounds = torch.cat([b for _, b in named]).tolist()
+    extent = check_integer_range([name for name, _ in named], bounds)
+    _check_integer_distances(extent)
+    return extent
 
 
 def _check_integer_distances(extent) -> None:

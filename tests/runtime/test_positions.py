@@ -283,6 +283,39 @@ def test_wrong_positions_name_the_argument(call, argument):
         call(q, p)
 
 
+FAR_INTEGERS = [   # (pos_q, pos_k, the refusal): each beyond what float32 holds exactly
+    (torch.arange(9)[None] + 2 ** 24 + 4, torch.arange(9)[None], r"pos_q holds 16777228"),
+    (torch.arange(9.0)[None], -torch.arange(9)[None] - 2 ** 24, r"pos_k holds -16777224"),
+    (torch.full((1, 9), 2 ** 24), -torch.arange(9)[None] - 2 ** 24 + 9,
+     r"pos_q and pos_k .*reach 33554431, beyond 2\*\*24"),
+]
+
+
+@pytest.mark.parametrize("pos_q,pos_k,refusal", FAR_INTEGERS, ids=["pos_q", "pos_k", "distances"])
+@pytest.mark.parametrize("call", ["attention", "module"])
+def test_far_integer_positions_are_refused_under_a_fullgraph_compile(call, pos_q, pos_k, refusal):
+    """The integer-position checks above, in a compiled model: they read values, which a trace
+    does not have, so a compiled call ran 2**24 + 4 as if it were 2**24 + 3 or 5 (float32),
+    silently. The positional custom op now makes eager's checks on the tensors' bounds, taken
+    in the graph: the same ValueError, fullgraph, from attention() and from the nn.Module; the
+    compiled call at nearby positions gives eager's output."""
+    torch._dynamo.reset()
+    layer = GGD.GeneralizedGaussianAttention(2)
+
+    def step(q, pos_q, pos_k):
+        if call == "module":
+            return layer(q, q, q, causal=False, pos_q=pos_q, pos_k=pos_k)
+        return GGD.attention(q, q, q, causal=False, alpha=2.0, beta=1.0, mu=0.0, pos_q=pos_q,
+                             pos_k=pos_k)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    q = torch.randn(1, 2, 9, 8)
+    with pytest.raises(ValueError, match=refusal):
+        compiled(q, pos_q, pos_k)
+    near = (pos_q - pos_q.min(), pos_k - pos_k.min())   # the same dtypes, within the range
+    torch.testing.assert_close(compiled(q, *near), step(q, *near))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), 3e38, -3e38])
 def test_infinite_or_far_float_positions_touch_only_the_rows_that_see_them(bad, backend):
