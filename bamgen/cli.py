@@ -3,24 +3,34 @@
 Every user error exits with status 2 and one line on stderr naming the file and field; nothing
 is written unless every requested build succeeded. ``--check`` exits 1 when an output is stale.
 A build never shows a traceback: an unexpected exception is reported as an internal error.
+Ctrl-C, at any point of a command, prints ``interrupted`` and exits 130; every file is written
+atomically (bamgen/driver/files.py), so none is left half-written.
+
+This module imports only what is light (click, bamgen's own small modules): torch, Triton and
+SymPy are imported by the commands that need them, inside the command line's handling of
+Ctrl-C, so that an interrupt during those imports (seconds) is reported as one line too.
 """
 from __future__ import annotations
 
+import io
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from . import __version__
-from .compiler.codegen import Artifact
-from .driver.build import check_target, compile_spec
+from .compiler import STRATEGIES
 from .errors import SpecError
 from .driver.files import BuildLockTimeout, generated_by_bamgen, holds, write_if_different
-from .compiler.lower import STRATEGIES
 from .resources import GENERATED_BY, resolve_prior, shipped_priors
-from .compiler.spec import load_spec
 from .compiler.timeout import BuildTimeout, time_limit
+
+if TYPE_CHECKING:
+    from .compiler.codegen import Artifact
+
+INTERRUPTED = 130   # a shell's exit status for a command that SIGINT stopped (128 + 2)
 
 BUILD_SECONDS = 120
 # A prior file's path, or a shipped prior's name, as typed: a str, since Path("") would be the
@@ -54,6 +64,8 @@ class _OneLineErrors(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _Interrupted:
+            _interrupted()
         except click.exceptions.NoArgsIsHelpError as err:   # bare `bamgen`: the help, as click
             err.show()
             sys.exit(err.exit_code)
@@ -63,10 +75,31 @@ class _OneLineErrors(click.Group):
         except click.ClickException as err:
             err.show()
             sys.exit(err.exit_code)
-        except click.exceptions.Abort:
+        except click.exceptions.Abort as err:
+            if isinstance(err.__cause__, KeyboardInterrupt):   # (during click's own parsing)
+                _interrupted()
             click.echo("Aborted!", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:
+            _interrupted()
         sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx):
+        """A command, with Ctrl-C taken before click's own handler (which prints a blank line
+        and 'Aborted!', exit 1) sees it: main reports it as one line, exit 130."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as err:
+            raise _Interrupted() from err
+
+
+class _Interrupted(Exception):
+    """Ctrl-C inside a command, carried past click's handler of KeyboardInterrupt."""
+
+
+def _interrupted() -> None:
+    click.echo("interrupted", err=True)
+    sys.exit(INTERRUPTED)
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -123,6 +156,7 @@ def _check_targets(targets: list[Path], paths: list) -> None:
     """Refuse, before anything is written, a target that is there but is no file (a folder, a
     FIFO): its write would fail after the modules before it had been replaced; and a file that
     bamgen did not generate (a module of the user's package named as the prior is)."""
+    from .driver.build import check_target
     for target, path in zip(targets, paths):
         if (target.exists() or target.is_symlink()) and not target.is_file():
             _fail(f"cannot write {target}: it exists and is not a regular file (a folder?); "
@@ -133,10 +167,10 @@ def _check_targets(targets: list[Path], paths: list) -> None:
             _fail(str(err))
 
 
-def _write(target: Path, text: str) -> bool:
-    """Write-if-different; a failed write or a held lock is one line and exit 2."""
+def _write(target: Path, data: str | bytes) -> bool:
+    """Write-if-different, atomically; a failed write or a held lock is one line and exit 2."""
     try:
-        return write_if_different(target, text)
+        return write_if_different(target, data)
     except BuildLockTimeout as exc:
         _fail(str(exc))
     except (OSError, ValueError) as exc:
@@ -162,6 +196,8 @@ def _reported(path: Path, doing: str = "building"):
 
 def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = False) -> list[Artifact]:
     """Compile every file in memory first: one bad file means nothing is written."""
+    from .compiler.spec import load_spec
+    from .driver.build import compile_spec
     artifacts, names = [], {}
     for path in paths:
         with _reported(path):
@@ -293,7 +329,7 @@ def _save_cubins(save_dir: Path | None, prior: str, kernels, arch: str, dtype: s
     paths = {}
     for k in kernels:
         path = save_dir / f"{prior}.{k.name}.{arch}.{dtype}.d{head_dim}{'.causal' if causal else ''}.cubin"
-        path.write_bytes(k.cubin)
+        _write(path, k.cubin)
         paths[k.name] = str(path)
     return paths
 
@@ -311,6 +347,7 @@ def _prior_path(file: str | Path) -> Path:
 
 
 def _load_ir(file: str | Path):
+    from .compiler.spec import load_spec
     from .compiler.symbolic import analyse
     file = _prior_path(file)
     with _reported(file, "analysing"):
@@ -441,14 +478,15 @@ def plot(file: str, out_file: Path, heads: int, max_distance: int) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_file)
-    click.echo(f"wrote {out_file}")
+    image = io.BytesIO()   # (written whole, by a rename: an interrupted plot leaves no half file)
+    fig.savefig(image, format="png")
+    click.echo(f"{'wrote' if _write(out_file, image.getvalue()) else 'unchanged'} {out_file}")
 
 
 @main.command(name="list")
 def list_priors() -> None:
     """List the shipped priors."""
+    from .compiler.spec import load_spec
     for path in shipped_priors():
         spec = load_spec(path)
         click.echo(f"{spec.name:24s} {spec.description}")

@@ -12,3 +12,7 @@
 
 The build driver (bamgen/driver) runs these, then the checks of the printed code
 (bamgen/checks), then writes (docs/architecture.md, "The stages")."""
+
+# The lowering strategies (lower.py), here so that the command line can offer them without
+# importing SymPy.
+STRATEGIES = ("inline", "table")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..errors import SpecError
+from . import STRATEGIES
 from .formula import ElementFloor, ElementSymbol, Gather, Selects, unique_nodes
 from .printers import ExpressionTooLarge, NotARealNumber, prepare, print_expr
 from .spec import MAX_CHANNELS, Domain, position_symbols
@@ -33,7 +34,6 @@ from .symbolic import (S, TABLE_VALUE, InternalSymbol, PriorIR, TableIR, clean_d
                        runtime_symbols, split_for_table, table_grad_symbol)
 from .timeout import cpu_budget
 
-STRATEGIES = ("inline", "table")
 # every position symbol of any channel count: never hoisted as a per-program scalar
 ALL_POSITIONS = frozenset({**position_symbols(MAX_CHANNELS), **position_symbols()}.values())
 

@@ -1,9 +1,15 @@
 """The command line: builds, --check, and user errors (exit 2, one line, nothing written)."""
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
-from tests.helpers import run_cli, write_prior
+from tests.helpers import ROOT, run_cli, run_cli_in_process, write_prior
 
 GOOD = """
 name: my_prior
@@ -140,3 +146,56 @@ def test_a_file_bamgen_did_not_generate_is_never_replaced(tmp_path):
     res = run_cli("build", str(changed), "-o", str(out))   # bamgen's own module: replaced
     assert res.returncode == 0 and f"wrote {out / 'other.py'}" in res.stdout, res.stderr
     assert (out / "my_prior.py").read_bytes() == users
+
+
+def _wait_for_torch_import(process: subprocess.Popen, seconds: float = 60.0) -> None:
+    """Wait until ``process`` has torch's library mapped: it is then inside `import torch`,
+    which goes on for a second or more after the library is loaded."""
+    maps = Path(f"/proc/{process.pid}/maps")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        if "libtorch" in maps.read_text(errors="replace"):
+            return
+        time.sleep(0.005)
+    raise AssertionError("the command never imported torch")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps")
+def test_ctrl_c_while_importing_torch_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C in the seconds `bamgen build` spends importing torch printed torch's import
+    traceback (forty lines, exit 1): the heavy imports ran when bamgen.cli was imported, before
+    the command line could handle anything. Now: 'interrupted', exit 130, nothing written."""
+    prior = write_prior(tmp_path, GOOD)
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "bamgen.cli", "build", str(prior), "-o",
+                                str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_torch_import(process)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert stderr == "interrupted\n" and stdout == ""
+    assert not out.exists()
+
+
+def test_ctrl_c_while_writing_leaves_the_old_module_whole(tmp_path, monkeypatch):
+    """Ctrl-C at the worst moment of a build, its new module written to a temporary file and
+    not yet renamed over the old one: 'interrupted', exit 130 (not click's 'Aborted!', exit 1),
+    the old module's bytes, and no temporary or lock file left beside it."""
+    import bamgen.driver.files as files
+    prior = write_prior(tmp_path, GOOD)
+    out = tmp_path / "out"
+    assert run_cli_in_process("build", str(prior), "-o", str(out)).exit_code == 0
+    before = (out / "my_prior.py").read_bytes()
+
+    def ctrl_c(fd):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(files.os, "fsync", ctrl_c)
+    write_prior(tmp_path, GOOD.replace("4.0", "3.0"))
+    res = run_cli_in_process("build", str(prior), "-o", str(out))
+    assert res.exit_code == 130 and res.stderr == "interrupted\n" and res.stdout == ""
+    assert (out / "my_prior.py").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["my_prior.py"]
