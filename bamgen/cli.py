@@ -450,7 +450,8 @@ def _show_params(values) -> str:
 @main.command()
 @click.argument("file", type=PRIOR_ARG)
 @click.option("-o", "--out", "out_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="PNG file to write.")
+              help="Image to write; its extension picks the format: .png, .svg, .pdf, or any "
+                   "other that matplotlib writes (.jpg, .eps, .webp, ...).")
 @click.option("--heads", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option("--max-distance", type=click.IntRange(1, 1 << 20), default=256, show_default=True)
 def plot(file: str, out_file: Path, heads: int, max_distance: int) -> None:
@@ -463,9 +464,8 @@ def plot(file: str, out_file: Path, heads: int, max_distance: int) -> None:
     except ImportError:
         _fail("bamgen plot needs matplotlib: pip install 'bamgen[plot]'")
     from .compiler.analysis import init_values, log_prior_function
+    image_format = _image_format(out_file)
     ir = _load_ir(file)
-    if out_file.suffix.lower() != ".png":
-        _fail(f"--out {out_file}: give a .png file name")
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
     start = 0 if ir.spec.causal_only else -max_distance // 8   # (causal only: d >= 0 alone)
     distances = list(range(start, max_distance + 1))
@@ -479,8 +479,25 @@ def plot(file: str, out_file: Path, heads: int, max_distance: int) -> None:
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     image = io.BytesIO()   # (written whole, by a rename: an interrupted plot leaves no half file)
-    fig.savefig(image, format="png")
+    try:
+        fig.savefig(image, format=image_format)
+    except Exception as exc:   # a format whose writer needs what is missing (.pgf: LaTeX)
+        _fail(f"--out {out_file}: matplotlib could not write a .{image_format} file "
+              f"({type(exc).__name__}: {str(exc)[:200]}); give .png, .svg or .pdf")
     click.echo(f"{'wrote' if _write(out_file, image.getvalue()) else 'unchanged'} {out_file}")
+
+
+def _image_format(out_file: Path) -> str:
+    """The format --out's extension names, as matplotlib's savefig takes it; refused (one line,
+    nothing written) where matplotlib has no writer for it, rather than by savefig's traceback."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    image_format = out_file.suffix.lower().lstrip(".")
+    if image_format not in formats:
+        given = f"'{out_file.suffix}'" if out_file.suffix else "no extension"
+        _fail(f"--out {out_file}: {given} names no image format matplotlib writes; give one of "
+              f"{', '.join('.' + name for name in sorted(formats))}")
+    return image_format
 
 
 @main.command(name="list")

@@ -4,7 +4,7 @@ import pytest
 from bamgen.compiler.analysis import analyse_prior
 from bamgen.compiler.spec import load_spec
 from bamgen.compiler.symbolic import analyse
-from tests.helpers import ROOT, run_cli, write_prior
+from tests.helpers import ROOT, run_cli, run_cli_in_process, write_prior
 
 PRIORS = ROOT / "priors"
 
@@ -103,12 +103,31 @@ def test_show_reports_a_formula_the_domain_scan_refuses_in_one_line(tmp_path):
     assert "field 'log_prior'" in res.stderr and str(bad) in res.stderr
 
 
-def test_plot_writes_a_png(tmp_path):
+@pytest.mark.parametrize("name, magic", [("p.png", b"\x89PNG\r\n\x1a\n"), ("p.svg", b"<?xml"),
+                                         ("p.PDF", b"%PDF-"), ("p.jpg", b"\xff\xd8\xff")])
+def test_plot_writes_the_format_its_out_file_names(tmp_path, name, magic):
+    """plot wrote PNG only and refused any other name; now the extension picks any format
+    matplotlib writes (a vector .svg or .pdf for a paper)."""
     pytest.importorskip("matplotlib")
-    out = tmp_path / "p.png"
-    res = run_cli("plot", str(PRIORS / "kerple_power.yaml"), "-o", str(out), "--heads", "3")
-    assert res.returncode == 0, res.stderr
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / name
+    res = run_cli_in_process("plot", str(PRIORS / "kerple_power.yaml"), "-o", str(out),
+                             "--heads", "3")
+    assert res.exit_code == 0 and res.stdout == f"wrote {out}\n", res.output
+    data = out.read_bytes()
+    assert data.startswith(magic)
+    assert name != "p.svg" or b"<svg" in data[:1000]
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p"])
+def test_plot_refuses_an_extension_matplotlib_cannot_write_naming_the_flag(tmp_path, name):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / name
+    res = run_cli_in_process("plot", "laplace", "-o", str(out))
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: "), res.stderr
+    assert all(ext in lines[0] for ext in (".png", ".svg", ".pdf"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_show_plot_and_inspect_take_a_shipped_prior_s_name_as_build_does(tmp_path):
