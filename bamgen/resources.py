@@ -65,14 +65,22 @@ def shipped_prior(name: str) -> Path | None:
 
 
 def resolve_prior(prior: str | os.PathLike) -> Path:
-    """A prior file's path from a path or a shipped prior's name; an existing file wins."""
+    """A prior file's path from a path or a shipped prior's name, by one rule for every command
+    and for bamgen.load: what exists and is not a folder is the user's file (a file ``laplace``
+    in the current folder wins over the shipped prior; a FIFO is refused as one); a name such
+    as ``laplace`` is otherwise the shipped prior, even where the current folder holds a folder
+    of that name (a folder is never a prior file, so it cannot be what was meant)."""
     path, text = Path(prior), os.fspath(prior)
     if text == "":   # (Path("") is the current folder)
         raise SpecError("the path is empty", file="''",
                         hint="give the path of a prior file (.yaml) or a shipped prior's name")
-    if path.exists() or not isinstance(text, str) or not _NAME.fullmatch(text):
+    if not isinstance(text, str) or not _NAME.fullmatch(text):
+        return path
+    if path.exists() and not path.is_dir():
         return path
     shipped = shipped_prior(text)
+    if shipped is None and path.is_dir():
+        return path   # (refused by load_spec as a folder, one line)
     if shipped is None:
         names = ", ".join(p.stem for p in shipped_priors())
         raise SpecError(f"no such file, and no shipped prior named '{text}'", file=text,

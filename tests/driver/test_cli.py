@@ -199,3 +199,28 @@ def test_ctrl_c_while_writing_leaves_the_old_module_whole(tmp_path, monkeypatch)
     assert res.exit_code == 130 and res.stderr == "interrupted\n" and res.stdout == ""
     assert (out / "my_prior.py").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["my_prior.py"]
+
+
+def test_a_folder_named_as_a_shipped_prior_does_not_shadow_it(tmp_path):
+    """`bamgen build laplace` in a folder holding a folder `laplace` (a checkout, an experiment's
+    outputs) was refused as 'not a regular file (a folder)': the folder shadowed the shipped
+    prior. A folder is never a prior file, so the name is the shipped prior in every command;
+    a file of that name is still the user's file."""
+    (tmp_path / "laplace").mkdir()
+    (tmp_path / "uniform").mkdir()
+    res = run_cli_in_process("build", "laplace", "-o", "out", cwd=tmp_path)
+    assert res.exit_code == 0 and (tmp_path / "out" / "laplace.py").is_file(), res.output
+    res = run_cli_in_process("show", "laplace", "--heads", "2", cwd=tmp_path)
+    assert res.exit_code == 0 and res.stdout.startswith("prior 'laplace'"), res.output
+    res = run_cli_in_process("plot", "laplace", "-o", "laplace.svg", "--heads", "2", cwd=tmp_path)
+    assert res.exit_code == 0 and (tmp_path / "laplace.svg").is_file(), res.output
+    res = run_cli("inspect", "uniform", "--head-dim", "16", "--kernel", "attn_fwd", cwd=tmp_path)
+    assert res.returncode == 0 and "uniform: sm_90" in res.stdout, res.stderr
+    write_prior(tmp_path, GOOD, "cauchy")   # a file: the user's, whatever its name
+    res = run_cli_in_process("build", "cauchy", "-o", "out", cwd=tmp_path)
+    assert res.exit_code == 0 and (tmp_path / "out" / "my_prior.py").is_file(), res.output
+    assert not (tmp_path / "out" / "cauchy.py").exists()
+    (tmp_path / "mine").mkdir()   # a folder that names no shipped prior: refused as a folder
+    res = run_cli_in_process("show", "mine", cwd=tmp_path)
+    assert res.exit_code == 2 and res.stderr == ("error: mine: not a regular file (a folder) "
+                                                 "(hint: give the path of a prior file (.yaml))\n")
