@@ -372,17 +372,22 @@ def _tuple(items, always=False) -> str:
     return _wrap(items, "(", " " * 12, ")", column=11)
 
 
+# A name in printed code: a Python identifier, whose letters may be any Unicode letters (a
+# parameter σ prints as prm_σ, its derivative's table as tab_σ).
+_IDENTIFIER = r"[^\W\d]\w*"
+
+
 def _first_output_first(block) -> tuple[tuple, tuple]:
     """block's body as (the statements its first output needs, the others), each in the body's
     order: run in that order they compute the same values with the same operations, so a caller
     that wants the first output alone stops after the first part (the distance table of a call
     without a backward: the log-prior, not its derivatives) and gets it bit for bit."""
-    needed = set(re.findall(r"[A-Za-z_]\w*", block.outputs[0]))
+    needed = set(re.findall(_IDENTIFIER, block.outputs[0]))
     first = []
     for name, code in reversed(block.body):
         if name in needed:
             first.append((name, code))
-            needed |= set(re.findall(r"[A-Za-z_]\w*", code))
+            needed |= set(re.findall(_IDENTIFIER, code))
     first.reverse()
     taken = {name for name, _ in first}
     return tuple(first), tuple((name, code) for name, code in block.body if name not in taken)

@@ -16,6 +16,7 @@ import reprlib
 import stat
 import struct
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,10 @@ MAX_SIZE = 256           # elements of one vector parameter
 MAX_ELEMENTS = 512       # scalars of all the parameters together (a vector counts its elements)
 MAX_LETS = 64            # named sub-formulas
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")          # used with fullmatch: no trailing newline
-IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")   # parameter and let names
+# Parameter and let names: Python identifiers (σ, λ too: Python 3 takes Unicode letters, and so
+# do the formulas, parsed by Python's ast), in the form Python reads them (NFKC), at most 64
+# characters.
+MAX_NAME = 64
 
 # Symbols a formula may use (docs/priors.md). Positions are real numbers in the kernel.
 POSITION_SYMBOLS = ("d", "i", "j", "n")
@@ -568,10 +572,16 @@ def _check_name(name, field: str, line: int | None, what: str) -> None:
                         f"{type(name).__name__}, not as a name", field=field, line=line,
                         hint="YAML reads the keys yes, no, on, off, true and false as booleans: "
                              "quote it (\"off\": ...) or choose another name")
-    if not isinstance(name, str) or not IDENTIFIER_RE.fullmatch(name):
+    if not isinstance(name, str) or not name.isidentifier() or len(name) > MAX_NAME:
         raise SpecError(f"invalid {what} name {_show(name)}", field=field, line=line,
-                        hint="use ASCII letters, digits and '_', not starting with a digit "
-                             "(at most 64 characters)")
+                        hint="use letters (σ and λ are letters too), digits and '_', not "
+                             f"starting with a digit (at most {MAX_NAME} characters)")
+    python_reads = unicodedata.normalize("NFKC", name)
+    if python_reads != name:
+        raise SpecError(f"the {what} name '{name}' is read by Python as '{python_reads}' (its "
+                        f"NFKC form): a formula or a keyword argument that spells it reaches "
+                        f"'{python_reads}', never '{name}'", field=field, line=line,
+                        hint=f"write it as {python_reads}")
     why = _reserved_because(name)
     if why:
         better = next(n for n in (f"{name}_", f"p_{name}") if not _reserved_because(n))
@@ -585,8 +595,9 @@ def _reserved_because(name: str) -> str | None:
     of the generated code is the compiler's to avoid (docs/priors.md, "Names")."""
     if name in RESERVED or name in POSITION_SYMBOLS or name in SCORE_SYMBOLS or name in INIT_SYMBOLS:
         return "it is a symbol, function or constant of the formula language"
-    if keyword.iskeyword(name):
-        return "it is a Python keyword"
+    if keyword.iskeyword(name):   # (attention() takes every parameter as a keyword argument)
+        return ("it is a Python keyword, so attention() could not take it as a keyword "
+                f"argument (attention(q, k, v, {name}=...) is a syntax error)")
     if name in ATTENTION_ARGS:
         return "it is an argument of the generated attention()"
     return None

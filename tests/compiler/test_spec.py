@@ -260,7 +260,8 @@ def test_module_attributes_cover_torch_nn_module():
 @pytest.mark.parametrize("name, words", [
     ("key_mask", "argument of the generated attention()"),
     ("cu_seqlens_q", "argument of the generated attention()"), ("q", "attention()"),
-    ("lambda", "keyword"), ("exp", "formula language"), ("Sum", "formula language"),
+    ("lambda", "Python keyword, so attention() could not take it as a keyword argument"),
+    ("exp", "formula language"), ("Sum", "formula language"),
     ("cos", "formula language"), ("n", "formula language"),
 ])
 def test_reserved_parameter_names_say_why_and_suggest_a_name(name, words):
@@ -433,3 +434,77 @@ def test_a_key_yaml_reads_as_a_boolean_is_named_with_its_line():
     message = str(err.value)
     assert message.startswith("p.yaml:6: field 'let.False'"), message
     assert "YAML reads that key as bool" in message and "on, off" in message, message
+
+
+GREEK = """
+name: greek
+description: a Gaussian with a linear tail, its parameters named as papers write them
+log_prior: -d**2 / (2*σ**2) - λ_*Abs(d)
+params:
+  σ: {init: 8.0, domain: positive}
+  λ_: {init: 0.01, domain: positive}
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_greek_parameter_name_builds_runs_and_learns(tmp_path, backend):
+    """σ and λ_ were refused ("use ASCII letters"), though Python takes them as keyword
+    arguments: now `attention(q, k, v, σ=..., λ_=...)` runs on both backends (Triton under
+    the interpreter here; the kernels' code reads prm_σ), and its output and gradients match a
+    float64 reference; the nn.Module stores raw_σ and learns through it."""
+    import torch
+
+    import bamgen
+    from tests.helpers import write_prior
+    from tests.reference import reference_attention
+    from tests.tolerance import assert_all_close
+    module = bamgen.load(write_prior(tmp_path, GREEK), cache_dir=tmp_path / "cache")
+    assert module.PRIOR["params"].keys() == {"σ", "λ_"}
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 24, 16) for _ in range(4))
+    values = {"σ": torch.tensor([3.0, 9.0]), "λ_": torch.tensor([0.05, 0.2])}
+    leaves = {n: t.clone().requires_grad_(True) for n, t in values.items()}
+    out = module.attention(q, k, v, σ=leaves["σ"], λ_=leaves["λ_"], backend=backend)
+    out.backward(dout)
+
+    def log_prior(d, p):
+        return -d ** 2 / (2 * p["σ"] ** 2) - p["λ_"] * d.abs()
+    kw = dict(causal=True, dout=dout)
+    ref = reference_attention(q, k, v, values, log_prior, **kw)
+    pt = reference_attention(q, k, v, values, log_prior, compute_dtype=torch.float32, **kw)
+    assert_all_close([("out", out, ref.out, pt.out)]
+                     + [("d" + n, leaves[n].grad, ref.dparams[n], pt.dparams[n]) for n in leaves],
+                     torch.float32, context=backend)
+    layer = module.GreekAttention(num_heads=2)
+    assert set(layer.state_dict()) == {"raw_σ", "raw_λ_"} and set(layer.prior_params()) == {"σ", "λ_"}
+    layer(q, k, v, backend=backend).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name, python_reads", [("ﬁ", "fi"), ("µ", "μ"), ("ｂ", "b")])
+def test_a_name_python_reads_as_another_is_refused_naming_both(name, python_reads):
+    """Python reads an identifier in its NFKC form: a formula's ﬁ (the ligature) is the
+    name fi, and so is attention(..., ﬁ=...)'s keyword; a parameter ﬁ could never be reached."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(f"name: x\nlog_prior: -Abs(d)\nparams:\n  {name}: {{init: 1.0}}\n")
+    message = str(err.value)
+    assert f"field 'params.{name}'" in message, message
+    assert f"'{name}' is read by Python as '{python_reads}'" in message, message
+    assert f"write it as {python_reads}" in message
+
+
+@pytest.mark.parametrize("strategy", ["inline", "table"])
+def test_triton_compiles_the_kernels_of_a_greek_parameter_for_a_gpu(tmp_path, strategy):
+    """The interpreter runs any Python; the GPU path parses the kernels' code (prm_σ, tab_σ)
+    with Triton's own front end: compiled ahead of time for sm_90 (no GPU needed), forward and
+    both backward kernels."""
+    from tests.helpers import run_cli, run_cli_aot, write_prior
+    prior = write_prior(tmp_path, GREEK)
+    built = run_cli("build", str(prior), "-o", str(tmp_path), "--strategy", strategy)
+    assert built.returncode == 0, built.stderr
+    res = run_cli_aot("inspect", str(tmp_path / "greek.py"), "--head-dim", "16",
+                      "--kernel", "attn_bwd_dkdv", "--kernel", "attn_bwd_dq")
+    assert res.returncode == 0, res.stderr
+    assert f"greek: sm_90 bf16 head_dim=16 causal=True layout=plain strategy={strategy}" \
+        in res.stdout
+    assert all(f"\n  {kernel} " in res.stdout for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"))
