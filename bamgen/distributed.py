@@ -27,6 +27,11 @@ owner, posted as soon as the step is computed) and of the prior-parameter gradie
 summed over the group with one all_reduce so that every rank holds the gradient of the whole
 sequence, as a one-process run would.
 
+Before the ring sends anything the ranks agree on the call (one small all_gather): each rank
+checks its own shards, then every rank raises if any rank refused or the shards' shapes differ,
+so that no rank is left waiting in the ring for a peer that refused (`_agree`); the backward
+agrees the same way on its own checks.
+
 Only torch.distributed is used (gloo on CPUs, NCCL on GPUs). docs/distributed.md has the usage,
 the rules (what must match on every rank) and what is left.
 """
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,7 +48,7 @@ import torch.distributed as dist
 from .runtime.autograd import first_order, use_triton
 from .runtime.checks import MAX_POSITION, autocast_inputs, check_causal, check_inputs
 from .runtime.params import param_block, theta as make_theta
-from .runtime.positions import given_positions
+from .runtime.positions import Positions, check_integer_distances, given_positions
 
 __all__ = ["shard", "unshard", "ring_attention"]
 
@@ -252,9 +257,10 @@ class _Documents:
         return out
 
 
-def _documents(cu_seqlens, total: int, ring_group, world: int, device) -> _Documents:
-    """Check cu_seqlens (int [docs + 1], 0 .. total, non-decreasing, the same on every rank: the
-    ranks must agree on what is sent) and read it once."""
+def _documents(cu_seqlens, total: int) -> tuple[list, _Documents]:
+    """Check cu_seqlens (int [docs + 1], 0 .. total, non-decreasing) and read it once: its bounds
+    (which the agreement compares between ranks: they must agree on what is sent) and the
+    documents."""
     if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
             or cu_seqlens.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"cu_seqlens must be an int32 or int64 tensor [docs + 1] of the whole "
@@ -265,16 +271,7 @@ def _documents(cu_seqlens, total: int, ring_group, world: int, device) -> _Docum
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the whole "
                          f"sequence's length {total} (2 * world * chunk; a padding tail is a "
                          f"document of its own), got {cuts[:4]}{' ...' if len(cuts) > 4 else ''}")
-    if world > 1:
-        digest = torch.tensor([len(cuts), sum((k + 1) * c for k, c in enumerate(cuts)) % (1 << 61)],
-                              dtype=torch.int64, device=device)
-        low, high = digest.clone(), digest.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=ring_group)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=ring_group)
-        if not torch.equal(low, high):
-            raise ValueError("cu_seqlens must be the same on every rank of the group (the whole "
-                             "sequence's document bounds, not this rank's)")
-    return _Documents(tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a))
+    return cuts, _Documents(tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a))
 
 
 class _Window:
@@ -332,19 +329,6 @@ class _Window:
 
         return frozenset(delta for delta in range(-(2 * world - 1), 2 * world)
                          if any_between(delta * chunk - (chunk - 1), delta * chunk + (chunk - 1)))
-
-
-def _agreed_distances(distances: frozenset, ring: _Ring, device) -> frozenset:
-    """The union over the group of every rank's visible distances: the ranks must agree on what
-    is sent, or a rank would wait for a message that never comes."""
-    if ring.world == 1:
-        return distances
-    span = 2 * ring.world - 1
-    flags = torch.zeros(2 * span + 1, dtype=torch.int32, device=device)
-    for delta in distances:
-        flags[delta + span] = 1
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ring.group)
-    return frozenset(i - span for i, f in enumerate(flags.tolist()) if f)
 
 
 # --------------------------------------------------------------------------------------------
@@ -640,11 +624,17 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     @first_order   # (a second derivative raises, as the one-process attention's does)
     def backward(ctx, dout):
-        q, k, v, learned, out, stats, *pos = ctx.saved_tensors
         ring, call = ctx.ring, ctx.call
-        params = _block_params(call.mod, ctx.fixed, learned)
-        # (again: a fixed parameter passed as a tensor may have been written since the forward)
-        _check_blocks(call.mod, q, k, v, call.causal, call.scale, call.backend, params)
+        try:
+            q, k, v, learned, out, stats, *pos = ctx.saved_tensors
+            params = _block_params(call.mod, ctx.fixed, learned)
+            # (again: a fixed parameter passed as a tensor may have been written since the
+            # forward, on some ranks only; autograd refuses a saved tensor written since)
+            _check_blocks(call.mod, q, k, v, call.causal, call.scale, call.backend, params)
+            refusal = None
+        except Exception as err:
+            refusal = err
+        _agree(ring.group, ring.world, None if refusal else [0], refusal, 1, "this call's backward")
         dq, dk, dv, grads, dpos = _ring_backward(ring, call, dout, q, k, v, out, stats, params,
                                                  tuple(pos) or None)
         dlearned = None
@@ -667,6 +657,134 @@ def _block_params(mod, fixed, learned):
         params[name] = (learned[:, at] if size is None else learned[:, at:at + size]).detach()
         at += size or 1
     return params
+
+
+# --------------------------------------------------------------------------------------------
+# the agreement: every rank raises, or none does
+# --------------------------------------------------------------------------------------------
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SAME_SHAPE = "every rank passes shards of the same shape (bamgen.distributed.shard)"
+# A rank's row of the agreement, int64 columns: 0 a refusal, then what every rank must hold
+# alike (the columns, how to say it, how a value reads, the rule), then its integer positions'
+# extent and its window's visible chunk distances.
+_ALIKE = (
+    (slice(1, 5), "q's shard is", list, _SAME_SHAPE),
+    (slice(5, 9), "k's shard (and v's) is", list, _SAME_SHAPE),
+    (slice(9, 10), "q, k and v are", lambda c: str(_DTYPES[c[0]]),
+     "every rank passes them in one dtype (under torch.autocast: the same autocast dtype)"),
+    (slice(10, 11), "causal is", lambda c: str(bool(c[0])), "every rank makes the same call"),
+    (slice(11, 12), "pos_q and pos_k are", lambda c: f"given ({c[0]} channel(s))" if c[0] else "not given",
+     "every rank passes its shards of them, or none does"),
+    (slice(12, 14), "cu_seqlens is", lambda c: f"[{c[0]} bounds, checksum {c[1]}]" if c[0] else "not given",
+     "every rank passes the whole sequence's document bounds, the same on every rank"),
+)
+_EXTENT = 14        # 1 where both positions are integers, then q_lo, q_hi, k_lo, k_hi
+_FLAGS = 19         # a column per chunk distance -(2W-1) .. 2W-1: 1 where the window shows it
+
+
+def _row_width(world: int) -> int:
+    return _FLAGS + 2 * (2 * world - 1) + 1
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """This rank's call, checked on its own shards before anything is sent: what the ring runs
+    once the ranks agree on it. distances: the chunk distances this rank's window shows (None
+    without a window)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: Optional[Positions]
+    learned: torch.Tensor
+    fixed: dict
+    uses_n: bool
+    cuts: Optional[list] = None
+    docs: Optional[_Documents] = None
+    window: Optional[_Window] = None
+    distances: Optional[frozenset] = None
+
+    def row(self, causal: bool, world: int) -> list:
+        """This rank's row of the agreement (the layout of _ALIKE, _EXTENT and _FLAGS)."""
+        digest = [0, 0] if self.cuts is None else [
+            len(self.cuts), sum((i + 1) * c for i, c in enumerate(self.cuts)) % (1 << 61)]
+        extent = None if self.pos is None else self.pos.extent
+        span = 2 * world - 1
+        flags = [0] * (2 * span + 1)
+        for delta in self.distances or ():
+            flags[delta + span] = 1
+        return [0, *self.q.shape, *self.k.shape, _DTYPES.index(self.q.dtype), int(causal),
+                0 if self.pos is None else self.pos.channels, *digest,
+                *((0,) * 5 if extent is None else (1, *extent)), *flags]
+
+
+def _agreement_device(group):
+    """NCCL gathers CUDA tensors only (on the device torch.cuda.set_device chose); every other
+    backend, gloo beside NCCL included, takes the agreement's CPU tensor."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(group, world: int, row, refusal, width: int, what: str) -> list:
+    """Every rank's row (`width` ints), gathered in one small collective before the ring sends
+    anything. A refusal on any rank (row None, `refusal` its exception) is raised on every rank,
+    the refusing rank's own and the others' naming it: a refusal on some ranks only left the
+    others waiting in the ring (NCCL hangs, gloo times out) and broke the group's next call."""
+    mine = [1] + [0] * (width - 1) if row is None else row
+    if world == 1:
+        rows = [mine]
+    else:
+        device = _agreement_device(group)
+        parts = [torch.empty(width, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(parts, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
+        rows = torch.stack(parts).tolist()
+    refused = [r for r in range(world) if rows[r][0]]
+    if refused:
+        _raise_refusal(group, world, refused, refusal, what)
+    return rows
+
+
+def _raise_refusal(group, world: int, refused: list, refusal, what: str):
+    """The refusing rank raises its own exception, every other rank a ValueError that names the
+    first refusing rank and quotes its message (shared by a second collective, on this path
+    only)."""
+    said = None if refusal is None else (
+        str(refusal) if isinstance(refusal, ValueError) else f"{type(refusal).__name__}: {refusal}")
+    messages = [said] * world
+    if world > 1:
+        dist.all_gather_object(messages, said, group=group)
+    if refusal is not None:
+        raise refusal
+    others = f" (ranks {', '.join(map(str, refused))} refused it)" if len(refused) > 1 else ""
+    raise ValueError(f"rank {refused[0]} refused {what}{others}: {messages[refused[0]]}")
+
+
+def _check_alike(rows: list):
+    """A ValueError, the same on every rank (each holds every row), where a rank's shapes or
+    settings differ from rank 0's: the ring would pair messages of different sizes."""
+    for columns, what, show, rule in _ALIKE:
+        first = rows[0][columns]
+        for rank, row in enumerate(rows):
+            if row[columns] != first:
+                raise ValueError(f"{what} {show(first)} on rank 0 but {show(row[columns])} on rank "
+                                 f"{rank}: {rule}")
+
+
+def _agreed_extent(rows: list):
+    """Integer positions' (q_lo, q_hi, k_lo, k_hi) over every rank's shards (the whole
+    sequence, as attention() reads it), or None."""
+    given = [row[_EXTENT + 1:_EXTENT + 5] for row in rows if row[_EXTENT]]
+    if not given:
+        return None
+    q_lo, q_hi, k_lo, k_hi = zip(*given)
+    return min(q_lo), max(q_hi), min(k_lo), max(k_hi)
+
+
+def _agreed_distances(rows: list, world: int) -> frozenset:
+    """The union of every rank's visible chunk distances: parameters that differ by rounding
+    between ranks cannot make one rank wait for a message that is never sent."""
+    span = 2 * world - 1
+    return frozenset(i - span for i in range(2 * span + 1) if any(row[_FLAGS + i] for row in rows))
 
 
 # --------------------------------------------------------------------------------------------
@@ -780,48 +898,75 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
         [Hq] for a scalar, [Hq, size] or [size] for a vector), the same values on every rank; tensors that require grad get the gradient of the whole sequence (summed
         over the group), e.g. the values of `layer.prior_params()`.
     Returns this rank's shard of the output [B, Hq, 2c, D] in q's dtype (the autocast dtype under
-    torch.autocast, as `mod.attention`). Differentiable in q, k,
-    v and the parameters; every rank of the group must call it (and its backward) alike.
+    torch.autocast, as `mod.attention`). Differentiable in q, k, v and the parameters; every
+    rank of the group must call it (and its backward) alike. Before the ring sends anything the
+    ranks share, in one small all_gather, whether each accepts the call and its shapes: a call
+    that any rank refuses, or whose shards differ in shape between ranks, raises a ValueError
+    on every rank (naming the rank) and leaves the group ready for its next call.
     """
+    rank, world = _rank_and_size(group)
+    try:
+        plan, refusal = _plan(mod, q, k, v, causal, scale, backend, world, cu_seqlens, pos_q, pos_k,
+                              params), None
+    except Exception as err:   # (whatever it is: raised on some ranks only, the others would wait)
+        plan, refusal = None, err
+    rows = _agree(group, world, None if plan is None else plan.row(causal, world), refusal,
+                  _row_width(world), "this call")
+    _check_alike(rows)
+    check_integer_distances(_agreed_extent(rows))
+    chunk = plan.q.shape[2] // 2
+    distances = None if plan.window is None else _agreed_distances(rows, world)
+    ring = _Ring(group, rank, world, chunk, causal, distances, plan.docs)
+    call = _Call(mod, causal, scale, backend, 2 * world * chunk if plan.uses_n else None, plan.window)
+    pos = () if plan.pos is None else (plan.pos.q, plan.pos.k)
+    return _RingAttention.apply(ring, call, plan.fixed, plan.q, plan.k, plan.v, plan.learned, *pos)
+
+
+def _checked_inputs(mod, q, k, v, causal, scale, backend, params):
+    """q, k, v as the ring takes them (under torch.autocast, its dtype), once the call's
+    arguments are checked on their own."""
     _check_module(mod)
     q, k, v = autocast_inputs(q, k, v)   # as mod.attention takes them under torch.autocast
     _check_shards(q, k, v)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    check_causal(mod.TRAITS, causal, pos_q, pos_k)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    _check_params(mod, params, q.shape[1])
+    return q, k, v
+
+
+def _plan(mod, q, k, v, causal, scale, backend, world, cu_seqlens, pos_q, pos_k, params) -> _Plan:
+    """Every check this rank can make on its own shards (the arguments, the block API's checks,
+    positions, documents, the 2**24 bound) and the call they leave, before anything is sent:
+    the blocks make the same checks, but a refusal there comes with messages in flight."""
+    q, k, v = _checked_inputs(mod, q, k, v, causal, scale, backend, params)
+    check_causal(mod.TRAITS, causal, pos_q, pos_k)
     hq = q.shape[1]
-    _check_params(mod, params, hq)
     traits = _traits(mod)
     pos = given_positions(mod._prior, q, k, pos_q, pos_k)
     if pos is not None:   # the window is found over token distances: none with positions
         traits = _RingTraits(uses_n=traits.uses_n, window=False)
-    rank, world = _rank_and_size(group)
     learned = (torch.cat([_block(mod.TRAITS, name, params[name], hq, q.device) for name in mod.LEARNABLE],
                          dim=1)
                if mod.LEARNABLE else torch.zeros(hq, 0, dtype=torch.float32, device=q.device))
     fixed = {name: value for name, value in params.items() if name not in mod.LEARNABLE}
     _check_blocks(mod, q, k, v, causal, scale, backend, _block_params(mod, fixed, learned))
     chunk = q.shape[2] // 2
-    docs = None
+    plan = _Plan(q, k, v, pos, learned, fixed, traits.uses_n)
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(f"packed documents (cu_seqlens) take B = 1: the documents lie one after "
                              f"another in dim 2, got B = {q.shape[0]}")
-        docs = _documents(cu_seqlens, 2 * world * chunk, group, world, q.device)
-    span = 2 * world * chunk if docs is None else max(b - a for a, b in docs.bounds)
+        cuts, docs = _documents(cu_seqlens, 2 * world * chunk)
+        plan = replace(plan, cuts=cuts, docs=docs)
+    span = 2 * world * chunk if plan.docs is None else max(b - a for a, b in plan.docs.bounds)
     _check_span(span)
-    ring = _Ring(group, rank, world, chunk, causal, None, docs)
-    window = None
     if traits.window:
         window = _Window(mod, _block_params(mod, fixed, learned), hq, q.device, traits.skip_below)
-        ring = _Ring(group, rank, world, chunk, causal, _agreed_distances(
-            window.chunk_distances(chunk, world, causal, span), ring, q.device), docs)
-    call = _Call(mod, causal, scale, backend, 2 * world * chunk if traits.uses_n else None, window)
-    if pos is None:
-        return _RingAttention.apply(ring, call, fixed, q, k, v, learned)
-    return _RingAttention.apply(ring, call, fixed, q, k, v, learned, pos.q, pos.k)
+        plan = replace(plan, window=window,
+                       distances=window.chunk_distances(chunk, world, causal, span))
+    return plan

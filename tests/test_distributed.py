@@ -589,13 +589,9 @@ def test_zigzag_layout(pool):
     assert all(all(r[1:]) for r in res.values())
 
 
-def _refused_then_valid(rank):
-    """On a pair of its own, every rank makes the same refused call, then a valid one."""
-    # (a short timeout: a message left in flight fails this in seconds, in a group no other
-    # test uses; new_group is called on every rank of the world)
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=10))
-    if rank > 1:
-        return
+def _valid_call(group):
+    """A check that a valid call on `group` (GGD, causal, forward and backward) equals one
+    process, output and dq: after a refused call, the group's next call runs."""
     mod = importlib.import_module("generated.generalized_gaussian")
     q, k, v, dout = _inputs(1, 2, 2, 8, 16, seed=6)
     params = mod.default_params(2)
@@ -603,6 +599,34 @@ def _refused_then_valid(rank):
     one = mod.attention(*whole, causal=True, **params)
     one.backward(dout)
     shards = [shard(t, group=group) for t in (q, k, v)]
+
+    def check(after):
+        ring = [t.clone().requires_grad_() for t in shards]
+        out = unshard(ring_attention(mod, *ring, causal=True, group=group, **params), group=group)
+        out.backward(dout)
+        torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5, msg=f"after {after!r}")
+        torch.testing.assert_close(_gather(ring[0].grad, group), whole[0].grad, rtol=1e-5, atol=1e-5,
+                                   msg=f"after {after!r}")
+    return check
+
+
+def _pair_of_its_own(rank):
+    """A 2-rank group no other test uses, with a short timeout: a message left in flight, or a
+    rank left waiting, fails the test in seconds (new_group is called on every rank of the
+    world; None on ranks 2 and 3)."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=10))
+    return group if rank < 2 else None
+
+
+def _refused_then_valid(rank):
+    """On a pair of its own, every rank makes the same refused call, then a valid one."""
+    group = _pair_of_its_own(rank)
+    if group is None:
+        return
+    mod = importlib.import_module("generated.generalized_gaussian")
+    params = mod.default_params(2)
+    shards = [shard(t, group=group) for t in _inputs(1, 2, 2, 8, 16, seed=6)[:3]]
+    valid = _valid_call(group)
     wide = [torch.randn(1, 2, 4, 300)] * 3
     refusals = [   # (q, k, v, call's keywords, the refusal)
         (*shards, dict(params, alpha=-1.0), "alpha must be positive"),
@@ -614,11 +638,7 @@ def _refused_then_valid(rank):
     for bad_q, bad_k, bad_v, kw, message in refusals:
         with pytest.raises(ValueError, match=message):
             ring_attention(mod, bad_q, bad_k, bad_v, group=group, **kw)
-        ring = [t.clone().requires_grad_() for t in shards]
-        out = unshard(ring_attention(mod, *ring, causal=True, group=group, **params), group=group)
-        out.backward(dout)
-        torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-5, msg=f"after {message!r}")
-        torch.testing.assert_close(_gather(ring[0].grad, group), whole[0].grad, rtol=1e-5, atol=1e-5)
+        valid(message)
     dist.destroy_process_group(group)
 
 
@@ -628,6 +648,85 @@ def test_refused_call_leaves_no_message_in_flight(pool):
     on the group then runs, where the refused call's K/V transfer, left in flight, paired with
     the next call's messages (gloo timed out; NCCL would hang)."""
     pool.run(_refused_then_valid, list(range(WORLD)))
+
+
+def _one_rank_refuses(rank, refusing, message):
+    """What `rank` says when `refusing` refuses with `message` (a regex): its own message, or
+    the message naming the refusing rank."""
+    return "^" + ("" if rank == refusing else rf"rank {refusing} refused this call: ") + message
+
+
+def _disagreements(rank, group):
+    """(label, q, k, v, call's keywords, what this rank's ValueError says) for calls that one
+    rank refuses, or whose shards differ between ranks 0 and 1."""
+    mod = importlib.import_module("generated.generalized_gaussian")
+    params = mod.default_params(2)
+    q, k, v = (shard(t, group=group) for t in _inputs(1, 2, 2, 8, 16, seed=8)[:3])
+    on_1 = rank == 1
+    tokens = shard(torch.arange(8).reshape(1, 8), group=group, dim=1)          # rank 1: 2 .. 5
+    apart = shard(torch.arange(8).reshape(1, 8) * 2**22 - 2**24, group=group, dim=1)
+    same_shape = r": every rank passes shards of the same shape \(bamgen.distributed.shard\)$"
+    return [
+        ("integer positions past 2**24 on rank 1 only", q, k, v,
+         dict(params, pos_q=tokens + 2**24 * on_1, pos_k=tokens),
+         _one_rank_refuses(rank, 1, r"pos_q holds 16777221: integer positions must lie in")),
+        ("a parameter outside its domain on rank 0 only", q, k, v,
+         dict(params, alpha=-1.0 if rank == 0 else 1.0),
+         _one_rank_refuses(rank, 0, "alpha must be positive")),
+        ("a longer shard on rank 1", *(torch.cat([t, t[:, :, :2]], 2) if on_1 else t for t in (q, k, v)),
+         params, r"^q's shard is \[1, 2, 4, 16\] on rank 0 but \[1, 2, 6, 16\] on rank 1" + same_shape),
+        ("a larger batch on rank 1", *(torch.cat([t, t]) if on_1 else t for t in (q, k, v)),
+         params, r"^q's shard is \[1, 2, 4, 16\] on rank 0 but \[2, 2, 4, 16\] on rank 1" + same_shape),
+        ("fewer key/value heads on rank 1", q, *(t[:, :1] if on_1 else t for t in (k, v)), params,
+         r"^k's shard \(and v's\) is \[1, 2, 4, 16\] on rank 0 but \[1, 1, 4, 16\] on rank 1"
+         + same_shape),
+        ("causal on rank 0 only", q, k, v, dict(params, causal=not on_1),
+         "^causal is True on rank 0 but False on rank 1: every rank makes the same call$"),
+        # each rank's shard lies within 2**24, the whole sequence's distances do not
+        ("integer distances past 2**24 across ranks", q, k, v, dict(params, pos_q=apart, pos_k=apart),
+         r"^pos_q and pos_k \(-16777216..12582912, -16777216..12582912\): distances between "
+         r"queries and keys reach 29360128, beyond 2\*\*24"),
+    ]
+
+
+def _refused_on_some_ranks_then_valid(rank):
+    """On a pair of its own: calls that one rank refuses, or whose shards differ between the
+    ranks, raise on both ranks (forward, and a backward that one rank refuses), then a valid
+    call on the group equals one process."""
+    group = _pair_of_its_own(rank)
+    if group is None:
+        return
+    valid = _valid_call(group)
+    for label, q, k, v, kw, says in _disagreements(rank, group):
+        with pytest.raises(ValueError, match=says):
+            ring_attention(importlib.import_module("generated.generalized_gaussian"), q, k, v,
+                           group=group, **{"causal": True, **kw})
+        valid(label)
+    # a frozen parameter (bam's tm) written on rank 1 between the forward and the backward
+    bam = importlib.import_module("generated.bam")
+    params = bam.default_params(2)
+    q, k, v = (shard(t, group=group).requires_grad_() for t in _inputs(1, 2, 2, 8, 16, seed=9)[:3])
+    out = ring_attention(bam, q, k, v, causal=True, group=group, **params)
+    if rank == 1:
+        params["tm"].fill_(float("nan"))
+    said = r"tm must be a real number and finite \(its domain in the prior file\), got nan"
+    with pytest.raises(ValueError, match="^" + ("" if rank == 1 else
+                                                "rank 1 refused this call's backward: ") + said):
+        out.sum().backward()
+    valid("a backward refused on rank 1")
+    dist.destroy_process_group(group)
+
+
+def test_call_refused_on_some_ranks_raises_on_every_rank(pool):
+    """The ranks agree on a call before the ring sends anything: a refusal on one rank only
+    (integer positions past 2**24 or a parameter outside its domain in its shard alone, a
+    frozen parameter written between forward and backward) raises a ValueError on every rank,
+    the others naming the refusing rank and its reason; shards of different shapes, or calls
+    with different settings, raise naming the ranks and their shapes. Before, the other ranks
+    entered the ring and waited for messages never sent (gloo timed out, NCCL hung), and the
+    group's next call paired its messages with theirs. After each, a valid call on the group
+    equals one process."""
+    pool.run(_refused_on_some_ranks_then_valid, list(range(WORLD)))
 
 
 def test_ssmax_n_counts_the_whole_row():

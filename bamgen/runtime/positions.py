@@ -53,7 +53,7 @@ def positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q) ->
     [1, Hq, N], each document's tokens at its own place; masks follow the documents.)"""
     pos = given_positions(prior, q, k, pos_q, pos_k)
     if pos is not None:
-        _check_integer_distances(pos.extent)
+        check_integer_distances(pos.extent)
         for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
             if as_int(off) is None:   # (a tensor, a float: the message that fits positions)
                 raise ValueError(f"{name} must be an int when pos_q and pos_k are given (per-row "
@@ -144,11 +144,11 @@ def check_traced_bounds(q_bounds, k_bounds) -> tuple[int, int, int, int] | None:
     return extent
 
 
-def _check_integer_distances(extent) -> None:
+def check_integer_distances(extent) -> None:
     """Integer positions' distances within +-2**24, as the offsets' check refuses token
     positions further apart (checks.check_positions): beyond, they round. A whole call's check
-    (attention(), the module): the block API and the ring see one shard of the keys each, and
-    a refusal some ranks make and others do not would leave the ring waiting."""
+    (attention(), the module; the ring, on the extent over every rank's shards, which the
+    ranks share before the ring starts): the block API sees one block of the keys."""
     if extent is None:
         return
     q_lo, q_hi, k_lo, k_hi = extent
