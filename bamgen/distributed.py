@@ -756,18 +756,26 @@ def _raise_refusal(group, world: int, refused: list, refusal, what: str):
     if refusal is not None:
         raise refusal
     others = f" (ranks {', '.join(map(str, refused))} refused it)" if len(refused) > 1 else ""
-    raise ValueError(f"rank {refused[0]} refused {what}{others}: {messages[refused[0]]}")
+    raise ValueError(f"{_rank_name(group, refused[0])} refused {what}{others}: "
+                     f"{messages[refused[0]]}")
 
 
-def _check_alike(rows: list):
+def _rank_name(group, rank: int) -> str:
+    """'rank 1' (its index in `group`), with its global rank where that differs: the rank a
+    user finds in their logs."""
+    whole = rank if group is None else dist.get_global_rank(group, rank)
+    return f"rank {rank}" + ("" if whole == rank else f" (global rank {whole})")
+
+
+def _check_alike(rows: list, group):
     """A ValueError, the same on every rank (each holds every row), where a rank's shapes or
     settings differ from rank 0's: the ring would pair messages of different sizes."""
     for columns, what, show, rule in _ALIKE:
         first = rows[0][columns]
         for rank, row in enumerate(rows):
             if row[columns] != first:
-                raise ValueError(f"{what} {show(first)} on rank 0 but {show(row[columns])} on rank "
-                                 f"{rank}: {rule}")
+                raise ValueError(f"{what} {show(first)} on {_rank_name(group, 0)} but "
+                                 f"{show(row[columns])} on {_rank_name(group, rank)}: {rule}")
 
 
 def _agreed_extent(rows: list):
@@ -912,7 +920,7 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
         plan, refusal = None, err
     rows = _agree(group, world, None if plan is None else plan.row(causal, world), refusal,
                   _row_width(world), "this call")
-    _check_alike(rows)
+    _check_alike(rows, group)
     check_integer_distances(_agreed_extent(rows))
     chunk = plan.q.shape[2] // 2
     distances = None if plan.window is None else _agreed_distances(rows, world)

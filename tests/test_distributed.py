@@ -694,8 +694,9 @@ def _refused_on_some_ranks_then_valid(rank):
     ranks, raise on both ranks (forward, and a backward that one rank refuses), then a valid
     call on the group equals one process."""
     group = _pair_of_its_own(rank)
+    upper = dist.new_group([2, 3], timeout=timedelta(seconds=10))   # (made on every rank)
     if group is None:
-        return
+        return _refused_on_a_subgroup(rank, upper)
     valid = _valid_call(group)
     for label, q, k, v, kw, says in _disagreements(rank, group):
         with pytest.raises(ValueError, match=says):
@@ -717,6 +718,23 @@ def _refused_on_some_ranks_then_valid(rank):
     dist.destroy_process_group(group)
 
 
+def _refused_on_a_subgroup(rank, group):
+    """Global ranks 2 and 3 as ranks 0 and 1 of their group: the messages name both numbers."""
+    mod = importlib.import_module("generated.generalized_gaussian")
+    params = mod.default_params(2)
+    shards = [shard(t, group=group) for t in _inputs(1, 2, 2, 8, 16, seed=6)[:3]]
+    refused = "alpha must be positive"
+    with pytest.raises(ValueError, match=refused if rank == 3 else
+                       rf"^rank 1 \(global rank 3\) refused this call: {refused}"):
+        ring_attention(mod, *shards, group=group, **dict(params, alpha=-1.0 if rank == 3 else 1.0))
+    longer = [torch.cat([t, t[:, :, :2]], 2) if rank == 3 else t for t in shards]
+    with pytest.raises(ValueError, match=r"^q's shard is \[1, 2, 4, 16\] on rank 0 \(global rank 2\) "
+                                         r"but \[1, 2, 6, 16\] on rank 1 \(global rank 3\)"):
+        ring_attention(mod, *longer, group=group, **params)
+    _valid_call(group)("the refusals on ranks 2 and 3")
+    dist.destroy_process_group(group)
+
+
 def test_call_refused_on_some_ranks_raises_on_every_rank(pool):
     """The ranks agree on a call before the ring sends anything: a refusal on one rank only
     (integer positions past 2**24 or a parameter outside its domain in its shard alone, a
@@ -724,8 +742,9 @@ def test_call_refused_on_some_ranks_raises_on_every_rank(pool):
     the others naming the refusing rank and its reason; shards of different shapes, or calls
     with different settings, raise naming the ranks and their shapes. Before, the other ranks
     entered the ring and waited for messages never sent (gloo timed out, NCCL hung), and the
-    group's next call paired its messages with theirs. After each, a valid call on the group
-    equals one process."""
+    group's next call paired its messages with theirs. On a sub-group (global ranks 2 and 3)
+    the messages give both rank numbers. After each, a valid call on the group equals one
+    process."""
     pool.run(_refused_on_some_ranks_then_valid, list(range(WORLD)))
 
 
