@@ -914,12 +914,11 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
     """
     rank, world = _rank_and_size(group)
     try:
-        plan, refusal = _plan(mod, q, k, v, causal, scale, backend, world, cu_seqlens, pos_q, pos_k,
-                              params), None
+        plan = _plan(mod, q, k, v, causal, scale, backend, world, cu_seqlens, pos_q, pos_k, params)
+        row, refusal = plan.row(causal, world), None
     except Exception as err:   # (whatever it is: raised on some ranks only, the others would wait)
-        plan, refusal = None, err
-    rows = _agree(group, world, None if plan is None else plan.row(causal, world), refusal,
-                  _row_width(world), "this call")
+        row, refusal = None, err
+    rows = _agree(group, world, row, refusal, _row_width(world), "this call")
     _check_alike(rows, group)
     check_integer_distances(_agreed_extent(rows))
     chunk = plan.q.shape[2] // 2
