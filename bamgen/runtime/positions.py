@@ -140,7 +140,7 @@ def check_traced_bounds(q_bounds, k_bounds) -> tuple[int, int, int, int] | None:
         return None
     bounds = torch.cat([b for _, b in named]).tolist()
     extent = check_integer_range([name for name, _ in named], bounds)
-    _check_integer_distances(extent)
+    check_integer_distances(extent)
     return extent
 
 
