@@ -441,7 +441,9 @@ def _triton_globals(hooks: list[Hook]) -> list[str]:
 
 
 def _runtime_imports(plan: KernelPlan) -> list[str]:
-    """What the module takes from bamgen.runtime: the binding, and the init helpers it calls."""
+    """What the module takes from bamgen.runtime: the binding, the init helpers it calls, and
+    for a prior over several position channels grid(), whose coordinates its calls require (a
+    standalone build cannot reach bamgen.positions: the module offers it itself)."""
     spec_params = {p.name: p for p in plan.ir.spec.params}
     names = ["ParamTraits", "Prior", "PriorAttention", "PriorTraits", "TorchHooks"]
     if any(spec_params[p.name].random is None for p in plan.params):
@@ -454,7 +456,8 @@ def _runtime_imports(plan: KernelPlan) -> list[str]:
         for code in (*(c for _, c in block.hoisted), *(c for _, c in block.body), *block.outputs))
     helpers = [name for name in ("element_at", "index_ceil", "index_floor")
                if re.search(rf"\b{name}\(", printed)]
-    return names[:5] + helpers + names[5:] + ["triton_hook"]
+    grid = ["grid"] if plan.ir.spec.channels > 1 else []
+    return names[:5] + helpers + names[5:] + grid + ["triton_hook"]
 
 
 def _param_doc(p) -> str:
@@ -579,6 +582,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         pos_binding=_wrap([h.name for h in pos_side], "(", " " * 8,
                           ",)" if len(pos_side) == 1 else ")", column=35) if pos_side else "()",
         score_text=score_text, log_prior_text=log_prior_text,
+        grid_sizes=_grid_sizes(spec.channels),
         channel_doc=(f"; this prior's {spec.channels} channels: [B, N, {spec.channels}] or "
                      f"[B, Hq, N, {spec.channels}], required") if spec.channels > 1 else "",
         distance=distance, torch_hooks=torch_side, triton_hooks=triton_side,
@@ -588,6 +592,14 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         values=_values_dict(plan),
         param_args="".join(f"{p.name}, " for p in plan.params),
     )
+
+
+def _grid_sizes(channels: int) -> str:
+    """grid()'s arguments in the usage lines of a prior over several channels (an image's
+    h, w; a video's t, h, w), or "" for one channel, whose calls need no grid."""
+    if channels < 2:
+        return ""
+    return {2: "h, w", 3: "t, h, w"}.get(channels, ", ".join(f"n{c}" for c in range(channels)))
 
 
 def _torch_binding(hooks: list[Hook], distance: bool) -> str:

@@ -22,11 +22,12 @@ custom ops are that prior's view of this package (docs/architecture.md, "The run
 from .traits import GRAD_CLAMPED, GRAD_LOGIT_FACTOR, GRAD_TABLE, RUNTIME_ABI, ParamTraits, PriorTraits
 
 __all__ = ["GRAD_CLAMPED", "GRAD_LOGIT_FACTOR", "GRAD_TABLE", "ParamTraits", "Prior", "PriorAttention",
-           "PriorTraits", "RUNTIME_ABI", "TorchHooks", "element_at", "index_ceil", "index_floor", "init_formula", "init_random", "triton_hook"]
+           "PriorTraits", "RUNTIME_ABI", "TorchHooks", "element_at", "grid", "index_ceil", "index_floor", "init_formula", "init_random", "triton_hook"]
 
 _TORCH_SIDE = {"Prior": "prior", "TorchHooks": "prior", "triton_hook": "prior",
                "PriorAttention": "module", "init_formula": "params", "init_random": "params",
-               "element_at": "params", "index_floor": "params", "index_ceil": "params"}
+               "element_at": "params", "index_floor": "params", "index_ceil": "params",
+               "grid": "positions"}
 
 
 def __getattr__(name):

@@ -74,7 +74,8 @@ def given_positions(prior, q, k, pos_q, pos_k) -> Positions | None:
             raise ValueError(f"pos_q is required: the prior {prior.traits.name!r} reads "
                              f"{channels} position channels (positions: {channels}); pass "
                              f"pos_q and pos_k of shape [B, N, {channels}] or "
-                             f"[B, Hq, N, {channels}], e.g. bamgen.positions.grid(h, w)")
+                             f"[B, Hq, N, {channels}], e.g. the prior module's grid(h, w) "
+                             f"(bamgen.positions.grid)")
         return None
     if pos_q is None or pos_k is None:
         missing = "pos_q" if pos_q is None else "pos_k"

@@ -5,6 +5,7 @@ this checkout) ships the built modules as ``bamgen.generated``."""
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import shutil
 import subprocess
@@ -13,7 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+import bamgen
 from tests.helpers import ROOT, run_cli, write_prior
 
 # Third-party packages a generated module may import; everything else must be the standard library.
@@ -134,6 +137,45 @@ def test_standalone_build_runs_without_bamgen(tmp_path):
     """, cwd=tmp_path, pythonpath=out)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "prior='generalized_gaussian'" in ran.stdout
+
+
+def test_a_standalone_prior_over_a_grid_offers_grid_without_bamgen(tmp_path):
+    """A prior over two position channels needs each patch's coordinates: its standalone build
+    offers grid() itself (bamgen.positions cannot be imported there), the same coordinates as
+    bamgen.positions.grid, and its attention over them gives the plain module's output."""
+    out = tmp_path / "vendored"
+    res = run_cli("build", "--standalone", "alibi_2d", "-o", str(out), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    _assert_standalone(out / "alibi_2d.py", runtime=False)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 12, 16, generator=g) for _ in range(3))
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "qkv.pt")
+    ran = _run("""
+        import sys
+        sys.modules["bamgen"] = None          # as in a project without bamgen installed
+        import torch
+        from alibi_2d import attention, grid
+        t = torch.load("qkv.pt")
+        pos_q = grid(3, 4).expand(2, -1, -1)
+        pos_k = grid(3, 4, dtype=torch.float64)[None]
+        torch.save({"grid": grid(3, 4), "video": grid(2, 3, 4), "pos_k": pos_k,
+                    "out": attention(t["q"], t["k"], t["v"], b=2.0, causal=False, pos_q=pos_q,
+                                     pos_k=pos_k.expand(2, -1, -1).float())}, "got.pt")
+        try:
+            grid(3, 0)
+        except ValueError as e:
+            print(e)
+    """, cwd=tmp_path, pythonpath=out)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    got = torch.load(tmp_path / "got.pt")
+    plain = importlib.import_module("generated.alibi_2d")
+    assert torch.equal(got["grid"], bamgen.positions.grid(3, 4))
+    assert torch.equal(got["video"], bamgen.positions.grid(2, 3, 4))
+    assert got["pos_k"].dtype == torch.float64
+    pos = bamgen.positions.grid(3, 4).expand(2, -1, -1)
+    assert torch.equal(got["out"], plain.attention(q, k, v, b=2.0, causal=False, pos_q=pos, pos_k=pos))
+    assert ran.stdout.strip() == "grid() takes positive int sizes, e.g. grid(14, 14); got (3, 0)"
+    assert plain.grid is bamgen.positions.grid
 
 
 def test_bamgen_generated_imports_the_shipped_modules_from_any_folder(tmp_path):
