@@ -35,8 +35,10 @@ contribution ``sum_b dS_bhij * dlogit_hij/dtheta``.  The contract says that the 
 infinite (``(|d - mu| / alpha) ** beta`` with ``beta < 1`` at ``d == mu``), and that
 ``0 * log 0 = 0``.  Autograd gives NaN (``0 * inf``) at exactly those points, so NaN contributions
 are replaced by 0 **only** where the element is a declared kink point (the caller's ``kink``
-callable says where the argument of an ``Abs`` is exactly 0) or where the element is masked (its
-logit never reaches the softmax).  Any other NaN is kept, so that a prior whose derivative is
+callable says where the argument of an ``Abs`` is exactly 0), where the element is masked (its
+logit never reaches the softmax), or where its log-prior is -inf (the prior hides the key: its
+weight is 0 and so is the limit of its term, as for Laplace's ``|d| / b**2`` at a position of
+-inf).  Any other NaN is kept, so that a prior whose derivative is
 genuinely undefined shows up as NaN instead of being hidden.
 """
 from __future__ import annotations
@@ -325,7 +327,11 @@ def reference_attention(
         d_kink = d.double()[:, None] if positions is None else \
             (positions[0].double()[..., :, None] - positions[1].double()[..., None, :])
         kink_mask = kink_mask | torch.as_tensor(kink(d_kink, p64), dtype=torch.bool)
+    # (and where the prior hides the key: P is 0 there, so an infinite derivative, Laplace's
+    # |d| / b**2 at a key at position -inf, adds nothing: docs/positions.md)
     excused = kink_mask | ~visible4
+    if log_prior is not None:
+        excused = excused | (lp.detach() == float("-inf"))
 
     def clean(g, leaf):  # the kink convention: NaN -> 0 only at kinks and masked elements
         if g is None:

@@ -826,3 +826,103 @@ def test_cross_attention_at_unsorted_integer_positions_reads_the_table(q_range, 
     for i, (a, b) in enumerate(zip(table, run())):
         assert bool(torch.isfinite(a).all()), i
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=lambda m: f"output {i}: {m}")
+
+
+# A non-finite position (docs/positions.md, "Non-finite positions"): which gradients it reaches
+NON_FINITE = {   # prior: (module, log-prior, kink, its parameters per head [Hq], increasing positions)
+    "forget_gate": (FOX, lambda d, p: d, None, {},
+                    lambda g, n: torch.nn.functional.logsigmoid(torch.randn(1, 2, n, generator=g) + 2).cumsum(-1)),
+    "laplace": (importlib.import_module("generated.laplace"), lambda d, p: -torch.abs(d) / p["b"],
+                lambda d, p: d == 0, {"b": [2.0, 5.0]},
+                lambda g, n: (0.5 + torch.rand(1, 2, n, generator=g)).cumsum(-1)),
+}
+
+
+def _rule_reference(q, k, v, dout, pos_q, pos_k, params, log_prior, kink, compute_dtype):
+    """The float64 reference (tests/reference.py) under the rule for a row that a NaN reached:
+    its output, dq and dpos_q are non-finite (NaN here), it gives NaN to the dk, dv and dpos_k of
+    the keys whose logit it has as NaN or +inf and to its head's parameters, and nothing to any
+    other key. Each (head, row) is its own reference call (q_offset places it for the causal
+    mask), so a finite row's share is autograd's and a poisoned row's shares are left out.
+    Returns {name: (value, gross)} for out, dq, dk, dv, dpos_q, dpos_k and d<param>."""
+    B, Hq, N, D = q.shape
+    G = Hq // k.shape[1]
+    res = {"out": q.new_zeros(B, Hq, N, D), "dq": q.new_zeros(B, Hq, N, D), "dk": k.new_zeros(k.shape),
+           "dv": v.new_zeros(v.shape), "dpos_q": q.new_zeros(B, Hq, N), "dpos_k": q.new_zeros(B, Hq, N),
+           **{"d" + n: q.new_zeros(Hq) for n in params}}
+    res = {name: t.double() for name, t in res.items()}
+    gross = {name: torch.zeros_like(t) for name, t in res.items()}
+    for h in range(Hq):
+        kv = slice(h // G, h // G + 1)
+        # where a row's shares of the keys and parameters land: its KV head's keys, its head's
+        slot = {"dk": (slice(None), kv), "dv": (slice(None), kv), "dpos_k": (slice(None), h),
+                **{"d" + n: (h,) for n in params}}
+        theta = {n: vals[h] for n, vals in params.items()}
+        for i in range(N):
+            r = reference_attention(q[:, h:h + 1, i:i + 1], k[:, kv], v[:, kv], theta, log_prior,
+                                    causal=True, q_offset=i, kink=kink,
+                                    dout=dout[:, h:h + 1, i:i + 1], compute_dtype=compute_dtype,
+                                    positions=(pos_q[:, h:h + 1, i:i + 1], pos_k[:, h:h + 1]))
+            res["out"][:, h, i] = r.out[:, 0, 0]
+            if bool(torch.isfinite(r.out).all()):
+                res["dq"][:, h, i], res["dpos_q"][:, h, i] = r.dq[:, 0, 0], r.dpos_q[:, 0, 0]
+                shares = {"dk": r.dk, "dv": r.dv, "dpos_k": r.dpos_k,
+                          **{"d" + n: g for n, g in r.dparams.items()}}
+                for name, share in shares.items():
+                    res[name][slot[name]] += share.double().reshape(res[name][slot[name]].shape)
+                for name, g in r.gross.items():   # (float64 only: the terms' sizes)
+                    at = (slice(None), h, i) if name == "dq" else slot.get(name)
+                    if name != "out" and at is not None:
+                        gross[name][at] += g.reshape(gross[name][at].shape)
+                continue
+            d = pos_q[:, h, i, None].double() - pos_k[:, h].double()
+            logit = log_prior(d, {n: torch.tensor(val, dtype=torch.float64) for n, val in theta.items()})
+            hit = ((torch.isnan(logit) | (logit == float("inf"))) & (torch.arange(N) <= i))[0]
+            res["dq"][:, h, i] = res["dpos_q"][:, h, i] = float("nan")
+            res["dk"][:, kv, hit] = res["dv"][:, kv, hit] = float("nan")
+            res["dpos_k"][:, h, hit] = float("nan")
+            for n in params:
+                res["d" + n][h] = float("nan")
+    return {name: (t, gross[name]) for name, t in res.items()}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("where", ["pos_q", "pos_k", "both"])
+@pytest.mark.parametrize("fill", [float("nan"), float("-inf")], ids=["nan", "-inf"])
+@pytest.mark.parametrize("name", sorted(NON_FINITE))
+def test_a_non_finite_position_reaches_the_gradients_the_rule_says(name, fill, where, backend):
+    """One NaN or -inf position (head 0, token 5 of 12; GQA) against the float64 reference under
+    docs/positions.md's rule: a -inf log-prior hides its key (Laplace's key at -inf: weight 0,
+    no gradient, b's gradient finite), a row that sees no other key sees nothing (0), and a row
+    whose logit is NaN or +inf (FoX's key at -inf: d = +inf; -inf - -inf) is NaN in its output,
+    dq and dpos_q and poisons exactly the keys that poisoned it and its head's parameters. Both
+    backends give the same finite set, and the finite values within float32's tolerance."""
+    module, log_prior, kink, params, positions = NON_FINITE[name]
+    g = torch.Generator().manual_seed(12)
+    B, Hq, Hk, N, D, t = 1, 2, 1, 12, 16, 5
+    q, dout = (torch.randn(B, Hq, N, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, Hk, N, D, generator=g) for _ in range(2))
+    pos_q, pos_k = positions(g, N), positions(g, N)
+    if where in ("pos_q", "both"):
+        pos_q[0, 0, t] = fill
+    if where in ("pos_k", "both"):
+        pos_k[0, 0, t] = fill
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, pos_q, pos_k)]
+    p_leaves = {n: torch.tensor(vals, requires_grad=True) for n, vals in params.items()}
+    out = module.attention(*leaves[:3], **p_leaves, causal=True, pos_q=leaves[3], pos_k=leaves[4],
+                           backend=backend)
+    grads = torch.autograd.grad(out, leaves + list(p_leaves.values()), dout)
+    got = dict(zip(["out", "dq", "dk", "dv", "dpos_q", "dpos_k", *("d" + n for n in params)],
+                   (out, *grads)))
+    ref = _rule_reference(q, k, v, dout, pos_q, pos_k, params, log_prior, kink, torch.float64)
+    pt = _rule_reference(q, k, v, dout, pos_q, pos_k, params, log_prior, kink, torch.float32)
+    results = []
+    for key, mine in got.items():
+        want, gross = ref[key]
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(mine), finite), (key, mine, want)
+        results.append((key, torch.where(finite, mine.double(), 0.0), torch.where(finite, want, 0.0),
+                        torch.where(finite, pt[key][0], 0.0), gross))
+    assert bool(torch.isfinite(got["out"][0, 1]).all()) and bool(torch.isfinite(got["dq"][0, 1]).all())
+    assert_all_close(results, torch.float32, context=f"{name} {where} = {fill}, {backend}")
+

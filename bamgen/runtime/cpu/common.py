@@ -258,13 +258,19 @@ def quiet_dead_rows(q, dout, out, v, stats):
 def row_terms(dout, out, stats, B, Hk, G, Nq):
     """Per row: m (0 for an empty row), 1 / l (0 for an empty row) and delta = rowsum(dO * O),
     each [B, Hk, G, Nq]. The backward works with E = exp2(z - m) and dO / l, delta / l, so that
-    dV = E^T (dO / l) and dS = E * ((dO / l) v^T - delta / l) need no pass to divide E by l."""
+    dV = E^T (dO / l) and dS = E * ((dO / l) v^T - delta / l) need no pass to divide E by l.
+    A row that a NaN reached (a NaN or +inf logit: its l is NaN, or m is NaN or +inf) gets m = +inf, 1 / l = 1
+    and delta = 0, as the Triton kernels read it (_bwd_row_stats): E and dS are 0 at every key
+    whose logit is a number or -inf and NaN where it is NaN or +inf, so the row poisons the keys
+    that poisoned it and no other (docs/reliability.md, "Non-finite inputs")."""
     m, l = stats[..., 0].reshape(B, Hk, G, Nq), stats[..., 1].reshape(B, Hk, G, Nq)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    poisoned = torch.isnan(m) | torch.isnan(l) | (m == math.inf)
+    m = torch.where(poisoned, math.inf, torch.where(torch.isinf(m), torch.zeros_like(m), m))
     inv_l = torch.where(l == 0, torch.zeros_like(l), 1.0 / torch.where(l == 0, torch.ones_like(l), l))
+    inv_l = torch.where(poisoned, 1.0, inv_l)
     cdt = acc_dtype(out)
     delta = (dout.to(cdt) * out).sum(-1).reshape(B, Hk, G, Nq)
-    return m, inv_l, delta * inv_l
+    return m, inv_l, torch.where(poisoned, 0.0, delta * inv_l)
 
 
 def param_columns(theta, h0, h1, G):
