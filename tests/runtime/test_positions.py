@@ -926,3 +926,28 @@ def test_a_non_finite_position_reaches_the_gradients_the_rule_says(name, fill, w
     assert bool(torch.isfinite(got["out"][0, 1]).all()) and bool(torch.isfinite(got["dq"][0, 1]).all())
     assert_all_close(results, torch.float32, context=f"{name} {where} = {fill}, {backend}")
 
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_key_at_minus_infinity_among_integer_positions_is_a_hidden_key(backend):
+    """Laplace at integer positions, key 3's at -inf: that key is hidden (weight 0), so the call
+    equals the one whose key_mask hides it, with every gradient. The CPU path's choice of a
+    distance table read int(inf) of such positions and raised OverflowError."""
+    laplace = NON_FINITE["laplace"][0]
+    g = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(4))
+    results = []
+    for hidden in ("position", "key_mask"):
+        pos_k = torch.arange(9.0)[None].clone()
+        key_mask = torch.ones(1, 9, dtype=torch.bool)
+        if hidden == "position":
+            pos_k[0, 3] = float("-inf")
+        else:
+            key_mask[0, 3] = False
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        b = torch.tensor([2.0, 3.0], requires_grad=True)
+        out = laplace.attention(*leaves, b=b, causal=True, pos_q=torch.arange(9.0)[None], pos_k=pos_k,
+                                key_mask=key_mask, backend=backend)
+        results.append((out, *torch.autograd.grad(out, leaves + [b], dout)))
+    for name, got, want in zip(("out", "dq", "dk", "dv", "db"), *results):
+        assert bool(torch.isfinite(got).all()), name
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
