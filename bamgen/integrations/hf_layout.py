@@ -61,10 +61,24 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if isinstance(attention_mask, PaddingLayout):
         return attention_mask   # built by generate() for this very step
     layout = _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
-    both_ways = (not torch.compiler.is_compiling() and _or_rule(mask_function)
-                 and _sees_ahead(mask_function, batch_size, q_length, kv_length, q_offset,
-                                 kv_offset, attention_mask))
+    if torch.compiler.is_compiling():
+        # the rule's tokens are data a graph may not branch on, and dynamo reads no function's
+        # closures: only the mask function's form, an OR of rules or not
+        both_ways = _is_or_mask(mask_function)
+    else:
+        both_ways = _or_rule(mask_function) and _sees_ahead(
+            mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
     return dataclasses.replace(layout, window=local_size or None, both_ways=both_ways)
+
+
+def _is_or_mask(function) -> bool:
+    """Whether ``function`` is one that HF's ``or_masks`` returned (compared by its code, which
+    dynamo reads, unlike its name). HF ORs a rule that comes from the inputs in last
+    (``block_sequence_ids``: Gemma 3's image tokens, PaliGemma's prefix), so a compiled call
+    whose inputs carry one is found by it, and refused, text alone included; a rule inside a
+    window (Gemma 3's sliding layers) is found on the call's other masks (:func:`share_or_rule`)."""
+    from transformers.masking_utils import or_masks
+    return getattr(function, "__code__", None) is or_masks(bool).__code__
 
 
 def _or_rule(mask_function, depth: int = 0) -> bool:
@@ -81,7 +95,7 @@ def _or_rule(mask_function, depth: int = 0) -> bool:
             continue
         values = value if isinstance(value, tuple) else (value,)
         inner += [v for v in values if isinstance(v, types.FunctionType)]
-    if mask_function.__qualname__.endswith("or_masks.<locals>.or_mask"):
+    if _is_or_mask(mask_function):
         if any(f.__qualname__ != "causal_mask_function" for f in inner):
             return True
     return any(_or_rule(f, depth + 1) for f in inner)
@@ -103,6 +117,34 @@ def _sees_ahead(mask_function, batch_size, q_length, kv_length, q_offset, kv_off
         return bool((seen & (key > query)).any())
     except (IndexError, RuntimeError, TypeError):
         return True
+
+
+def install_or_rule_sharing(model) -> None:
+    """Register (once) :func:`share_or_rule` on ``model`` and on every transformers model inside
+    it, as a forward pre-hook that sees the call's keyword arguments."""
+    for module in transformers_models(model):
+        if share_or_rule not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(share_or_rule, with_kwargs=True)
+
+
+def share_or_rule(model, args, kwargs):
+    """A forward pre-hook: a call handed one mask per layer type (a multimodal model's mapping,
+    as Gemma 3's) whose masks carry an or-rule on one of them carries it on all. Why: HF builds
+    Gemma 3's sliding layers' mask as the window AND the or-rule, whose rule a compiled call
+    cannot see (:func:`_is_or_mask`), while its global layers' mask, built in the same
+    call, shows it; a model of sliding layers alone would run its images causal, silently. The
+    rule is the inputs' (an image's tokens), so every causal layer refuses the call. Returns the
+    call with its layouts marked, or None to leave it as it is; a Python-level decision on
+    static facts, so a compiled forward keeps one graph."""
+    masks = kwargs.get("attention_mask")
+    if not isinstance(masks, dict):
+        return None
+    layouts = [mask for mask in masks.values() if isinstance(mask, PaddingLayout)]
+    if not any(layout.both_ways for layout in layouts):
+        return None
+    marked = {name: dataclasses.replace(mask, both_ways=True) if isinstance(mask, PaddingLayout)
+              else mask for name, mask in masks.items()}
+    return args, {**kwargs, "attention_mask": marked}
 
 
 def _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset,

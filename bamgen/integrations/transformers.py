@@ -26,6 +26,10 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
   ``position_ids`` and ``cu_seq_lens_q/k``: some families drop one of the collator's markers
   before attention, or number absolute positions across the whole row
   (bamgen/integrations/hf_layout.py, :func:`install_document_markers`).
+- A forward pre-hook on the same models marks every mask of a call (one per layer type) with
+  an or-rule that one of them shows: under torch.compile the rule of Gemma 3's image tokens is
+  read from the masks' form, which its sliding layers' window hides
+  (bamgen/integrations/hf_layout.py, :func:`share_or_rule`).
 - ``config.bamgen`` records the prior (a shipped name, or the prior file's text) and ``rope``;
   :func:`from_pretrained` reads it, rebuilds the model with the prior in place before the
   weights load (so the learned prior parameters load like any weight) and keeps ``"bamgen"``.
@@ -43,8 +47,9 @@ from types import ModuleType
 
 import torch
 
-from .hf_layout import (PaddingLayout, install_document_markers, install_read_scope,
-                        packed_documents, padding_layout, transformers_models)
+from .hf_layout import (PaddingLayout, install_document_markers, install_or_rule_sharing,
+                        install_read_scope, packed_documents, padding_layout,
+                        transformers_models)
 from .hf_variants import (LayerExtras, call_extras, forward_source, layer_extras, prior_source,
                           variant_module)
 
@@ -214,7 +219,9 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                          f"after them (a rule OR-ed into the causal mask: Gemma 3's and "
                          f"PaliGemma's image tokens attend both ways within an image), which "
                          f"bamgen's causal attention does not model; use inputs without that "
-                         f"rule (text alone), or a family whose mask is causal")
+                         f"rule (text alone; under torch.compile, which cannot evaluate the rule "
+                         f"over the tokens, text without token_type_ids or pixel_values), or a "
+                         f"family whose mask is causal")
     if sliding_window is None and layout.window is not None:
         # the family put its window into the mask alone (Qwen2-MoE, PhiMoE): honoured alike
         if not causal:
@@ -370,6 +377,7 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
         _remove_rotary(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     install_document_markers(model)
+    install_or_rule_sharing(model)
     install_read_scope(model)
     _install_implementation_check(model)
 

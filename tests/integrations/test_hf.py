@@ -1151,12 +1151,9 @@ def test_multimodal_rope_is_removed_in_a_language_model():
         assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
 
 
-def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
-    """Gemma 3's multimodal model ORs a rule into the causal mask: an image's tokens see each
-    other both ways. Through its language model (the way the multimodal refusal names),
-    bamgen's causal attention dropped that rule silently (the zero prior off by 0.08 on the
-    image tokens against eager); such a call is now refused by name. Text alone runs, and
-    EmbeddingGemma's both-ways layers (is_causal False) still equal eager."""
+def _tiny_gemma3_with_images():
+    """A Gemma 3 of a tiny language model (two sliding-window layers, the prior in place) and a
+    one-layer SigLIP tower (image token 110: 4 patches)."""
     text = dict(**{**TINY, "vocab_size": 120}, head_dim=16, sliding_window=64)
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=64, image_size=32, patch_size=16)
@@ -1165,11 +1162,25 @@ def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=110,
         boi_token_index=111, eoi_token_index=112)).eval()
     apply_prior(model.model.language_model, "uniform", rope="keep")
-    ids = torch.tensor([[5, 111, 110, 110, 110, 110, 112, 6, 7, 8]])
-    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+_GEMMA3_IDS = torch.tensor([[5, 111, 110, 110, 110, 110, 112, 6, 7, 8]])
+GEMMA3_IMAGE_CALL = dict(input_ids=_GEMMA3_IDS, token_type_ids=(_GEMMA3_IDS == 110).long(),
+                         pixel_values=torch.randn(1, 3, 32, 32,
+                                                  generator=torch.Generator().manual_seed(1)))
+
+
+def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
+    """Gemma 3's multimodal model ORs a rule into the causal mask: an image's tokens see each
+    other both ways. Through its language model (the way the multimodal refusal names),
+    bamgen's causal attention dropped that rule silently (the zero prior off by 0.08 on the
+    image tokens against eager); such a call is now refused by name. Text alone runs, and
+    EmbeddingGemma's both-ways layers (is_causal False) still equal eager."""
+    model = _tiny_gemma3_with_images()
     with pytest.raises(ValueError, match=r"model type 'gemma3_text': its mask lets some queries "
                                          r"see keys after them"):
-        model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == 110).long())
+        model(**GEMMA3_IMAGE_CALL)
     assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits).all()
     # text alone with the token_type_ids Gemma 3's processor gives every prompt (all 0): the
     # overlay is in the mask, but no token is in an image, so the mask is causal and it runs
@@ -1222,3 +1233,24 @@ def test_a_left_padded_step_reads_its_layout_once_whatever_its_layers(monkeypatc
     assert host_reads.HOST_READS.reads - before == 2   # (q_offset's and k_offset's ranges)
     assert not host_reads.HOST_READS.kept
     torch.save(model, io.BytesIO())
+
+
+def test_a_compiled_gemma3_refuses_images_and_runs_text_alone():
+    """Under torch.compile the mask function's rule is not evaluated over the tokens (a graph
+    may not branch on them), and a compiled Gemma 3 given an image ran it causal, silently. A
+    compiled call whose inputs carry the rule (images, or token_type_ids at all: their rule is
+    in the mask whatever they mark) is now refused, on a model of sliding-window layers alone
+    too (their mask ANDs the window over the rule); text alone compiles with no graph break and
+    equals the eager call."""
+    model = _tiny_gemma3_with_images()
+    text = torch.tensor([[5, 6, 7, 8, 9]])
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="eager")
+    refusal = r"its mask lets some queries see keys after them.*under torch.compile.*without token_type_ids"
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=refusal):
+            compiled(**GEMMA3_IMAGE_CALL)
+        with pytest.raises(ValueError, match=refusal):
+            compiled(input_ids=text, token_type_ids=torch.zeros_like(text))
+        torch.testing.assert_close(compiled(input_ids=text), model(input_ids=text).logits, **CLOSE)
+        explained = torch._dynamo.explain(lambda **kw: model(**kw).logits)(input_ids=text)
+    assert explained.graph_break_count == 0, explained.break_reasons
