@@ -67,6 +67,17 @@ class PriorDef:
     inits: dict = field(default_factory=dict)  # name -> f(h, H)
 
 
+def alibi_slopes(n: int) -> list[float]:
+    """ALiBi's head slopes as its paper's code makes them (Press et al., get_slopes): a
+    geometric series from 2^(-8/n) for n a power of two; otherwise the closest power of two's
+    slopes, then every other slope of twice that many heads."""
+    if math.log2(n).is_integer():
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+    closest = 2 ** math.floor(math.log2(n))
+    return alibi_slopes(closest) + alibi_slopes(2 * closest)[0::2][:n - closest]
+
+
 PRIORS = {
     "uniform": PriorDef("uniform", "UniformAttention", None, None, ()),
     "laplace": PriorDef(
@@ -74,7 +85,7 @@ PRIORS = {
         lambda d, p: -torch.abs(d) / p["b"],
         lambda d, p: d == 0,
         ("b",),
-        {"b": lambda h, H: 2 ** (8 * (h + 1) / H)},
+        {"b": lambda h, H: 1 / alibi_slopes(H)[h]},
     ),
     "generalized_gaussian": PriorDef(
         "generalized_gaussian", "GeneralizedGaussianAttention",
@@ -383,8 +394,11 @@ def test_hard_case_float_params():
 
 
 @pytest.mark.parametrize("prior", PRIOR_NAMES)
-@pytest.mark.parametrize("H", [1, 4, 7])
+@pytest.mark.parametrize("H", [1, 4, 7, 12, 24])
 def test_default_params_match_inits(prior, H):
+    """The shipped inits, ALiBi's slopes included at head counts that are not a power of two
+    (12: 1/b starts 0.5, 0.25, ..., 0.707, 0.354, as ALiBi's code, where 2^(-8(h+1)/H) would
+    start 0.63, 0.40, ...)."""
     mod = load(prior)
     pdef = PRIORS[prior]
     dp = mod.default_params(H)
