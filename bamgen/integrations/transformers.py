@@ -214,6 +214,12 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # call's own is_causal=, to every layer: a decoder made bidirectional), else the layer's
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    if not causal and prior._bamgen_prior.traits.causal_only:
+        raise ValueError(f"model type {_family(module)!r}: its attention here is bidirectional "
+                         f"(the layer's is_causal, or the call's is_causal=False), and the prior "
+                         f"{prior._bamgen_prior.traits.name!r} is causal only (causal_only: true, "
+                         f"defined for keys at or before their query); use a causal decoder, "
+                         f"without is_causal=False, or a prior defined both ways")
     if causal and layout.both_ways:
         raise ValueError(f"model type {_family(module)!r}: its mask lets some queries see keys "
                          f"after them (a rule OR-ed into the causal mask: Gemma 3's and "
@@ -355,6 +361,8 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
         if not extras.plain:   # before any change to the model: a refusal leaves it as it was
             _prepare_variant(cls, extras, family)
 
+    _remove_priors(model, layers)
+
     def build(attention):
         # Built on a real device even inside HF's meta-device loading context (the module checks
         # its initial values); HF then loads the checkpoint's values into it.
@@ -382,6 +390,16 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     _install_implementation_check(model)
 
 
+def _remove_priors(model, layers) -> None:
+    """apply_prior again replaces the prior: the earlier one goes whichever way it was held (one
+    per layer, or shared: a submodule of the base model that each layer references), or its
+    parameters would stay in parameters(), the optimizer and the state dict, never used."""
+    base = getattr(model, model.base_model_prefix, model)
+    for holder in (base, *layers):
+        holder._modules.pop(PRIOR_ATTR, None)
+        holder.__dict__.pop(PRIOR_ATTR, None)
+
+
 def _install_implementation_check(model) -> None:
     """Register (once) :func:`_runs_its_priors` on ``model`` and on every transformers model
     inside it, each of which a user may call directly (``model.model(ids)`` for hidden
@@ -389,6 +407,19 @@ def _install_implementation_check(model) -> None:
     for module in transformers_models(model):
         if _runs_its_priors not in module._forward_pre_hooks.values():
             module.register_forward_pre_hook(_runs_its_priors)
+        if _no_attention_weights not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(_no_attention_weights, with_kwargs=True)
+
+
+def _no_attention_weights(model, args, kwargs) -> None:
+    """A forward pre-hook (apply_prior's): bamgen's kernels never hold a row's attention weights
+    whole, so output_attentions=True (the call's, or the config's) would return none, silently
+    (an empty tuple). Refused by name instead."""
+    if kwargs.get("output_attentions", getattr(model.config, "output_attentions", False)):
+        raise ValueError("output_attentions=True: bamgen's attention does not form the attention "
+                         "weights (its kernels never hold them whole), so it cannot return "
+                         "them; call without output_attentions (and with "
+                         "config.output_attentions = False)")
 
 
 def _runs_its_priors(model, args) -> None:
@@ -568,3 +599,16 @@ def _with_prior(cls: type, record: dict, part: str | None = None) -> type:
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
+
+
+def _register_if_installed() -> None:
+    """A model pickled whole with its priors (torch.save(model), a spawned worker's argument)
+    imports this module as it is unpickled, since its hooks live here: registering the "bamgen"
+    attention implementation here lets it run in a fresh process, where no apply_prior or
+    from_pretrained has registered it."""
+    from importlib.util import find_spec
+    if find_spec("transformers") is not None:
+        register()
+
+
+_register_if_installed()

@@ -6,7 +6,10 @@ back, generate() on a left-padded batch with every cache kind, a right-padded tr
 "Equals each sequence alone" compares logits at float32 rounding (1e-5, as tests/runtime/test_masks.py:
 the batched call may split its rows into other parts than the single call) and tokens exactly.
 """
+import copy
 import math
+import subprocess
+import sys
 
 import torch
 import transformers
@@ -1289,3 +1292,79 @@ def test_prior_parameters_stay_float32_in_a_bf16_model(tmp_path):
     back(ids, labels=ids).loss.backward()
     optimizer.step()
     assert all(not torch.equal(got, want[name]) for name, got in prior_params(back).items())
+
+
+@pytest.mark.parametrize("first,then", [(True, False), (False, True)], ids=["shared-then-own", "own-then-shared"])
+def test_apply_prior_again_with_the_other_sharing_keeps_no_earlier_parameters(first, then):
+    """apply_prior again replaces the prior: with the other `shared`, the earlier prior's
+    modules stayed registered (the base model's shared one, or each layer's own), their
+    parameters in parameters() and the state dict, never used and never given a gradient. The
+    model now holds exactly what one apply_prior with the second setting gives, and computes
+    the same logits."""
+    torch.manual_seed(0)
+    twice = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    once = copy.deepcopy(twice)
+    apply_prior(twice, "laplace", shared=first)
+    apply_prior(twice, "laplace", shared=then)
+    apply_prior(once, "laplace", shared=then)
+    assert list(twice.state_dict()) == list(once.state_dict())
+    assert [name for name, _ in twice.named_parameters()] == [name for name, _ in once.named_parameters()]
+    ids, mask = left_padded(PROMPTS)
+    logits = twice(ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits, once(ids, attention_mask=mask).logits, rtol=0, atol=0)
+    logits.square().mean().backward()
+    unused = [name for name, p in twice.named_parameters() if "bamgen_prior" in name and p.grad is None]
+    assert not unused, unused
+
+
+def test_output_attentions_is_refused_by_name():
+    """bamgen's kernels never hold the attention weights whole: output_attentions=True returned
+    an empty tuple, silently. Refused by name (transformers itself refuses setting
+    config.output_attentions under an implementation other than eager)."""
+    model = tiny_llama()
+    ids, mask = left_padded(PROMPTS)
+    with pytest.raises(ValueError, match="output_attentions=True: bamgen's attention does not form"):
+        model(ids, attention_mask=mask, output_attentions=True)
+    assert model(ids, attention_mask=mask, output_attentions=False).logits.shape == (3, 7, 100)
+
+
+def test_a_model_pickled_whole_runs_in_a_fresh_process(tmp_path):
+    """torch.save(model) of a model with its priors, loaded by a fresh process that never
+    called apply_prior: the "bamgen" attention implementation was not registered there
+    (KeyError from transformers). Unpickling imports the integration, which registers it; the
+    loaded model gives the same logits."""
+    model = tiny_llama()
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+    torch.save({"model": model, "ids": ids, "mask": mask, "want": want}, tmp_path / "model.pt")
+    code = ("import torch\n"
+            f"saved = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+            "with torch.no_grad():\n"
+            "    got = saved['model'](saved['ids'], attention_mask=saved['mask']).logits\n"
+            "print((got - saved['want']).abs().max().item())\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.strip()) == 0.0
+
+
+CAUSAL_ONLY = """name: log_decay
+causal_only: true
+log_prior: -r*log(1 + d)
+params:
+  r: {init: 1.0, domain: positive}
+"""
+
+
+def test_a_causal_only_prior_in_bidirectional_attention_names_is_causal(tmp_path):
+    """A prior declared causal_only in a layer that attends both ways (a call's
+    is_causal=False) was refused with the generated module's advice (causal=True), an argument
+    an HF user never passes. The refusal now names what an HF model sets: is_causal."""
+    path = tmp_path / "log_decay.yaml"
+    path.write_text(CAUSAL_ONLY)
+    model = tiny_llama(prior=str(path))
+    ids, mask = left_padded(PROMPTS)
+    assert torch.isfinite(model(ids, attention_mask=mask).logits).all()
+    with pytest.raises(ValueError, match=r"bidirectional \(the layer's is_causal, or the call's "
+                                         r"is_causal=False\), and the prior 'log_decay' is causal only"):
+        model(ids, attention_mask=mask, is_causal=False)
