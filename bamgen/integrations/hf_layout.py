@@ -41,6 +41,10 @@ class PaddingLayout:
     k_offset: int | torch.Tensor
     window: int | None = None
     both_ways: bool = False   # the mask lets some keys after a query be seen (an or-rule)
+    # The direction HF's mask gives the call (:func:`mask_direction`): True, causal (HF built
+    # it on its causal rule and no rule OR-ed into it opens it both ways throughout); False,
+    # both ways; None, its form does not tell (a compiled call's OR-ed or AND-ed rules).
+    causal_rule: bool | None = None
 
     # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
     # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
@@ -63,12 +67,41 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     layout = _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
     if torch.compiler.is_compiling():
         # the rule's tokens are data a graph may not branch on, and dynamo reads no function's
-        # closures: only the mask function's form, an OR of rules or not
-        both_ways = _is_or_mask(mask_function)
+        # closures: only the mask function's form, an OR of rules or not, or HF's plain rules
+        both_ways, causal_rule = _is_or_mask(mask_function), _plain_direction(mask_function)
     else:
-        both_ways = _or_rule(mask_function) and _sees_ahead(
-            mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
-    return dataclasses.replace(layout, window=local_size or None, both_ways=both_ways)
+        grid = MaskGrid(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
+        both_ways = _or_rule(mask_function) and grid.sees_ahead(mask_function)
+        causal_rule = mask_direction(mask_function, grid, both_ways)
+    return dataclasses.replace(layout, window=local_size or None, both_ways=both_ways,
+                               causal_rule=causal_rule)
+
+
+def _plain_direction(mask_function) -> bool | None:
+    """The direction of HF's plain causal or bidirectional mask function, compared by identity
+    (which dynamo reads); None for any other (rules OR-ed or AND-ed into one of them)."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    if mask_function is causal_mask_function:
+        return True
+    return False if mask_function is bidirectional_mask_function else None
+
+
+def mask_direction(mask_function, grid: "MaskGrid", both_ways: bool) -> bool | None:
+    """The direction HF's mask gives an eager call, read from its mask function: causal where
+    it is built on HF's causal rule (``causal_mask_function``, a window or packing AND-ed over
+    it), unless a rule OR-ed into it makes it the same both ways (each of two tokens sees the
+    other or neither: EmbeddingGemma's overlay, within its window and its packed documents;
+    PaliGemma's prefix when the whole call is prefix); both ways where it is built on HF's
+    bidirectional rule; None where it is neither.
+
+    Why: a family may make its layers bidirectional (``is_causal=False``) and keep the causal
+    rule in the mask alone (PaliGemma's Gemma: ``use_bidirectional_attention``, its causal
+    mask OR-ed with the prefix), which HF's eager attention follows. A rule OR-ed into the
+    causal mask that opens only some keys ahead stays causal, with ``both_ways``: refused."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    if _built_on(mask_function, causal_mask_function):
+        return not (both_ways and grid.symmetric(mask_function))
+    return False if _built_on(mask_function, bidirectional_mask_function) else None
 
 
 def _is_or_mask(function) -> bool:
@@ -76,17 +109,15 @@ def _is_or_mask(function) -> bool:
     dynamo reads, unlike its name). HF ORs a rule that comes from the inputs in last
     (``block_sequence_ids``: Gemma 3's image tokens, PaliGemma's prefix), so a compiled call
     whose inputs carry one is found by it, and refused, text alone included; a rule inside a
-    window (Gemma 3's sliding layers) is found on the call's other masks (:func:`share_or_rule`)."""
+    window (Gemma 3's sliding layers) is found on the call's other masks
+    (:func:`mark_handed_masks`)."""
     from transformers.masking_utils import or_masks
     return getattr(function, "__code__", None) is or_masks(bool).__code__
 
 
-def _or_rule(mask_function, depth: int = 0) -> bool:
-    """Whether HF's mask function ORs the causal rule with another (``or_masks``: Gemma 3's
-    image tokens attending both ways within an image, a bidirectional overlay), read from its
-    closures: such a mask lets a query see keys after it, which a causal call cannot give."""
-    if not isinstance(mask_function, types.FunctionType) or depth > 8:
-        return False
+def _inner_functions(mask_function) -> list:
+    """The functions ``mask_function`` closes over (the rules HF's ``or_masks``, ``and_masks``
+    and packing wrappers combine)."""
     inner = []
     for cell in mask_function.__closure__ or ():
         try:
@@ -95,56 +126,147 @@ def _or_rule(mask_function, depth: int = 0) -> bool:
             continue
         values = value if isinstance(value, tuple) else (value,)
         inner += [v for v in values if isinstance(v, types.FunctionType)]
+    return inner
+
+
+def _built_on(mask_function, rule, depth: int = 0) -> bool:
+    """Whether HF's mask function ``rule`` is ``mask_function`` or one of the rules it
+    combines, read from its closures."""
+    if mask_function is rule:
+        return True
+    if not isinstance(mask_function, types.FunctionType) or depth > 8:
+        return False
+    return any(_built_on(f, rule, depth + 1) for f in _inner_functions(mask_function))
+
+
+def _or_rule(mask_function, depth: int = 0) -> bool:
+    """Whether HF's mask function ORs the causal rule with another (``or_masks``: Gemma 3's
+    image tokens attending both ways within an image, a bidirectional overlay), read from its
+    closures: such a mask lets a query see keys after it, which a causal call cannot give."""
+    if not isinstance(mask_function, types.FunctionType) or depth > 8:
+        return False
+    inner = _inner_functions(mask_function)
     if _is_or_mask(mask_function):
         if any(f.__qualname__ != "causal_mask_function" for f in inner):
             return True
     return any(_or_rule(f, depth + 1) for f in inner)
 
 
-def _sees_ahead(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset,
-                attention_mask) -> bool:
-    """Whether an OR-ed mask lets some query of this call see a key after it, evaluated as HF's
-    SDPA mask evaluates it, over the call's (batch, query, key) grid: Gemma 3's processor gives
-    every prompt token_type_ids, so its overlay is there for text alone, where no token is in an
-    image and the mask is causal. True (refuse) where the mask cannot be evaluated so."""
-    device = attention_mask.device if isinstance(attention_mask, torch.Tensor) else "cpu"
-    q_start, kv_start = int(q_offset), int(kv_offset)
-    batch = torch.arange(batch_size, device=device)[:, None, None]
-    query = torch.arange(q_start, q_start + q_length, device=device)[None, :, None]
-    key = torch.arange(kv_start, kv_start + kv_length, device=device)[None, None, :]
-    try:
-        seen = mask_function(batch, torch.zeros((), dtype=torch.long, device=device), query, key)
-        return bool((seen & (key > query)).any())
-    except (IndexError, RuntimeError, TypeError):
-        return True
+@dataclass(frozen=True)
+class MaskGrid:
+    """An eager call's (batch, query, key) grid, on which HF's mask function is evaluated as
+    HF's SDPA mask evaluates it, and its real pairs: a query and a key that are no padding
+    (``attention_mask``), whose outputs and weights the mask decides (padding is hidden by
+    ``key_mask``, and a padding query's output is unused)."""
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: object
+    kv_offset: object
+    attention_mask: torch.Tensor | None
+
+    def sees_ahead(self, mask_function) -> bool:
+        """Whether an OR-ed mask lets some real query of this call see a real key after it
+        (Gemma 3's processor gives every prompt token_type_ids, so its overlay is there for
+        text alone, where no token is in an image and the mask is causal). True (refuse) where
+        the mask cannot be evaluated so."""
+        seen = self._seen(mask_function)
+        if seen is None:
+            return True
+        query, key = self._positions()
+        return bool((seen & (key > query) & self._real_pairs()).any())
+
+    def symmetric(self, mask_function) -> bool:
+        """Whether the mask is the same both ways over the real tokens that are queries and keys
+        alike (each of two sees the other or neither): bidirectional attention, whose window and
+        packed documents bamgen takes from the call itself. False where it cannot be evaluated,
+        or no token is both."""
+        seen = self._seen(mask_function)
+        q_start, kv_start = int(self.q_offset), int(self.kv_offset)
+        start = max(q_start, kv_start)
+        end = min(q_start + self.q_length, kv_start + self.kv_length)
+        if seen is None or end <= start:
+            return False
+        rows, cols = slice(start - q_start, end - q_start), slice(start - kv_start, end - kv_start)
+        square, real = seen[:, rows, cols], self._real_pairs()[:, rows, cols]
+        return bool(((square == square.transpose(1, 2)) | ~real).all())
+
+    def _positions(self):
+        device = self._device()
+        q_start, kv_start = int(self.q_offset), int(self.kv_offset)
+        query = torch.arange(q_start, q_start + self.q_length, device=device)[None, :, None]
+        key = torch.arange(kv_start, kv_start + self.kv_length, device=device)[None, None, :]
+        return query, key
+
+    def _device(self):
+        mask = self.attention_mask
+        return mask.device if isinstance(mask, torch.Tensor) else "cpu"
+
+    def _seen(self, mask_function) -> torch.Tensor | None:
+        """The mask function over the grid (bool [B, Nq, Nk]), or None where it fails there."""
+        device = self._device()
+        batch = torch.arange(self.batch_size, device=device)[:, None, None]
+        query, key = self._positions()
+        try:
+            seen = mask_function(batch, torch.zeros((), dtype=torch.long, device=device), query, key)
+            return seen.expand(self.batch_size, self.q_length, self.kv_length)
+        except (IndexError, RuntimeError, TypeError, AttributeError):
+            return None
+
+    def _real_pairs(self) -> torch.Tensor:
+        """bool [B, Nq, Nk]: the pairs of a real query and a real key (all, without a mask)."""
+        shape = (self.batch_size, self.q_length, self.kv_length)
+        if not isinstance(self.attention_mask, torch.Tensor):
+            return torch.ones(shape, dtype=torch.bool, device=self._device())
+        q_start, kv_start = int(self.q_offset), int(self.kv_offset)
+        slots = max(q_start + self.q_length, kv_start + self.kv_length)
+        tokens = _token_mask(self.attention_mask, self.batch_size, slots)
+        queries = tokens[:, q_start:q_start + self.q_length, None]
+        keys = tokens[:, None, kv_start:kv_start + self.kv_length]
+        return (queries & keys).expand(shape)
 
 
-def install_or_rule_sharing(model) -> None:
-    """Register (once) :func:`share_or_rule` on ``model`` and on every transformers model inside
-    it, as a forward pre-hook that sees the call's keyword arguments."""
+def install_mask_marking(model) -> None:
+    """Register (once) :func:`mark_handed_masks` on ``model`` and on every transformers model
+    inside it, as a forward pre-hook that sees the call's keyword arguments."""
     for module in transformers_models(model):
-        if share_or_rule not in module._forward_pre_hooks.values():
-            module.register_forward_pre_hook(share_or_rule, with_kwargs=True)
+        if mark_handed_masks not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(mark_handed_masks, with_kwargs=True)
 
 
-def share_or_rule(model, args, kwargs):
-    """A forward pre-hook: a call handed one mask per layer type (a multimodal model's mapping,
-    as Gemma 3's) whose masks carry an or-rule on one of them carries it on all. Why: HF builds
-    Gemma 3's sliding layers' mask as the window AND the or-rule, whose rule a compiled call
-    cannot see (:func:`_is_or_mask`), while its global layers' mask, built in the same
-    call, shows it; a model of sliding layers alone would run its images causal, silently. The
-    rule is the inputs' (an image's tokens), so every causal layer refuses the call. Returns the
-    call with its layouts marked, or None to leave it as it is; a Python-level decision on
-    static facts, so a compiled forward keeps one graph."""
+def mark_handed_masks(model, args, kwargs):
+    """A forward pre-hook on the masks a model is handed ready-made (a layout, or one per layer
+    type) by a multimodal model around it, which built them for its language model. Returns
+    the call with its layouts marked, or None to leave it as it is; a Python-level decision on
+    static facts, so a compiled forward keeps one graph.
+
+    - An or-rule one of them carries is carried by all. Why: HF builds Gemma 3's sliding
+      layers' mask as the window AND the or-rule, whose rule a compiled call cannot see
+      (:func:`_is_or_mask`), while its global layers' mask, built in the same call, shows it;
+      a model of sliding layers alone would run its images causal, silently. The rule is the
+      inputs' (an image's tokens), so every causal layer refuses the call.
+    - One whose form does not tell its direction (a compiled call: :func:`_plain_direction`)
+      is causal: the model around built it with HF's causal mask and its rules (PaliGemma's
+      prefix, OR-ed in; a window or packing, AND-ed), and a compiled PaliGemma, whose Gemma
+      layers say bidirectional, ran both ways, silently. A model that builds its own mask
+      (EmbeddingGemma's overlay that opens every key) is not handed one: its layers decide."""
     masks = kwargs.get("attention_mask")
-    if not isinstance(masks, dict):
+    named = masks if isinstance(masks, dict) else {None: masks}
+    layouts = [mask for mask in named.values() if isinstance(mask, PaddingLayout)]
+    if not layouts:
         return None
-    layouts = [mask for mask in masks.values() if isinstance(mask, PaddingLayout)]
-    if not any(layout.both_ways for layout in layouts):
+    both_ways = any(layout.both_ways for layout in layouts)
+    if all(layout.both_ways == both_ways and layout.causal_rule is not None for layout in layouts):
         return None
-    marked = {name: dataclasses.replace(mask, both_ways=True) if isinstance(mask, PaddingLayout)
-              else mask for name, mask in masks.items()}
-    return args, {**kwargs, "attention_mask": marked}
+    marked = {name: _marked(mask, both_ways) for name, mask in named.items()}
+    return args, {**kwargs, "attention_mask": marked if isinstance(masks, dict) else marked[None]}
+
+
+def _marked(mask, both_ways: bool):
+    if not isinstance(mask, PaddingLayout):
+        return mask
+    causal_rule = True if mask.causal_rule is None else mask.causal_rule
+    return dataclasses.replace(mask, both_ways=both_ways, causal_rule=causal_rule)
 
 
 def _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset,

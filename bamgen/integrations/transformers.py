@@ -26,10 +26,12 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
   ``position_ids`` and ``cu_seq_lens_q/k``: some families drop one of the collator's markers
   before attention, or number absolute positions across the whole row
   (bamgen/integrations/hf_layout.py, :func:`install_document_markers`).
-- A forward pre-hook on the same models marks every mask of a call (one per layer type) with
-  an or-rule that one of them shows: under torch.compile the rule of Gemma 3's image tokens is
-  read from the masks' form, which its sliding layers' window hides
-  (bamgen/integrations/hf_layout.py, :func:`share_or_rule`).
+- A forward pre-hook on the same models marks the masks a call is handed ready-made (by a
+  multimodal model around): every mask of a call (one per layer type) with an or-rule that one
+  of them shows (under torch.compile the rule of Gemma 3's image tokens is read from the masks'
+  form, which its sliding layers' window hides), and causal where a compiled call's form does
+  not tell (PaliGemma's, whose layers say bidirectional)
+  (bamgen/integrations/hf_layout.py, :func:`mark_handed_masks`).
 - ``config.bamgen`` records the prior (a shipped name, or the prior file's text) and ``rope``;
   :func:`from_pretrained` reads it, rebuilds the model with the prior in place before the
   weights load (so the learned prior parameters load like any weight) and keeps ``"bamgen"``.
@@ -47,7 +49,7 @@ from types import ModuleType
 
 import torch
 
-from .hf_layout import (PaddingLayout, install_document_markers, install_or_rule_sharing,
+from .hf_layout import (PaddingLayout, install_document_markers, install_mask_marking,
                         install_read_scope, packed_documents, padding_layout,
                         transformers_models)
 from .hf_variants import (LayerExtras, call_extras, forward_source, layer_extras, prior_source,
@@ -210,10 +212,7 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             raise ValueError(f"model type {_family(module)!r}: its attention passes {name} "
                              f"({what}), which bamgen's attention does not model; use a family "
                              f"whose attention passes none")
-    # as HF's SDPA reads it: the call's is_causal (HF passes config.is_causal, or the model
-    # call's own is_causal=, to every layer: a decoder made bidirectional), else the layer's
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    causal = _direction(module, layout, kwargs.get("is_causal"))
     if not causal and prior._bamgen_prior.traits.causal_only:
         raise ValueError(f"model type {_family(module)!r}: its attention here is bidirectional "
                          f"(the layer's is_causal, or the call's is_causal=False), and the prior "
@@ -246,6 +245,18 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     else:
         out = prior.forward_with(_variant(module, prior, extras), query, key, value, **call)
     return out[..., :width].transpose(1, 2).contiguous(), None
+
+
+def _direction(module, layout: PaddingLayout, call_is_causal) -> bool:
+    """Whether the call is causal: the call's is_causal (HF passes config.is_causal, or the model
+    call's own is_causal=, to every layer: a decoder made bidirectional, its mask built
+    bidirectional alike), else the layer's; a layer that says bidirectional runs causal where
+    HF built the call's mask causal (PaliGemma's Gemma layers: ``use_bidirectional_attention``,
+    the causal rule in the mask alone, as HF's eager attention applies it), so that a rule
+    OR-ed into that mask (PaliGemma's prefix, Gemma 3's images) is refused alike."""
+    if call_is_causal is not None:
+        return bool(call_is_causal)
+    return bool(getattr(module, "is_causal", True)) or layout.causal_rule is True
 
 
 def _same_head_dim(query, key, value, call: dict):
@@ -385,7 +396,7 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
         _remove_rotary(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     install_document_markers(model)
-    install_or_rule_sharing(model)
+    install_mask_marking(model)
     install_read_scope(model)
     _install_implementation_check(model)
 

@@ -1168,6 +1168,17 @@ def _tiny_gemma3_with_images():
     return model
 
 
+def _tiny_embedding_gemma():
+    """EmbeddingGemma's form: a Gemma 3 text model made bidirectional (its layers is_causal=False,
+    its mask HF's causal one OR-ed with a rule that opens every key within the window)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=4,
+                                        use_bidirectional_attention=True,
+                                        layer_types=["sliding_attention", "full_attention"])
+    cfg._attn_implementation = "eager"
+    return transformers.Gemma3TextModel(cfg).eval()
+
+
 _GEMMA3_IDS = torch.tensor([[5, 111, 110, 110, 110, 110, 112, 6, 7, 8]])
 GEMMA3_IMAGE_CALL = dict(input_ids=_GEMMA3_IDS, token_type_ids=(_GEMMA3_IDS == 110).long(),
                          pixel_values=torch.randn(1, 3, 32, 32,
@@ -1197,18 +1208,11 @@ def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
                          token_type_ids=text_types, max_new_tokens=2, do_sample=False)
     assert out.shape == (1, 7)
 
-    def embedding_gemma():
-        torch.manual_seed(0)
-        cfg = transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=4,
-                                            use_bidirectional_attention=True,
-                                            layer_types=["sliding_attention", "full_attention"])
-        cfg._attn_implementation = "eager"
-        return transformers.Gemma3TextModel(cfg).eval()
     ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
-    want = embedding_gemma()(ids, attention_mask=mask).last_hidden_state
-    got = apply_prior(embedding_gemma(), "uniform", rope="keep")(ids, attention_mask=mask).last_hidden_state
+    want = _tiny_embedding_gemma()(ids, attention_mask=mask).last_hidden_state
+    got = apply_prior(_tiny_embedding_gemma(), "uniform", rope="keep")(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1, :8], want[1, :8], rtol=1e-5, atol=1e-5)
 
@@ -1368,3 +1372,71 @@ def test_a_causal_only_prior_in_bidirectional_attention_names_is_causal(tmp_path
     with pytest.raises(ValueError, match=r"bidirectional \(the layer's is_causal, or the call's "
                                          r"is_causal=False\), and the prior 'log_decay' is causal only"):
         model(ids, attention_mask=mask, is_causal=False)
+
+
+def _tiny_paligemma(attn="eager"):
+    """A PaliGemma of a tiny Gemma (its layers is_causal=False: PaliGemmaConfig defaults
+    use_bidirectional_attention to True) and a one-layer SigLIP tower (image token 110: 4
+    patches)."""
+    torch.manual_seed(0)
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(model_type="gemma", **{**TINY, "vocab_size": 120}, head_dim=16),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, image_size=32, patch_size=16),
+        image_token_index=110, projection_dim=64)
+    config._attn_implementation = attn
+    config.text_config._attn_implementation = attn
+    return transformers.PaliGemmaForConditionalGeneration(config).eval()
+
+
+_PALI_IDS = torch.tensor([[110] * 4 + [2, 5, 6, 7, 8]])
+PALI_PIXELS = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def test_paligemma_runs_causal_as_its_mask_and_refuses_a_prefix_with_images():
+    """PaliGemma's Gemma layers say is_causal=False and the causal rule lives in its mask alone
+    (OR-ed with the prefix's rule), which HF's eager attention applies: bamgen took the layers'
+    word and ran text alone both ways, silently (the zero prior off by 0.09 against eager). The
+    call's direction is now read from the mask: text alone, left-padded rows included, equals
+    eager; a prompt that is all prefix (token_type_ids all 0, the image too), whose mask is the
+    same both ways, equals eager; a prefix followed by a suffix is refused by name, eager and
+    compiled, and compiled text alone equals eager with no graph break."""
+    def both(**call):
+        with torch.no_grad():
+            return model(**call).logits, _tiny_paligemma()(**call).logits
+    model = _tiny_paligemma()
+    apply_prior(model.model.language_model, "uniform", rope="keep")
+    ids, mask = left_padded([[5, 6, 7, 8, 9, 10], [11, 12, 13]])
+    got, want = both(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got[0], want[0], **CLOSE)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
+    prefix = torch.zeros_like(_PALI_IDS)
+    torch.testing.assert_close(*both(input_ids=_PALI_IDS, pixel_values=PALI_PIXELS,
+                                     token_type_ids=prefix), **CLOSE)
+    suffix = dict(input_ids=_PALI_IDS, pixel_values=PALI_PIXELS,
+                  token_type_ids=torch.tensor([[0] * 6 + [1] * 3]))
+    refusal = r"model type 'gemma': its mask lets some queries see keys after them"
+    with pytest.raises(ValueError, match=refusal):
+        model(**suffix)
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="eager")
+    text = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=refusal + r".*under torch.compile"):
+            compiled(**suffix)
+        torch.testing.assert_close(compiled(input_ids=text), _tiny_paligemma()(input_ids=text).logits, **CLOSE)
+        explained = torch._dynamo.explain(lambda **kw: model(**kw).logits)(input_ids=text)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_embedding_gemma_stays_bidirectional_compiled_too():
+    """EmbeddingGemma's layers say is_causal=False and its own mask ORs a rule that opens every
+    key (within its sliding layers' window) into HF's causal mask: the mask's direction is both
+    ways, eager and compiled (whose mask's form does not tell: the model built it itself), and
+    the zero prior equals eager."""
+    ids = torch.randint(1, 100, (1, 11), generator=torch.Generator().manual_seed(1))
+    model = apply_prior(_tiny_embedding_gemma(), "uniform", rope="keep")
+    compiled = torch.compile(lambda **kw: model(**kw).last_hidden_state, backend="eager")
+    with torch.no_grad():
+        want = _tiny_embedding_gemma()(ids).last_hidden_state
+        torch.testing.assert_close(model(ids).last_hidden_state, want, **CLOSE)
+        torch.testing.assert_close(compiled(input_ids=ids), want, **CLOSE)
