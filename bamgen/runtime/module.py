@@ -120,27 +120,8 @@ class PriorAttention(torch.nn.Module):
         layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
         return attend(prior, q, k, v, theta, causal, scale, layout, backend)
 
-    def _apply(self, fn, recurse=True):
-        """nn.Module's conversions (``to``, ``half``, ``bfloat16``, ``cuda``...), but a cast of
-        the prior's parameters (and buffers) to a float dtype under 32 bits gives float32: in a
-        bf16 model they stay float32, whether it was bf16 before the prior came or cast after,
-        as ``from_pretrained(dtype=torch.bfloat16)`` loads them. Why: the kernels compute the
-        prior in float32 whatever the parameters' dtype (theta), so bf16 storage saves a few
-        bytes per head and costs the trained values' precision and the optimizer's small steps
-        (one of 1e-4 on a raw value near 2, under bf16's spacing there, 0.0156, is lost)."""
-        def at_least_float32(tensor):
-            out = fn(tensor)
-            if tensor.is_floating_point() and out.is_floating_point() and _under_32_bits(out.dtype):
-                return tensor.to(device=out.device, dtype=torch.float32, copy=True)
-            return out
-        return super()._apply(at_least_float32, recurse)
-
     def extra_repr(self):
         return f"num_heads={self.num_heads}, prior={self._bamgen_prior.traits.name!r}"
-
-
-def _under_32_bits(dtype: torch.dtype) -> bool:
-    return torch.finfo(dtype).bits < 32
 
 
 def _stored_shape(param, block):

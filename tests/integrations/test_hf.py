@@ -1263,13 +1263,13 @@ def test_a_compiled_gemma3_refuses_images_and_runs_text_alone():
     assert explained.graph_break_count == 0, explained.break_reasons
 
 
-def test_prior_parameters_stay_float32_in_a_bf16_model(tmp_path):
-    """A bf16 model's prior parameters were float32 after apply_prior but bf16 after a later
-    model.to(torch.bfloat16), so a trained prior's values were rounded and its optimizer steps
-    lost there. They are float32 every way now: built into a bf16 model, cast after it (to,
-    half, bfloat16: unrounded), loaded back with dtype=torch.bfloat16; a float64 model's follow
-    it. In the bf16 model an AdamW step of 1e-4 moves every one of them (in bf16 no alpha moved:
-    its raw values, 1.4 to 5.5, are spaced 0.008 to 0.031 apart there)."""
+def test_prior_parameters_are_made_float32_and_follow_a_cast(tmp_path):
+    """The prior's parameters are created float32 in a model of any dtype (apply_prior on a
+    bf16 model; from_pretrained(dtype=torch.bfloat16), as HF keeps its _keep_in_fp32_modules),
+    and follow an explicit cast like every parameter (model.to(torch.bfloat16)): a model cast
+    whole stays of one dtype, which FSDP's flattening requires. Keeping them float32 under the
+    cast too was tried and broke FSDP1 and FSDP2 on a bf16 model (docs/huggingface.md,
+    "Precision")."""
     def prior_dtypes(model):
         return {p.dtype for name, p in model.named_parameters() if "bamgen_prior" in name}
     torch.manual_seed(0)
@@ -1277,25 +1277,13 @@ def test_prior_parameters_stay_float32_in_a_bf16_model(tmp_path):
     assert prior_dtypes(built) == {torch.float32}
     model = tiny_llama()
     want = prior_params(model)
-    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.bfloat16()):
-        cast(model)
-        assert model.model.embed_tokens.weight.dtype != torch.float32
-        assert prior_dtypes(model) == {torch.float32}
-        assert all(torch.equal(got, want[name]) for name, got in prior_params(model).items())
-    model.to(torch.float64)
-    assert prior_dtypes(model) == {torch.float64}
-    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path)
     back = from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
     assert prior_dtypes(back) == {torch.float32}
     assert all(torch.equal(got, want[name]) for name, got in prior_params(back).items())
-
-    back.train()
-    optimizer = torch.optim.AdamW(bamgen.param_groups(back), lr=1e-4)
-    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(3))
-    back(ids, labels=ids).loss.backward()
-    optimizer.step()
-    assert all(not torch.equal(got, want[name]) for name, got in prior_params(back).items())
+    assert prior_dtypes(back.to(torch.bfloat16)) == {torch.bfloat16}
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("first,then", [(True, False), (False, True)], ids=["shared-then-own", "own-then-shared"])

@@ -131,31 +131,6 @@ def test_reset_parameters_after_to_empty_initialises_as_the_constructor():
     assert 0.01 < float(buckets.raw_w.std()) < 0.1   # its init: normal(0, 0.044)
 
 
-@pytest.mark.parametrize("swap", [False, True])
-def test_a_cast_below_float32_keeps_the_parameters_float32(swap):
-    """module.to(torch.bfloat16) (or .half(), a model's cast around it) rounded the prior's
-    parameters to bf16, which the kernels then cast back up to float32. They stay float32 and
-    unrounded, their gradient too, with torch's swap_tensors conversion as without; float64
-    follows; the module still attends bf16 inputs in bf16."""
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(swap)
-    try:
-        layer = ggd.GeneralizedGaussianAttention(num_heads=4, init={"beta": 1.3})
-        want = {name: p.detach().clone() for name, p in layer.named_parameters()}
-        layer.raw_alpha.grad = torch.full((4,), 1 / 3)
-        for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.bfloat16()):
-            cast(layer)
-            for name, p in layer.named_parameters():
-                assert p.dtype == torch.float32 and torch.equal(p, want[name]), name
-            assert torch.equal(layer.raw_alpha.grad, torch.full((4,), 1 / 3))
-        q = torch.randn(1, 4, 6, 8, dtype=torch.bfloat16)
-        assert layer(q, q, q).dtype == torch.bfloat16
-        layer.double()
-        assert {p.dtype for p in layer.parameters()} == {torch.float64}
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
-
-
 def test_meta_tensors_give_shapes_forward_and_backward():
     """A forward on meta tensors (shape inference: a pipeline stage's, a model built on the
     meta device) gives the output's shape and the gradients' shapes through the custom ops'
