@@ -310,3 +310,26 @@ def test_quick_positions_benchmark_runs_and_its_peers_agree():
     rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| 64 |")]
     assert len(rows) == 2 and "Integer positions: GGD" in res.stdout, res.stdout
     assert all(float(row[-2]) < 1e-4 for row in rows), res.stdout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_a_nan_input_poisons_the_same_gradients_on_both_paths(where, causal):
+    """A NaN in one element of q, k or v: the CPU path's gradients are NaN exactly where the
+    Triton kernels' are (GQA, not causal and causal). A NaN in a query row without the causal
+    mask leaves that row's l at 0 beside m = NaN, which the CPU backward once read as a row
+    that sees no key: its q and dO were zeroed, and the NaN loss came with finite gradients
+    (a NaN check on the gradients, as GradScaler's, would have let the step through)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 32, 16, generator=g) for h in (4, 2, 2))
+    {"q": q, "k": k, "v": v}[where][0, 0, 10, 3] = float("nan")
+    params = ggd.default_params(4)
+    patterns = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ggd.attention(*leaves, causal=causal, backend=backend, **params)
+        out.backward(torch.ones_like(out))
+        patterns[backend] = [out.isnan()] + [t.grad.isnan() for t in leaves]
+    assert bool(patterns["torch"][1].any()), "a NaN loss must reach dq"
+    for name, mine, kernels in zip(("out", "dq", "dk", "dv"), patterns["torch"], patterns["triton"]):
+        assert torch.equal(mine, kernels), (name, int(mine.sum()), int(kernels.sum()))

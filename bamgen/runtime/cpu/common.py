@@ -245,8 +245,9 @@ def quiet_dead_rows(q, dout, out, v, stats):
     dV = P^T dO carries a NaN stored in q or dO into every key's gradient, and a NaN in v reaches
     dS = P * (dO v^T - delta) of a dead row as 0 * NaN. Such a row's q, dO and O read as 0, and
     v's non-finite entries as 0: a live row that weighs such a key has a non-finite O, hence a
-    non-finite delta, and stays poisoned, as the forward's output says."""
-    dead = stats[..., 1] == 0
+    non-finite delta, and stays poisoned, as the forward's output says. (A row whose logits are
+    NaN, a NaN in its q, may carry l = 0 beside m = NaN: it is poisoned, not dead: row_terms.)"""
+    dead = (stats[..., 1] == 0) & ~torch.isnan(stats[..., 0])
     if not bool(dead.any()) or (bool(torch.isfinite(q).all()) and bool(torch.isfinite(dout).all())
                                 and bool(torch.isfinite(v).all())):
         return q, dout, out, v
