@@ -34,6 +34,12 @@ def check_inits(spec: PriorSpec) -> None:
                 problem = numeric.init_problem(p.init_expr, p.domain.inside, str(p.domain))
             if problem:
                 raise SpecError(f"the init {problem}", field=field, line=p.line,
-                                hint=f"inits are checked for every head count up to "
-                                     f"{numeric.MAX_HEADS}; init may use h (head index, "
-                                     f"0-based) and H (number of heads)")
+                                hint=_init_hint(p))
+
+
+def _init_hint(p) -> str:
+    """A number is fixed by another number; a formula in h and H by what the heads give."""
+    if not p.init_expr.free_symbols:
+        return p.domain.init_hint()
+    return (f"inits are checked for every head count up to {numeric.MAX_HEADS}; init may use "
+            f"h (head index, 0-based) and H (number of heads)")

@@ -75,7 +75,8 @@ def init_grid(expr: sp.Expr) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def init_problem(expr: sp.Expr, inside, domain: str) -> str | None:
     """Why an init cannot be the module's starting value for some head count up to MAX_HEADS,
     or None. ``inside(values32)`` is the domain test on the stored float32 values (a bool
-    tensor). The message names the first failing head, smallest head count first."""
+    tensor). The message names the first failing head, smallest head count first (none for an
+    init without h or H: it is one number for every head)."""
     values, h, H = init_grid(expr)
     stored = values.to(torch.float32)
     checks = (
@@ -88,7 +89,8 @@ def init_problem(expr: sp.Expr, inside, domain: str) -> str | None:
     for bad, why in checks:
         if bool(bad.any()):
             k = int(torch.nonzero(bad)[0])
-            return f"gives {float(values[k])!r} for head {int(h[k])} of {int(H[k])}{why}"
+            head = f" for head {int(h[k])} of {int(H[k])}" if expr.free_symbols else ""
+            return f"gives {float(values[k])!r}{head}{why}"
     return None
 
 

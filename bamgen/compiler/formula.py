@@ -184,12 +184,13 @@ _COMPARE = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge,
 def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
                   line: int | None = None,
                   vectors: Mapping[str, tuple[sp.Symbol, ...]] | None = None,
-                  kinks: dict | None = None) -> sp.Expr:
+                  kinks: dict | None = None, symbols_hint: str | None = None) -> sp.Expr:
     """Parse ``text`` into a SymPy expression over ``symbols`` (a name stands for its symbol,
     or for a named sub-formula's expression) and the elements of ``vectors`` (``w[e]``); raise
     SpecError on anything else. kinks: filled with {the argument u of an Abs(u) in an expanded
     Sum term: the argument as the Sum's body writes it}, so that the language's limit on kinks
-    counts a body once, not once per term."""
+    counts a body once, not once per term. symbols_hint: the hint for an unknown symbol where
+    the field reads other names than a prior's formulas (an init reads h and H only)."""
     def fail(msg: str, hint: str | None = None) -> SpecError:
         return SpecError(msg, field=field, line=line, hint=hint)
 
@@ -224,7 +225,7 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
                    "use Python/SymPy syntax, e.g. -(Abs(d - mu)/alpha)**beta") from None
     except (RecursionError, MemoryError):
         raise fail("the formula is nested too deeply to parse", "simplify the expression") from None
-    builder = _Builder(symbols, fail, vectors or {}, {} if kinks is None else kinks)
+    builder = _Builder(symbols, fail, vectors or {}, {} if kinks is None else kinks, symbols_hint)
     try:
         expr = builder.build(tree.body, depth=0)
     except (ArithmeticError, TypeError, ValueError) as exc:
@@ -247,8 +248,10 @@ class _Builder:
     """Rebuilds a whitelisted Python AST as a SymPy expression."""
 
     def __init__(self, symbols: Mapping[str, sp.Expr], fail,
-                 vectors: Mapping[str, tuple[sp.Symbol, ...]], kinks: dict):
+                 vectors: Mapping[str, tuple[sp.Symbol, ...]], kinks: dict,
+                 symbols_hint: str | None = None):
         self.symbols = dict(symbols)
+        self.symbols_hint = symbols_hint
         self.fail = fail
         self.vectors = vectors
         self.kinks = kinks
@@ -312,7 +315,7 @@ class _Builder:
         if name in FUNCTIONS:
             raise self.fail(f"the function '{name}' must be called, e.g. {name}(d)")
         known = ", ".join(sorted([*self.symbols, *(f"{v}[k]" for v in self.vectors)])) or "none"
-        raise self.fail(f"unknown symbol '{name}'",
+        raise self.fail(f"unknown symbol '{name}'", self.symbols_hint or
                         f"symbols allowed here: {known}; declare parameters under 'params'")
 
     def _UnaryOp(self, node: ast.UnaryOp, depth: int):

@@ -45,6 +45,9 @@ POSITION_SYMBOLS = ("d", "i", "j", "n")
 MAX_CHANNELS = 4
 SCORE_SYMBOLS = ("s", "log_prior")
 INIT_SYMBOLS = ("h", "H")
+INIT_SYMBOLS_HINT = ("an init reads only numbers (pi and E too), h (head index, 0-based) and H (number of "
+                     "heads), not the positions or other parameters: e.g. init: 2.0 or "
+                     "init: \"2**(-8*(h + 1)/H)\"")
 TOP_LEVEL_FIELDS = ("name", "description", "source", "log_prior", "density", "score", "params",
                     "let", "skip_below", "positions", "causal_only")
 MAX_SKIP_BELOW = 1000.0   # nats; beyond this float32 softmax cannot tell the difference anyway
@@ -100,6 +103,20 @@ class Domain:
 
     def __str__(self) -> str:
         return f"({self.lo:g}, {self.hi:g})" if self.kind == "interval" else self.kind
+
+    def init_hint(self) -> str:
+        """How to fix a constant init outside the domain: the domain as an interval and a
+        value inside it (a message's hint)."""
+        if self.kind == "real":
+            return "give a finite number, e.g. init: 1.0"
+        inside = {"positive": "(0, inf)", "nonnegative": "[0, inf)"}.get(self.kind, str(self))
+        return f"give an init inside {inside}, e.g. init: {self._example()}"
+
+    def _example(self) -> str:
+        if self.kind != "interval":
+            return "1.0"
+        mid = self.lo + (self.hi - self.lo) / 2
+        return f"{mid:g}" if self.contains(float(f"{mid:g}")) else repr(mid)
 
 
 @dataclass(frozen=True)
@@ -387,7 +404,8 @@ def _skip_below(data: dict, lines: dict) -> float | None:
 
 
 def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
-    """safe_load the text and remember the line of each top-level and parameter key."""
+    """safe_load the text and remember the line of each top-level and parameter key, and of
+    each key of a parameter's settings."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -424,8 +442,11 @@ def _load_yaml(text: str) -> tuple[dict, dict[str, int]]:
         for key, value in node.value:
             lines[str(key.value)] = key.start_mark.line + 1
             if key.value in ("params", "let") and isinstance(value, yaml.MappingNode):
-                for pkey, _ in value.value:
+                for pkey, settings in value.value:
                     lines[f"{key.value}.{pkey.value}"] = pkey.start_mark.line + 1
+                    if key.value == "params" and isinstance(settings, yaml.MappingNode):
+                        for skey, _ in settings.value:
+                            lines[f"params.{pkey.value}.{skey.value}"] = skey.start_mark.line + 1
                     if pkey.tag.endswith(":bool"):   # off: read as False, named so in messages
                         as_read = yaml.SafeLoader.bool_values.get(str(pkey.value).lower())
                         lines.setdefault(f"{key.value}.{as_read}", pkey.start_mark.line + 1)
@@ -476,12 +497,14 @@ def _duplicate_key(root) -> tuple[str, int] | None:
     return None
 
 
-def _check_fields(data: dict, allowed: tuple[str, ...], lines: dict, where: str, prefix: str = ""):
+def _check_fields(data: dict, allowed: tuple[str, ...], lines: dict, where: str, prefix: str = "",
+                  line: int | None = None):
+    """Refuse a key not in ``allowed``, at its own line, else at ``line`` (the mapping's)."""
     for key in data:
         if not isinstance(key, str) or key not in allowed:
             shown = key if isinstance(key, str) else _show(key)
             raise SpecError(f"unknown field {_show(key)} in {where}", field=f"{prefix}{shown}",
-                            line=lines.get(f"{prefix}{key}"),
+                            line=lines.get(f"{prefix}{key}", line),
                             hint="allowed fields: " + ", ".join(allowed))
 
 
@@ -551,7 +574,8 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
         if not isinstance(settings, dict):
             raise SpecError("parameter settings must be a mapping", field=field, line=line,
                             hint="e.g. {init: 1.0, domain: positive}")
-        _check_fields(settings, PARAM_FIELDS, {}, where=f"parameter '{name}'", prefix=field + ".")
+        _check_fields(settings, PARAM_FIELDS, lines, where=f"parameter '{name}'",
+                      prefix=field + ".", line=line)
         with working_on(field, "reading the parameter"):
             param = _parse_param(name, settings, field, line)
         elements += param.width
@@ -645,7 +669,8 @@ def _parse_param(name: str, settings: dict, field: str, line: int | None) -> Par
         init_expr = sp.Float(repr(centre)) if not float(centre).is_integer() else sp.Integer(int(centre))
     else:
         init_symbols = {s: sp.Symbol(s, integer=True, nonnegative=True) for s in INIT_SYMBOLS}
-        init_expr = parse_formula(init_text, init_symbols, field=f"{field}.init", line=line)
+        init_expr = parse_formula(init_text, init_symbols, field=f"{field}.init", line=line,
+                                  symbols_hint=INIT_SYMBOLS_HINT)
         _check_init(init_expr, domain, f"{field}.init", line)
     return ParamSpec(name=name, init=str(init_text), init_expr=init_expr, domain=domain,
                      learnable=learnable and value is None, per_head=per_head,
@@ -755,10 +780,14 @@ def _check_init(expr: sp.Expr, domain: Domain, field: str, line: int | None) -> 
             except OverflowError as exc:
                 raise SpecError(f"the init cannot be computed for head {head} of {heads}: {exc}",
                                 field=field, line=line, hint="keep exponentials and powers moderate") from None
-            if not domain.contains(value):
-                raise SpecError(f"the init gives {value!r} for head {head} of {heads}, "
-                                f"outside the domain {domain}", field=field, line=line,
-                                hint="init may use h (head index, 0-based) and H (number of heads)")
+            if domain.contains(value):
+                continue
+            if not expr.free_symbols:   # a number: no head to name
+                raise SpecError(f"the init {value!r} is outside the domain {domain}",
+                                field=field, line=line, hint=domain.init_hint())
+            raise SpecError(f"the init gives {value!r} for head {head} of {heads}, "
+                            f"outside the domain {domain}", field=field, line=line,
+                            hint="init may use h (head index, 0-based) and H (number of heads)")
 
 
 def _check_evaluable(expr: sp.Expr, score: sp.Expr | None, params: tuple[ParamSpec, ...],

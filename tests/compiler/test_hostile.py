@@ -131,10 +131,15 @@ EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     # parameters
     "yaml_key_true.yaml": ("params.True", ("invalid parameter name True: YAML reads that key as bool",
                                            "quote it")),
-    "init_negative.yaml": ("params.b.init", ("gives -1.0", "outside the domain positive")),
-    "init_uses_d.yaml": ("params.b.init", ("unknown symbol 'd'",)),
+    "init_negative.yaml": ("params.b.init", ("the init -1.0 is outside the domain positive",
+                                             "hint: give an init inside (0, inf), e.g. init: 1.0")),
+    "init_uses_d.yaml": ("params.b.init", ("unknown symbol 'd'", "an init reads only numbers")),
+    "init_unknown_word.yaml": ("params.b.init", ("unknown symbol 'two'", "hint: an init reads "
+                                                 "only numbers (pi and E too), h (head index")),
+    "param_setting_typo.yaml": ("params.b.inti", ("param_setting_typo.yaml:7: field",
+                                                  "unknown field 'inti' in parameter 'b'")),
     "init_overflow.yaml": ("params.b.init", ("cannot be computed", "overflows a float")),
-    "init_nan.yaml": ("params.b.init", ("gives nan", "outside the domain")),
+    "init_nan.yaml": ("params.b.init", ("the init nan is outside the domain positive",)),
     "init_negative_for_many_heads.yaml": ("params.b.init", ("for head 100 of 101",
                                                             "outside the domain positive")),
     "init_underflows_float32.yaml": ("params.b.init", ("gives 1e-50", "smallest normal")),

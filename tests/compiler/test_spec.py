@@ -11,7 +11,8 @@ from bamgen.checks.inits import check_inits
 from bamgen.driver.build import compile_spec
 from bamgen.errors import SpecError
 from bamgen.compiler.formula import parse_formula
-from bamgen.compiler.spec import parse_spec
+from bamgen.compiler.spec import load_spec, parse_spec
+from tests.helpers import run_cli_in_process, write_prior
 
 D = sp.Symbol("d", real=True)
 SYMS = {"d": D, "b": sp.Symbol("b", positive=True)}
@@ -508,3 +509,73 @@ def test_triton_compiles_the_kernels_of_a_greek_parameter_for_a_gpu(tmp_path, st
     assert f"greek: sm_90 bf16 head_dim=16 causal=True layout=plain strategy={strategy}" \
         in res.stdout
     assert all(f"\n  {kernel} " in res.stdout for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"))
+
+
+# --------------------------------------------------------------------------------------------
+# messages that say how to fix the file
+
+
+def _refusal(tmp_path, params: str, log_prior: str = "-Abs(d)/b") -> str:
+    """`bamgen build`'s one line for a prior file with these params lines (the parameters from
+    line 4), FILE for its path, after checking that it is a refusal that wrote nothing; and
+    load_spec's message, where that stage refuses it, must be the same."""
+    path = write_prior(tmp_path, f"name: x\nlog_prior: \"{log_prior}\"\nparams:\n{params}")
+    result = run_cli_in_process("build", str(path), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2 and not (tmp_path / "out").exists(), result.output
+    (line,) = result.stderr.splitlines()
+    message = line.removeprefix("error: ").replace(str(path), "FILE")
+    try:
+        load_spec(path)
+    except SpecError as exc:
+        assert str(exc).replace(str(path), "FILE") == message
+    return message
+
+
+@pytest.mark.parametrize("params, message", [
+    ("  b: {init: -1.0, domain: positive}\n",
+     "FILE:4: field 'params.b.init': the init -1.0 is outside the domain positive "
+     "(hint: give an init inside (0, inf), e.g. init: 1.0)"),
+    ("  b: {init: \"1 - 3\", domain: nonnegative}\n",
+     "FILE:4: field 'params.b.init': the init -2.0 is outside the domain nonnegative "
+     "(hint: give an init inside [0, inf), e.g. init: 1.0)"),
+    ("  b: {init: 5, domain: [0, 2]}\n",
+     "FILE:4: field 'params.b.init': the init 5.0 is outside the domain (0, 2) "
+     "(hint: give an init inside (0, 2), e.g. init: 1)"),
+    ("  b: {init: 5, domain: [1, 1.00001]}\n",
+     "FILE:4: field 'params.b.init': the init 5.0 is outside the domain (1, 1.00001) "
+     "(hint: give an init inside (1, 1.00001), e.g. init: 1.000005)"),
+    ("  b: {init: \"exp(100)\", domain: positive}\n",
+     "FILE:4: field 'params.b.init': the init gives 2.6881171418161356e+43, beyond float32's "
+     "largest value 3.4e38 (hint: give an init inside (0, inf), e.g. init: 1.0)"),
+])
+def test_a_constant_init_outside_its_domain_says_which_values_fit(tmp_path, params, message):
+    """An init without h or H is one number for every head: the message names no head, and
+    the hint gives the domain and a value inside it."""
+    assert _refusal(tmp_path, params) == message
+
+
+def test_an_init_that_reads_the_heads_still_names_the_head(tmp_path):
+    message = _refusal(tmp_path, "  b: {init: \"1 - h\", domain: positive}\n")
+    assert message == ("FILE:4: field 'params.b.init': the init gives 0.0 for head 1 of 2, "
+                       "outside the domain positive (hint: init may use h (head index, "
+                       "0-based) and H (number of heads))")
+
+
+@pytest.mark.parametrize("init, name", [("two", "two"), ("d + 1", "d"), ("2*c", "c")])
+def test_an_unknown_name_in_an_init_says_what_an_init_reads(tmp_path, init, name):
+    message = _refusal(tmp_path, f"  b: {{init: \"{init}\", domain: positive}}\n  c: 1.0\n")
+    assert message.startswith(f"FILE:4: field 'params.b.init': unknown symbol '{name}' (hint: "
+                              f"an init reads only numbers (pi and E too), h (head index, "
+                              f"0-based) and H (number of heads)"), message
+    assert "declare parameters" not in message
+
+
+@pytest.mark.parametrize("params, line", [
+    ("  b: {inti: 1.0, domain: positive}\n", 4),
+    ("  b:\n    init: 1.0\n    domian: positive\n", 6),
+    ("  c: 1.0\n  b:\n    true: 1.0\n", 5),      # a key YAML reads as a boolean: its parameter's line
+])
+def test_a_typo_in_a_parameter_setting_names_its_line(tmp_path, params, line):
+    message = _refusal(tmp_path, params)
+    assert re.match(rf"FILE:{line}: field 'params\.b\.(inti|domian|True)': unknown field .* in "
+                    rf"parameter 'b' \(hint: allowed fields: init, domain", message), message
