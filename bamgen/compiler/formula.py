@@ -45,6 +45,36 @@ FUNCTIONS: Mapping[str, object] = {
     "erf": sp.erf, "sin": sp.sin, "cos": sp.cos, "Sum": None,   # Sum: expanded, see _sum
 }
 CONSTANTS: Mapping[str, sp.Expr] = {"pi": sp.pi, "E": sp.E, "oo": sp.oo}
+# Functions the language leaves out, as a formula writes them with the functions it has, for
+# the hint of an unknown function: (the call's arguments as the rewrite names them, the
+# rewrite). {x} is an argument as written, {(x)} the same in parentheses unless it is a name,
+# a number or a call. softplus written so is computed as a log-sum-exp (docs/priors.md).
+REWRITES: Mapping[str, tuple[tuple[str, ...], str]] = {
+    "log1p": (("x",), "log(1 + {x})"),
+    "expm1": (("x",), "exp({x}) - 1"),
+    "log2": (("x",), "log({x})/log(2)"),
+    "log10": (("x",), "log({x})/log(10)"),
+    "ln": (("x",), "log({x})"),
+    "exp2": (("x",), "2**{(x)}"),
+    "sigmoid": (("x",), "1/(1 + exp(-{(x)}))"),
+    "softplus": (("x",), "log(1 + exp({x}))"),
+    "relu": (("x",), "Max({x}, 0)"),
+    "abs": (("x",), "Abs({x})"),
+    "fabs": (("x",), "Abs({x})"),
+    "max": (("x", "y"), "Max({x}, {y})"),
+    "min": (("x", "y"), "Min({x}, {y})"),
+    "clip": (("x", "lo", "hi"), "Min(Max({x}, {lo}), {hi})"),
+    "clamp": (("x", "lo", "hi"), "Min(Max({x}, {lo}), {hi})"),
+    "ceil": (("x",), "ceiling({x})"),
+    "sgn": (("x",), "sign({x})"),
+    "arctan": (("x",), "atan({x})"),
+    "erfc": (("x",), "1 - erf({x})"),
+    "rsqrt": (("x",), "1/sqrt({x})"),
+    "tan": (("x",), "sin({x})/cos({x})"),
+    "square": (("x",), "{(x)}**2"),
+    "pow": (("x", "y"), "{(x)}**{(y)}"),
+}
+MAX_REWRITE_ARGUMENT = 40   # characters of an argument a hint repeats; beyond, it says x
 RESERVED = frozenset(FUNCTIONS) | frozenset(CONSTANTS) | {"True", "False"}
 MAX_SUM_TERMS = 256    # terms of a Sum once expanded (nested Sums: the product of their lengths)
 MAX_SUM_EXPANSION = 2_000_000   # nodes of all the expanded copies of Sum bodies, in one formula
@@ -225,7 +255,8 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
                    "use Python/SymPy syntax, e.g. -(Abs(d - mu)/alpha)**beta") from None
     except (RecursionError, MemoryError):
         raise fail("the formula is nested too deeply to parse", "simplify the expression") from None
-    builder = _Builder(symbols, fail, vectors or {}, {} if kinks is None else kinks, symbols_hint)
+    builder = _Builder(symbols, fail, vectors or {}, {} if kinks is None else kinks, symbols_hint,
+                       source=text.strip())
     try:
         expr = builder.build(tree.body, depth=0)
     except (ArithmeticError, TypeError, ValueError) as exc:
@@ -249,9 +280,10 @@ class _Builder:
 
     def __init__(self, symbols: Mapping[str, sp.Expr], fail,
                  vectors: Mapping[str, tuple[sp.Symbol, ...]], kinks: dict,
-                 symbols_hint: str | None = None):
+                 symbols_hint: str | None = None, source: str = ""):
         self.symbols = dict(symbols)
         self.symbols_hint = symbols_hint
+        self.source = source     # the formula's text, quoted back in hints as the user wrote it
         self.fail = fail
         self.vectors = vectors
         self.kinks = kinks
@@ -511,8 +543,10 @@ class _Builder:
                                   comparators=[node.args[1]])
             return self._Compare(ast.copy_location(compare, node), depth)
         if name not in FUNCTIONS:
+            allowed = "allowed functions: " + ", ".join(sorted(FUNCTIONS))
+            rewrite = _rewrite(node, name, self.source)
             raise self.fail(f"unknown function '{name}'",
-                            "allowed functions: " + ", ".join(sorted(FUNCTIONS)))
+                            f"write {rewrite}; {allowed}" if rewrite else allowed)
         if node.keywords:
             raise self.fail(f"keyword arguments are not allowed in {name}(...)")
         if name == "Piecewise":
@@ -582,6 +616,29 @@ class _Builder:
         if _is_condition(value) or not isinstance(value, sp.Expr):
             raise self.fail("a condition was used where a number is expected",
                             "conditions belong only inside Piecewise((value, condition), ...)")
+
+
+def _rewrite(call: ast.Call, name: str, source: str) -> str | None:
+    """'f(args) as <the same with the language's functions>' for a function of REWRITES, with
+    the call's own arguments (as ``source`` spells them) where they are short, or None: a user
+    who wrote log1p(r*d) reads the formula to write in its place."""
+    if name not in REWRITES:
+        return None
+    params, template = REWRITES[name]
+    texts = [ast.get_source_segment(source, a) or ast.unparse(a) for a in call.args]
+    if (name in ("max", "min") and len(texts) > 2 and not call.keywords
+            and all(len(t) <= MAX_REWRITE_ARGUMENT for t in texts)):   # Max takes them all
+        return f"{name}({', '.join(texts)}) as {name.capitalize()}({', '.join(texts)})"
+    if (len(texts) != len(params) or call.keywords
+            or any(len(t) > MAX_REWRITE_ARGUMENT for t in texts)):
+        texts, nodes = list(params), [ast.Name(p) for p in params]
+    else:
+        nodes = call.args
+    values = {}
+    for p, text, node in zip(params, texts, nodes):
+        values[p] = text
+        values[f"({p})"] = text if isinstance(node, (ast.Name, ast.Constant, ast.Call)) else f"({text})"
+    return f"{name}({', '.join(texts)}) as {template.format_map(values)}"
 
 
 def _flat_arity(call: ast.Call, name: str) -> int:

@@ -65,6 +65,11 @@ EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "keyword_argument.yaml": ("log_prior", ("keyword arguments are not allowed",)),
     "unknown_symbol.yaml": ("log_prior", ("unknown symbol 'x'",)),
     "unknown_function.yaml": ("log_prior", ("unknown function 'gamma'",)),
+    "unknown_function_log1p.yaml": ("log_prior", ("unknown function 'log1p'", "hint: write "
+                                                  "log1p(r2*Abs(d)) as log(1 + r2*Abs(d));")),
+    "unknown_function_sigmoid.yaml": ("log_prior", ("unknown function 'sigmoid'", "hint: write "
+                                                    "sigmoid((W - Abs(d))/t) as "
+                                                    "1/(1 + exp(-((W - Abs(d))/t)));")),
     "underscore_symbol.yaml": ("log_prior", ("unknown symbol '_b'",)),
     "syntax_warning.yaml": ("log_prior", ("a constant cannot be called",)),
     "control_characters.yaml": ("log_prior", ("cannot parse", "\\x1b")),

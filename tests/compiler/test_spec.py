@@ -1,6 +1,7 @@
 """Stage 1: prior files to PriorSpec, the formula whitelist, the names a parameter may not have,
 values as the module computes them, and the time bounds of a build."""
 import ast
+import math
 import re
 
 import pytest
@@ -10,7 +11,7 @@ from bamgen.compiler import spec as spec_module
 from bamgen.checks.inits import check_inits
 from bamgen.driver.build import compile_spec
 from bamgen.errors import SpecError
-from bamgen.compiler.formula import parse_formula
+from bamgen.compiler.formula import REWRITES, parse_formula
 from bamgen.compiler.spec import load_spec, parse_spec
 from tests.helpers import run_cli_in_process, write_prior
 
@@ -579,3 +580,62 @@ def test_a_typo_in_a_parameter_setting_names_its_line(tmp_path, params, line):
     message = _refusal(tmp_path, params)
     assert re.match(rf"FILE:{line}: field 'params\.b\.(inti|domian|True)': unknown field .* in "
                     rf"parameter 'b' \(hint: allowed fields: init, domain", message), message
+
+
+@pytest.mark.parametrize("log_prior, rewrite", [
+    ("-r*log1p(b*Abs(d))", "write log1p(b*Abs(d)) as log(1 + b*Abs(d))"),
+    ("log(sigmoid((b - Abs(d))/r))", "write sigmoid((b - Abs(d))/r) as 1/(1 + exp(-((b - Abs(d))/r)))"),
+    ("-softplus(Abs(d) - b)", "write softplus(Abs(d) - b) as log(1 + exp(Abs(d) - b))"),
+    ("-relu(Abs(d) - b)", "write relu(Abs(d) - b) as Max(Abs(d) - b, 0)"),
+    ("-abs(d)/b", "write abs(d) as Abs(d)"),
+    ("-max(Abs(d), b, r)", "write max(Abs(d), b, r) as Max(Abs(d), b, r)"),
+    ("-clamp(Abs(d), 0, b)", "write clamp(Abs(d), 0, b) as Min(Max(Abs(d), 0), b)"),
+    ("-clip(Abs(d))", "write clip(x, lo, hi) as Min(Max(x, lo), hi)"),
+    ("-log2(1 + Abs(d))", "write log2(1 + Abs(d)) as log(1 + Abs(d))/log(2)"),
+    ("-expm1(-b)*Abs(d)", "write expm1(-b) as exp(-b) - 1"),
+])
+def test_an_unknown_function_with_an_obvious_rewrite_gets_it_in_the_hint(tmp_path, log_prior, rewrite):
+    params = "  b: {init: 1.0, domain: positive}\n  r: {init: 1.0, domain: positive}\n"
+    message = _refusal(tmp_path, params, log_prior)
+    name = rewrite.split()[1].partition("(")[0]
+    assert message.startswith(f"FILE:2: field 'log_prior': unknown function '{name}' "
+                              f"(hint: {rewrite}; allowed functions: Abs, Max"), message
+
+
+def test_an_unknown_function_without_a_rewrite_gets_the_list():
+    with pytest.raises(SpecError, match=r"unknown function 'gamma' \(hint: allowed functions: Abs"):
+        parse_formula("gamma(d)", SYMS, field="log_prior")
+
+
+REFERENCE = {
+    "log1p": math.log1p, "expm1": math.expm1, "log2": math.log2, "log10": math.log10,
+    "ln": math.log, "exp2": lambda x: 2 ** x, "sigmoid": lambda x: 1 / (1 + math.exp(-x)),
+    "softplus": lambda x: math.log1p(math.exp(x)), "relu": lambda x: max(x, 0.0),
+    "abs": abs, "fabs": abs, "max": max, "min": min,
+    "clip": lambda x, lo, hi: min(max(x, lo), hi), "clamp": lambda x, lo, hi: min(max(x, lo), hi),
+    "ceil": math.ceil, "sgn": lambda x: math.copysign(1.0, x), "arctan": math.atan,
+    "erfc": math.erfc, "rsqrt": lambda x: 1 / math.sqrt(x), "tan": math.tan,
+    "square": lambda x: x * x, "pow": math.pow,
+}
+
+
+@pytest.mark.parametrize("name", sorted(REWRITES))
+def test_every_rewrite_a_hint_gives_is_a_formula_of_the_language_computing_the_function(name):
+    """The hint's formula, with arguments that are themselves expressions, parses and gives
+    what the function gives."""
+    arguments = ("d - 0.7", "d*d + 1.5", "d + 3")[:len(REWRITES[name][0])]
+    call = f"{name}({', '.join(arguments)})"
+    with pytest.raises(SpecError) as err:
+        parse_formula(call, SYMS, field="log_prior")
+    rewritten = re.search(rf"write {re.escape(call)} as (.*); allowed", str(err.value)).group(1)
+    expr = parse_formula(rewritten, SYMS, field="log_prior")
+    compared = 0
+    for x in (0.2, 1.3, 2.9):
+        values = [eval(a, {"d": x}) for a in arguments]
+        try:
+            want = REFERENCE[name](*values)
+        except ValueError:    # outside the function's domain (log of -0.5): nothing to compare
+            continue
+        assert float(expr.subs(D, x)) == pytest.approx(want, rel=1e-12), rewritten
+        compared += 1
+    assert compared >= 2
