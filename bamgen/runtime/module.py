@@ -54,8 +54,11 @@ class PriorAttention(torch.nn.Module):
                 if name not in values:
                     raise ValueError(f"init: unknown parameter {name!r}; known: "
                                      f"{', '.join(traits.param_names) or 'none'}")
-                values[name] = _stored_shape(traits.param(name), param_block(
-                    traits.param(name), value, num_heads, "cpu").detach().clone())
+                try:
+                    block = param_block(traits.param(name), value, num_heads, "cpu")
+                except ValueError as exc:   # the attention() wording, said of init=
+                    raise ValueError(f"init: {exc}") from None
+                values[name] = _stored_shape(traits.param(name), block.detach().clone())
             check_domains(traits, values, what="init: ")
         stored = []
         for p in traits.params:

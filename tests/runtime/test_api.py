@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from generated import generalized_gaussian as ggd
-from generated import laplace, uniform
+from generated import laplace, t5, uniform
 
 
 def qkv(B=1, Hq=4, Hk=2, Nq=9, Nk=11, D=16, dtype=torch.float32):
@@ -106,6 +106,24 @@ def test_a_module_built_on_the_meta_device_loads_its_weights():
     layer.load_state_dict(saved.state_dict(), assign=True)
     q = torch.randn(1, 2, 6, 8)
     torch.testing.assert_close(layer(q, q, q), saved(q, q, q), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: ggd.GeneralizedGaussianAttention(num_heads=3, init={"alpha": torch.ones(4)}),
+     "init: alpha must be a float or a tensor of shape [3] (one value per query head), got shape (4,)"),
+    (lambda: laplace.LaplaceAttention(3, init={"b": "two"}),
+     "init: b must be a float or a tensor of shape [3], got str"),
+    (lambda: t5.T5Attention(num_heads=2, init={"w": torch.zeros(31)}),
+     "init: w must be a tensor of shape [2, 32] (a row per query head) or [32], got shape (31,)"),
+    (lambda: laplace.LaplaceAttention(3, init={"b": -1.0}),
+     "init: b must be positive (> 0) and finite"),
+])
+def test_a_wrong_init_is_named_as_the_module_s_init_argument(make, words):
+    """A value of the constructor's init= that attention() would refuse is refused as init=,
+    not as a keyword of attention()."""
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value).startswith(words), str(err.value)
 
 
 def test_reset_parameters_after_to_empty_initialises_as_the_constructor():
