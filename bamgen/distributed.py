@@ -634,7 +634,8 @@ class _RingAttention(torch.autograd.Function):
             refusal = None
         except Exception as err:
             refusal = err
-        _agree(ring.group, ring.world, None if refusal else [0], refusal, 1, "this call's backward")
+        _agree(ring.group, ring.world, None if refusal else [0], refusal, 1, "this call's backward",
+               dout.device)
         dq, dk, dv, grads, dpos = _ring_backward(ring, call, dout, q, k, v, out, stats, params,
                                                  tuple(pos) or None)
         dlearned = None
@@ -677,9 +678,16 @@ _ALIKE = (
      "every rank passes its shards of them, or none does"),
     (slice(12, 14), "cu_seqlens is", lambda c: f"[{c[0]} bounds, checksum {c[1]}]" if c[0] else "not given",
      "every rank passes the whole sequence's document bounds, the same on every rank"),
+    (slice(14, 15), "the gradients wanted are", lambda c: _GRADIENTS[c[0]],
+     "every rank runs the backward and sums the parameters' gradients alike: the same tensors "
+     "require grad, and torch.no_grad() is on every rank or none"),
 )
-_EXTENT = 14        # 1 where both positions are integers, then q_lo, q_hi, k_lo, k_hi
-_FLAGS = 19         # a column per chunk distance -(2W-1) .. 2W-1: 1 where the window shows it
+# column 14: bit 0 where q, k, v or the positions require grad, bit 1 where the prior's
+# parameters do (the backward then sums their gradients over the group); 0: no backward
+_GRADIENTS = ("none", "of q, k, v (or positions)", "of the prior's parameters",
+              "of q, k, v and the prior's parameters")
+_EXTENT = 15        # 1 where both positions are integers, then q_lo, q_hi, k_lo, k_hi
+_FLAGS = 20         # a column per chunk distance -(2W-1) .. 2W-1: 1 where the window shows it
 
 
 def _row_width(world: int) -> int:
@@ -713,19 +721,30 @@ class _Plan:
         for delta in self.distances or ():
             flags[delta + span] = 1
         return [0, *self.q.shape, *self.k.shape, _DTYPES.index(self.q.dtype), int(causal),
-                0 if self.pos is None else self.pos.channels, *digest,
+                0 if self.pos is None else self.pos.channels, *digest, self.gradients(),
                 *((0,) * 5 if extent is None else (1, *extent)), *flags]
 
+    def gradients(self) -> int:
+        """Column 14 of the row: which gradients this rank's backward computes and sums (a rank
+        whose backward does not run, or sums nothing, leaves the others waiting in theirs)."""
+        if not torch.is_grad_enabled():
+            return 0
+        tensors = (self.q, self.k, self.v) + (() if self.pos is None else (self.pos.q, self.pos.k))
+        return int(any(t.requires_grad for t in tensors)) | 2 * int(self.learned.requires_grad)
 
-def _agreement_device(group):
-    """NCCL gathers CUDA tensors only (on the device torch.cuda.set_device chose); every other
-    backend, gloo beside NCCL included, takes the agreement's CPU tensor."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+
+def _agreement_device(group, device):
+    """NCCL gathers CUDA tensors only: on the call's own device (q's), else the one
+    torch.cuda.set_device chose; every other backend, gloo beside NCCL included, takes the
+    agreement's CPU tensor."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
-def _agree(group, world: int, row, refusal, width: int, what: str) -> list:
+def _agree(group, world: int, row, refusal, width: int, what: str, device=None) -> list:
     """Every rank's row (`width` ints), gathered in one small collective before the ring sends
     anything. A refusal on any rank (row None, `refusal` its exception) is raised on every rank,
     the refusing rank's own and the others' naming it: a refusal on some ranks only left the
@@ -734,7 +753,7 @@ def _agree(group, world: int, row, refusal, width: int, what: str) -> list:
     if world == 1:
         rows = [mine]
     else:
-        device = _agreement_device(group)
+        device = _agreement_device(group, device)
         parts = [torch.empty(width, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(parts, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
         rows = torch.stack(parts).tolist()
@@ -918,7 +937,8 @@ def ring_attention(mod, q, k, v, causal=True, group=None, *, scale=None, backend
         row, refusal = plan.row(causal, world), None
     except Exception as err:   # (whatever it is: raised on some ranks only, the others would wait)
         row, refusal = None, err
-    rows = _agree(group, world, row, refusal, _row_width(world), "this call")
+    rows = _agree(group, world, row, refusal, _row_width(world), "this call",
+                  q.device if isinstance(q, torch.Tensor) else None)
     _check_alike(rows, group)
     check_integer_distances(_agreed_extent(rows))
     chunk = plan.q.shape[2] // 2

@@ -682,6 +682,12 @@ def _disagreements(rank, group):
          + same_shape),
         ("causal on rank 0 only", q, k, v, dict(params, causal=not on_1),
          "^causal is True on rank 0 but False on rank 1: every rank makes the same call$"),
+        # rank 0 learns the prior (its backward would sum the parameters' gradients over the
+        # group), rank 1 passes them detached: rank 0 waited in that all_reduce
+        ("parameters that require grad on rank 0 only", q, k, v,
+         {name: t.clone().requires_grad_(not on_1) for name, t in params.items()},
+         r"^the gradients wanted are of the prior's parameters on rank 0 but none on rank 1: "
+         r"every rank runs the backward"),
         # each rank's shard lies within 2**24, the whole sequence's distances do not
         ("integer distances past 2**24 across ranks", q, k, v, dict(params, pos_q=apart, pos_k=apart),
          r"^pos_q and pos_k \(-16777216..12582912, -16777216..12582912\): distances between "
