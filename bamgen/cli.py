@@ -82,6 +82,10 @@ class _OneLineErrors(click.Group):
             sys.exit(1)
         except KeyboardInterrupt:
             _interrupted()
+        except Exception as err:   # an import that Ctrl-C cut short fails again when retried
+            if _after_interrupt(err):
+                _interrupted()
+            raise
         sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx):
@@ -91,6 +95,10 @@ class _OneLineErrors(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt as err:
             raise _Interrupted() from err
+        except Exception as err:
+            if _after_interrupt(err):
+                raise _Interrupted() from err
+            raise
 
 
 class _Interrupted(Exception):
@@ -100,6 +108,19 @@ class _Interrupted(Exception):
 def _interrupted() -> None:
     click.echo("interrupted", err=True)
     sys.exit(INTERRUPTED)
+
+
+def _after_interrupt(err: BaseException) -> bool:
+    """Whether err comes of a Ctrl-C: raised while handling one, or caused by one. numpy, its
+    import cut short by Ctrl-C, fails the retry with ImportError ('cannot load module more than
+    once per process') whose context is the KeyboardInterrupt."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -190,6 +211,8 @@ def _reported(path: Path, doing: str = "building"):
     except RecursionError:
         _fail(f"{path}: the formula is too deeply nested to compile")
     except Exception as exc:   # a bug in bamgen, not in the file: still one line, exit 2
+        if _after_interrupt(exc):
+            _interrupted()
         _fail(f"{path}: internal error while {doing} ({type(exc).__name__}: "
               f"{str(exc)[:200]}); please report it with the prior file")
 

@@ -224,3 +224,22 @@ def test_a_folder_named_as_a_shipped_prior_does_not_shadow_it(tmp_path):
     res = run_cli_in_process("show", "mine", cwd=tmp_path)
     assert res.exit_code == 2 and res.stderr == ("error: mine: not a regular file (a folder) "
                                                  "(hint: give the path of a prior file (.yaml))\n")
+
+
+def test_an_import_that_ctrl_c_cut_short_is_reported_as_the_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of numpy's import, and the retry fails with ImportError ('cannot
+    load module more than once per process') raised while handling the KeyboardInterrupt: it
+    printed that traceback, exit 1, about one time in four. An error whose context is a
+    Ctrl-C is the interrupt: 'interrupted', exit 130, nothing written."""
+    import bamgen.compiler.spec as spec
+
+    def cut_short(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ImportError("cannot load module more than once per process")
+    monkeypatch.setattr(spec, "load_spec", cut_short)
+    out = tmp_path / "out"
+    res = run_cli_in_process("build", str(write_prior(tmp_path, GOOD)), "-o", str(out))
+    assert res.exit_code == 130 and res.stderr == "interrupted\n" and res.stdout == ""
+    assert not out.exists()
