@@ -13,7 +13,6 @@ without a rebuild, and a change to what the compiler prints gives a new key.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import pprint
 import re
 import dataclasses
@@ -426,31 +425,11 @@ def _init_lines(plan: KernelPlan) -> list[str]:
             kind, a, b = spec.random
             call = f"init_random({kind!r}, {a!r}, {b!r}, H{shape})"
         else:
-            parts, expr = _head_free_parts(p.name, spec.init_expr)
-            if parts:
-                lines.append(f"# {p.name}'s init: its parts that do not depend on the head h")
-                lines.extend(f"{name} = {_python(part)}" for name, part in parts)
-            code = repr(float(expr)) if expr.is_number else _python(expr)
+            expr = spec.init_expr
+            code = repr(float(expr)) if expr.is_number else sp.pycode(expr, fully_qualified_modules=True)
             call = f"init_formula({p.name!r}, lambda h: {code}, H{shape})"
         lines.append(f'values["{p.name}"] = {call}')
     return lines
-
-
-def _head_free_parts(name: str, expr: sp.Expr) -> tuple[list[tuple[str, sp.Expr]], sp.Expr]:
-    """An init formula's repeated parts that read H alone, named _<param>_<k> (names no other
-    parameter's parts can take: a parameter's name is followed by _ and an integer), and the
-    formula over them: ALiBi's 2**floor(log(H)/log(2)), written four times, is computed once
-    and the lambda stays a line one can read."""
-    if expr.is_number:
-        return [], expr
-    h = next((s for s in expr.free_symbols if s.name == "h"), sp.Dummy("h"))
-    parts, (reduced,) = sp.cse(expr, symbols=(sp.Symbol(f"_{name}_{k}") for k in itertools.count()),
-                               ignore=(h,))
-    return parts, reduced
-
-
-def _python(expr: sp.Expr) -> str:
-    return sp.pycode(expr, fully_qualified_modules=True)
 
 
 def _triton_globals(hooks: list[Hook]) -> list[str]:
