@@ -451,3 +451,17 @@ def test_a_float_outside_its_domain_is_refused_as_before(value, shown):
     """As float32 holds it (the kernels' value): 1e-50 is 0, 1e39 and a huge int infinite."""
     with pytest.raises(ValueError, match=f"beta must be positive .* got {shown} for head 0"):
         ggd.attention(*qkv(), alpha=2.0, beta=value, mu=0.0)
+
+
+def test_an_init_guarded_by_a_condition_on_h_computes_only_its_branch(tmp_path):
+    """An init whose branch divides by H - 1 under H > 1: default_params(1) takes the other
+    branch, as the formula says, rather than computing every part of the formula first (a
+    ZeroDivisionError at H = 1, from parts hoisted out of the per-head lambda)."""
+    import bamgen
+    path = tmp_path / "guarded.yaml"
+    path.write_text('name: guarded\nlog_prior: -Abs(d)/b\nparams:\n'
+                    '  b: {init: "Piecewise((1 + 1/(H - 1) + h/(H - 1), H > 1), (1, True))", '
+                    'domain: positive}\n')
+    guarded = bamgen.load(path, cache_dir=tmp_path / "cache")
+    assert guarded.default_params(1)["b"].tolist() == [1.0]
+    assert guarded.default_params(3)["b"].tolist() == [1.5, 2.0, 2.5]
