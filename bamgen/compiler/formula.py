@@ -767,7 +767,7 @@ class _Evaluator:
         if e.is_Add:
             return self._out(sum(xs), args)
         if e.is_Mul:
-            return self._out(math.prod(xs), args)
+            return self._product(e, args)
         if e.is_Pow:
             return self._pow(e, args)
         if e.func in _UNARY:
@@ -806,6 +806,27 @@ class _Evaluator:
             return float(e.func(*[sp.Float(x) for x in xs]).evalf()), False
         except (TypeError, ValueError, OverflowError):
             return math.nan, False
+
+    def _product(self, e: sp.Mul, args) -> tuple[float, bool]:
+        """A product as the printed code computes it: the factors of a negative rational power
+        divide (SymPy prints a*b**-1 as a/b), rather than multiply by their reciprocal, which
+        rounds apart: log(H)/log(2) is 3.0 at H = 8 divided, 2.9999999999999996 times
+        1/log(2), and floor() tells them apart (ALiBi's init in priors/laplace.yaml)."""
+        numerator, denominator = [], []
+        for factor, (x, big) in zip(e.args, args):
+            if factor.is_Pow and factor.exp.is_Rational and factor.exp.is_negative:
+                flipped = factor.base if factor.exp == -1 else sp.Pow(factor.base, -factor.exp)
+                denominator.append(self.value(flipped)[0])
+            else:
+                numerator.append(x)
+        if not denominator:
+            return self._out(math.prod(numerator), args)
+        top, bottom = math.prod(numerator), math.prod(denominator)
+        try:
+            y = top / bottom
+        except ZeroDivisionError:   # as 1/0 in float64: inf (nan for 0/0)
+            y = math.nan if top == 0 or math.isnan(top) else math.copysign(math.inf, top)
+        return self._out(y, args)
 
     def _pow(self, e: sp.Pow, args) -> tuple[float, bool]:
         (b, big_b), (x, big_x) = args

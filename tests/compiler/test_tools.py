@@ -167,3 +167,25 @@ def test_inspect_refuses_a_py_file_bamgen_did_not_generate_without_running_it(tm
         assert len(lines) == 1 and f"{path}: not a module bamgen generated" in lines[0], res.stderr
         assert "bamgen build" in lines[0] and "internal error" not in lines[0]
     assert not ran.exists()
+
+
+@pytest.mark.parametrize("name", ["laplace", "alibi_2d", "generalized_gaussian", "bam", "kerple_power"])
+def test_the_analysis_inits_are_the_module_s(name):
+    """`bamgen show` and the build's checks compute an init in float64 as a tree of products
+    and powers; the module prints it as Python. They disagreed where rounding decides a floor:
+    ALiBi's init in laplace reads floor(log(H)/log(2)), which the analysis computed as
+    log(H) * (1/log(2)) = 2.9999999999999996 at H = 8 (so `show` gave 8 heads the slopes of 4),
+    where the module divides, 3.0. A quotient is now divided in both. Every head count to 64:
+    the analysis's values, rounded to float32, are the module's."""
+    import importlib
+
+    import torch
+    from bamgen.compiler.analysis import init_values
+    ir = analyse(load_spec(PRIORS / f"{name}.yaml"))
+    module = importlib.import_module(f"generated.{name}")
+    for heads in range(1, 65):
+        analysed = init_values(ir, heads)
+        for param, values in module.default_params(heads).items():
+            symbol = next(s for s in analysed[0] if s.name == param)
+            want = torch.tensor([head[symbol] for head in analysed], dtype=torch.float64).float()
+            assert torch.equal(values, want), (heads, param, values, want)
