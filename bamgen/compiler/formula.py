@@ -56,7 +56,9 @@ REWRITES: Mapping[str, tuple[tuple[str, ...], str]] = {
     "log10": (("x",), "log({x})/log(10)"),
     "ln": (("x",), "log({x})"),
     "exp2": (("x",), "2**{(x)}"),
-    "sigmoid": (("x",), "1/(1 + exp(-{(x)}))"),
+    # (1/(1 + exp(-x)) overflows far out, where its derivative is nan; inside a log, write
+    # -log(1 + exp(-x)): a log-sum-exp)
+    "sigmoid": (("x",), "(1 + tanh({(x)}/2))/2"),
     "softplus": (("x",), "log(1 + exp({x}))"),
     "relu": (("x",), "Max({x}, 0)"),
     "abs": (("x",), "Abs({x})"),
@@ -626,7 +628,7 @@ def _rewrite(call: ast.Call, name: str, source: str) -> str | None:
         return None
     params, template = REWRITES[name]
     texts = [ast.get_source_segment(source, a) or ast.unparse(a) for a in call.args]
-    if (name in ("max", "min") and len(texts) > 2 and not call.keywords
+    if (name in ("max", "min") and 2 < len(texts) <= MAX_MINMAX_ARGS and not call.keywords
             and all(len(t) <= MAX_REWRITE_ARGUMENT for t in texts)):   # Max takes them all
         return f"{name}({', '.join(texts)}) as {name.capitalize()}({', '.join(texts)})"
     if (len(texts) != len(params) or call.keywords

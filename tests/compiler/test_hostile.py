@@ -69,7 +69,7 @@ EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
                                                   "log1p(r2*Abs(d)) as log(1 + r2*Abs(d));")),
     "unknown_function_sigmoid.yaml": ("log_prior", ("unknown function 'sigmoid'", "hint: write "
                                                     "sigmoid((W - Abs(d))/t) as "
-                                                    "1/(1 + exp(-((W - Abs(d))/t)));")),
+                                                    "(1 + tanh(((W - Abs(d))/t)/2))/2;")),
     "underscore_symbol.yaml": ("log_prior", ("unknown symbol '_b'",)),
     "syntax_warning.yaml": ("log_prior", ("a constant cannot be called",)),
     "control_characters.yaml": ("log_prior", ("cannot parse", "\\x1b")),

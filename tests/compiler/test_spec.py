@@ -6,6 +6,7 @@ import re
 
 import pytest
 import sympy as sp
+import torch
 
 from bamgen.compiler import spec as spec_module
 from bamgen.checks.inits import check_inits
@@ -584,7 +585,7 @@ def test_a_typo_in_a_parameter_setting_names_its_line(tmp_path, params, line):
 
 @pytest.mark.parametrize("log_prior, rewrite", [
     ("-r*log1p(b*Abs(d))", "write log1p(b*Abs(d)) as log(1 + b*Abs(d))"),
-    ("log(sigmoid((b - Abs(d))/r))", "write sigmoid((b - Abs(d))/r) as 1/(1 + exp(-((b - Abs(d))/r)))"),
+    ("log(sigmoid((b - Abs(d))/r))", "write sigmoid((b - Abs(d))/r) as (1 + tanh(((b - Abs(d))/r)/2))/2"),
     ("-softplus(Abs(d) - b)", "write softplus(Abs(d) - b) as log(1 + exp(Abs(d) - b))"),
     ("-relu(Abs(d) - b)", "write relu(Abs(d) - b) as Max(Abs(d) - b, 0)"),
     ("-abs(d)/b", "write abs(d) as Abs(d)"),
@@ -600,6 +601,31 @@ def test_an_unknown_function_with_an_obvious_rewrite_gets_it_in_the_hint(tmp_pat
     name = rewrite.split()[1].partition("(")[0]
     assert message.startswith(f"FILE:2: field 'log_prior': unknown function '{name}' "
                               f"(hint: {rewrite}; allowed functions: Abs, Max"), message
+
+
+@pytest.mark.parametrize("outer,call,bias", [
+    ("-3*{}", "sigmoid(-Abs(d)*b)", lambda d: -3 * torch.sigmoid(-d.abs())),
+    ("{}", "sigmoid(d/b)", lambda d: torch.sigmoid(d)),
+    ("log({})", "sigmoid((b - Abs(d))/r)", lambda d: torch.nn.functional.logsigmoid(1 - d.abs())),
+])
+def test_the_sigmoid_hint_builds_and_computes_the_sigmoid(tmp_path, outer, call, bias):
+    """The hint's sigmoid, written as 1/(1 + exp(-x)), was refused by the build outside a log
+    (exp overflows far out, its derivative in b nan); its tanh form builds, in a log too, and
+    the module's logits carry the sigmoid (b = r = 1, against torch's, non-causal)."""
+    import bamgen
+    params = "  b: {init: 1.0, domain: positive}\n  r: {init: 1.0, domain: positive}\n"
+    rewritten = re.search(r"as (.*); allowed", _refusal(tmp_path, params, outer.format(call))).group(1)
+    path = tmp_path / "rewritten.yaml"
+    path.write_text(f"name: rewritten\nlog_prior: \"{outer.format('(' + rewritten + ')')}\"\n"
+                    f"params:\n{params}")
+    module = bamgen.load(path, cache_dir=tmp_path / "cache")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    values = {name: 1.0 for name in module.PARAM_NAMES}
+    d = (torch.arange(9.0)[:, None] - torch.arange(9.0)[None]).double()
+    want = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + bias(d), -1) @ v
+    got = module.attention(q, k, v, causal=False, backend="torch", **values)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_an_unknown_function_without_a_rewrite_gets_the_list():
