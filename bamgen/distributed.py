@@ -682,10 +682,10 @@ _ALIKE = (
      "every rank runs the backward and sums the parameters' gradients alike: the same tensors "
      "require grad, and torch.no_grad() is on every rank or none"),
 )
-# column 14: bit 0 where q, k, v or the positions require grad, bit 1 where the prior's
-# parameters do (the backward then sums their gradients over the group); 0: no backward
-_GRADIENTS = ("none", "of q, k, v (or positions)", "of the prior's parameters",
-              "of q, k, v and the prior's parameters")
+# column 14: 0 where no backward will run, 1 where it will and sums no parameter's gradient,
+# 2 where it sums the prior parameters' gradients over the group (its one collective beside
+# the ring's): which of q, k, v want theirs may differ between ranks
+_GRADIENTS = ("none", "of q, k, v (or positions) alone", "of the prior's parameters")
 _EXTENT = 15        # 1 where both positions are integers, then q_lo, q_hi, k_lo, k_hi
 _FLAGS = 20         # a column per chunk distance -(2W-1) .. 2W-1: 1 where the window shows it
 
@@ -730,7 +730,9 @@ class _Plan:
         if not torch.is_grad_enabled():
             return 0
         tensors = (self.q, self.k, self.v) + (() if self.pos is None else (self.pos.q, self.pos.k))
-        return int(any(t.requires_grad for t in tensors)) | 2 * int(self.learned.requires_grad)
+        if self.learned.requires_grad:
+            return 2
+        return int(any(t.requires_grad for t in tensors))
 
 
 def _agreement_device(group, device):

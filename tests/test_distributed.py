@@ -709,6 +709,17 @@ def _refused_on_some_ranks_then_valid(rank):
             ring_attention(importlib.import_module("generated.generalized_gaussian"), q, k, v,
                            group=group, **{"causal": True, **kw})
         valid(label)
+    # both ranks learn the prior, only rank 0's q wants its gradient: both backwards run and
+    # both sum the parameters' gradients, so the call runs (and the sums agree)
+    ggd = importlib.import_module("generated.generalized_gaussian")
+    learned = {name: t.clone().requires_grad_() for name, t in ggd.default_params(2).items()}
+    q, k, v = (shard(t, group=group) for t in _inputs(1, 2, 2, 8, 16, seed=10)[:3])
+    ring_attention(ggd, q.requires_grad_(rank == 0), k, v, causal=True, group=group,
+                   **learned).sum().backward()
+    grads = torch.stack([learned[name].grad for name in sorted(learned)])
+    both = [torch.empty_like(grads) for _ in range(2)]
+    dist.all_gather(both, grads, group=group)
+    assert torch.equal(both[0], both[1])
     # a frozen parameter (bam's tm) written on rank 1 between the forward and the backward
     bam = importlib.import_module("generated.bam")
     params = bam.default_params(2)
