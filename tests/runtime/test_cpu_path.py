@@ -312,14 +312,17 @@ def test_quick_positions_benchmark_runs_and_its_peers_agree():
     assert all(float(row[-2]) < 1e-4 for row in rows), res.stdout
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["", "key_mask"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_a_nan_input_poisons_the_same_gradients_on_both_paths(where, causal):
+def test_a_nan_input_poisons_the_same_gradients_on_both_paths(where, causal, padded):
     """A NaN in one element of q, k or v: the CPU path's gradients are NaN exactly where the
     Triton kernels' are (GQA, not causal and causal). A NaN in a query row without the causal
     mask leaves that row's l at 0 beside m = NaN, which the CPU backward once read as a row
     that sees no key: its q and dO were zeroed, and the NaN loss came with finite gradients
-    (a NaN check on the gradients, as GradScaler's, would have let the step through)."""
+    (a NaN check on the gradients, as GradScaler's, would have let the step through). With a
+    key_mask, the keys it hides get no gradient from such a row (they were 0 * NaN on the CPU
+    path: dS^T q, dS 0 there), as in the kernels, which skip them."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, h, 32, 16, generator=g) for h in (4, 2, 2))
     {"q": q, "k": k, "v": v}[where][0, 0, 10, 3] = float("nan")
@@ -327,7 +330,8 @@ def test_a_nan_input_poisons_the_same_gradients_on_both_paths(where, causal):
     patterns = {}
     for backend in ("torch", "triton"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ggd.attention(*leaves, causal=causal, backend=backend, **params)
+        key_mask = (torch.arange(32) < 28)[None] if padded else None
+        out = ggd.attention(*leaves, causal=causal, key_mask=key_mask, backend=backend, **params)
         out.backward(torch.ones_like(out))
         patterns[backend] = [out.isnan()] + [t.grad.isnan() for t in leaves]
     assert bool(patterns["torch"][1].any()), "a NaN loss must reach dq"

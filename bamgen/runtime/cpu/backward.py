@@ -95,8 +95,9 @@ def _positional_call(prior, dout, q, k, v, out, stats, theta, causal, scale, shi
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     k, v = hide_padding(k, v, key_mask)
     q, dout, out, v = quiet_dead_rows(q, dout, out, v, stats.contiguous())
-    return backward_generic(prior, dout, q, k, v, out, stats.contiguous(), theta, causal, scale,
-                            q_offset, k_offset, shifted, None, n, key_mask, pos)
+    return hidden_keys_get_nothing(backward_generic(
+        prior, dout, q, k, v, out, stats.contiguous(), theta, causal, scale, q_offset, k_offset,
+        shifted, None, n, key_mask, pos), key_mask)
 
 
 def backward_call(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted,
@@ -115,11 +116,26 @@ def backward_call(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offs
         careful = key_mask is not None or not (
             masks_nothing(k.shape[2], causal, q_offset, k_offset) or inputs_finite(q, k))
         # (a block of keys, rows given: its dS does not sum to 0 over a row, so no row anchor)
-        return table_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset,
-                              shifted, careful=careful, key_mask=key_mask,
-                              row_anchor=rows is None)
-    return backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset,
-                            shifted, rows, n, key_mask)
+        return hidden_keys_get_nothing(table_backward(
+            prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted,
+            careful=careful, key_mask=key_mask, row_anchor=rows is None), key_mask)
+    return hidden_keys_get_nothing(backward_generic(
+        prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted, rows,
+        n, key_mask), key_mask)
+
+
+def hidden_keys_get_nothing(grads: tuple, key_mask) -> tuple:
+    """(dq, dk, dv, dparams[, dpos_q, dpos_k]) with dk, dv (and dpos_k) 0 at the keys key_mask
+    hides, as no query sees them: a row that a NaN in its q reached made them 0 * NaN (dS^T q,
+    dS 0 there), where the kernels, which skip those keys, give 0."""
+    if key_mask is None:
+        return grads
+    hidden = ~key_mask[:, None, :, None]
+    dq, dk, dv, dparams, *dpos = grads
+    dk, dv = dk.masked_fill(hidden, 0.0), dv.masked_fill(hidden, 0.0)
+    if dpos:
+        dpos[1] = dpos[1].masked_fill(hidden, 0.0)
+    return (dq, dk, dv, dparams, *dpos)
 
 
 def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset,
