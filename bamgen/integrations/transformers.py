@@ -417,27 +417,22 @@ def _install_implementation_check(model) -> None:
     states)."""
     for module in transformers_models(model):
         if _runs_its_priors not in module._forward_pre_hooks.values():
-            module.register_forward_pre_hook(_runs_its_priors)
-        if _no_attention_weights not in module._forward_pre_hooks.values():
-            module.register_forward_pre_hook(_no_attention_weights, with_kwargs=True)
+            module.register_forward_pre_hook(_runs_its_priors, with_kwargs=True)
 
 
-def _no_attention_weights(model, args, kwargs) -> None:
-    """A forward pre-hook (apply_prior's): bamgen's kernels never hold a row's attention weights
-    whole, so output_attentions=True (the call's, or the config's) would return none, silently
-    (an empty tuple). Refused by name instead."""
+def _runs_its_priors(model, args, kwargs) -> None:
+    """A forward pre-hook (apply_prior's) that refuses, by name, a call that would run otherwise
+    than the priors say, silently:
+    - the layers' priors run only through the "bamgen" attention implementation, so a model
+      switched to another one after apply_prior (``set_attn_implementation("sdpa")``) would
+      run without them: with RoPE removed, with no positional encoding at all;
+    - bamgen's kernels never hold a row's attention weights whole, so output_attentions=True
+      (the call's, or the config's) would return none (an empty tuple)."""
     if kwargs.get("output_attentions", getattr(model.config, "output_attentions", False)):
         raise ValueError("output_attentions=True: bamgen's attention does not form the attention "
                          "weights (its kernels never hold them whole), so it cannot return "
                          "them; call without output_attentions (and with "
                          "config.output_attentions = False)")
-
-
-def _runs_its_priors(model, args) -> None:
-    """A forward pre-hook (apply_prior's): the layers' priors run only through the "bamgen"
-    attention implementation, so a model switched to another one after apply_prior
-    (``set_attn_implementation("sdpa")``) would run without them, silently: with RoPE removed,
-    with no positional encoding at all. Refused by name instead."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"attn_implementation: this model's attention layers hold bamgen priors "
