@@ -337,3 +337,34 @@ def test_a_nan_input_poisons_the_same_gradients_on_both_paths(where, causal, pad
     assert bool(patterns["torch"][1].any()), "a NaN loss must reach dq"
     for name, mine, kernels in zip(("out", "dq", "dk", "dv"), patterns["torch"], patterns["triton"]):
         assert torch.equal(mine, kernels), (name, int(mine.sum()), int(kernels.sum()))
+
+
+def _naive_laplace_grads(q, k, v, b):
+    """ALiBi as autograd computes it in float64: the gradients a user's reference has."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v, b)]
+    q, k, v, b = leaves
+    n = q.shape[2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 - (i - j).abs() / b[:, None, None]
+    out = logits.masked_fill(j > i, -torch.inf).softmax(-1) @ v
+    out.backward(torch.ones_like(out))
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_infinite_value_poisons_the_gradients_the_reference_poisons(backend):
+    """+inf and -inf in v, causal: dk and ALiBi's db are NaN exactly where autograd's float64
+    gradients are. The CPU table path once made dk NaN for keys that rows after the inf only
+    mask (dS = 0 * -inf where their delta was inf); the kernels' parameter sums clamped the NaN
+    to -3.4e38, a finite gradient that a NaN check (GradScaler's) lets through."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(3))
+    v[0, 0, 3, 2], v[0, 1, 5, 1] = torch.inf, -torch.inf
+    b = laplace.default_params(2)["b"]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, b)]
+    out = laplace.attention(*leaves[:3], b=leaves[3], causal=True, backend=backend)
+    out.backward(torch.ones_like(out))
+    expected = _naive_laplace_grads(q, k, v, b)
+    for name, mine, ref in zip(("dq", "dk", "dv", "db"), [t.grad for t in leaves], expected):
+        assert torch.equal(mine.isnan(), ref.isnan()), (name, int(mine.isnan().sum()), int(ref.isnan().sum()))
+    assert bool(leaves[3].grad.isnan().all())

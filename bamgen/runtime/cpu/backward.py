@@ -314,6 +314,10 @@ def table_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_off
     dog = dout.to(cdt).reshape(B, Hk, G, Nq, D)
     kf, vf = k.to(cdt), v.to(cdt)
     m_row, inv_l, delta = row_terms(dout, out, stats, B, Hk, G, Nq)
+    # a row whose delta is inf or NaN (an inf in v or dO) makes a masked score's dS 0 * inf:
+    # such scores are then zeroed, as with non-finite q or k (the caller's check)
+    careful = careful or not (masks_nothing(Nk, causal, q_offset, k_offset)
+                              or bool(torch.isfinite(delta).all()))
     dq = torch.zeros(B, Hk, G, Nq, D, dtype=cdt, device=dev)
     BM, BN = table_tile(Nq, Nk, G)
     W = BM + BN

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from .helpers import (
-    TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _distance, _dot, _factored_logit2, _fp32_scalars,
+    TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _clamped_sum, _distance, _dot, _factored_logit2, _fp32_scalars,
     _kept_keys, _load_kv,
     _logit2, _logit_grads, _logit_row2, _lowp, _position, _position_diff, _position_reduce,
     _position_terms, _store_positions, _tensor_positions, _zero_tiles, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
@@ -826,8 +826,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
             factor = row_factors[1 + GRAD_BASE + g]
         if ROW_SUMS:
             if ROW_FACTORS:
-                tl.store(row_at + 1 + g, _clamped(factor * means[g]), mask=row_ok)
-                tl.store(partial + g, tl.sum(_clamped(factor * grads[g]), 0))
+                tl.store(row_at + 1 + g, _clamped_sum(factor * means[g]), mask=row_ok)
+                tl.store(partial + g, tl.sum(_clamped_sum(factor * grads[g]), 0))
             else:
                 tl.store(row_at + 1 + g, means[g], mask=row_ok)
                 tl.store(partial + g, tl.sum(grads[g], 0))
@@ -835,8 +835,8 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
             # (a ramp's factor, 1/b^2 for ALiBi's b, overflows float32 for a tiny b; where its
             # sum is 0, one key at the row's reference distance, the product is 0, not inf * 0)
             ramp_sum = tl.sum(corrected, 0)
-            tl.store(partial + g, tl.where(ramp_sum == 0.0, 0.0, _clamped(ramp_factors[g] * ramp_sum)))
+            tl.store(partial + g, tl.where(ramp_sum == 0.0, 0.0, _clamped_sum(ramp_factors[g] * ramp_sum)))
         elif ROW_FACTORS:
-            tl.store(partial + g, tl.sum(_clamped(factor * corrected), 0))
+            tl.store(partial + g, tl.sum(_clamped_sum(factor * corrected), 0))
         else:
             tl.store(partial + g, tl.sum(corrected, 0))

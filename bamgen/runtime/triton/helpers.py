@@ -300,8 +300,17 @@ def _row_dot(a, b):
 def _clamped(x):
     """x within float32's finite range. Next to a kink (|d - mu| a denormal) a parameter
     derivative can overflow float32 where dS is ~0: the largest float keeps dS * derivative
-    finite, as the tables' clamped entries are."""
+    finite, as the tables' clamped entries are. (A NaN becomes -3.4e38: see _clamped_sum.)"""
     return tl.minimum(tl.maximum(x, -3.4028234663852886e38), 3.4028234663852886e38)
+
+@triton.jit
+def _clamped_sum(x):
+    """_clamped for a parameter's sums as they are stored, keeping a NaN a NaN: a row that an
+    inf in v reached sums to NaN, which must reach the parameter's gradient as NaN (as autograd's
+    does), not as the largest float, which a NaN check (GradScaler's) lets through. Once per
+    row, not per score: the NaN-propagating clamp costs registers in the loop (FIRE's dQ at d64
+    spilled on sm_90)."""
+    return tl.clamp(x, -3.4028234663852886e38, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
 
 @triton.jit
 def _table_load(ptrs):
