@@ -13,7 +13,9 @@ group with no decay. Two conventions are followed:
 """
 from __future__ import annotations
 
+import numbers
 import sys
+import warnings
 
 import torch
 
@@ -28,12 +30,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.01, *,
     Frozen parameters and empty groups are left out."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if prior_lr is not None and not prior_lr >= 0:
-        raise ValueError(f"prior_lr: expected a learning rate >= 0, got {prior_lr!r}")
+    _check_rate("weight_decay", weight_decay)
+    if prior_lr is not None:
+        _check_rate("prior_lr", prior_lr)
     keep = {id(p) for p in no_decay_parameters(model)}
+    _refuse_flat_parameters(model)
     priors = set()
     if prior_lr is not None:
-        priors = {id(p) for module in model.modules() for p in _prior_parameters(module)}
+        priors = {id(p) for module in model.modules() for p in _prior_parameters(module)
+                  if p.requires_grad}
+        if not priors:
+            warnings.warn("prior_lr: the model has no learnable prior parameter (no generated "
+                          "attention module with a learnable prior inside it), so no parameter "
+                          "takes this rate", stacklevel=2)
     decay, no_decay, prior = [], [], []
     for _, param in model.named_parameters():
         if param.requires_grad:
@@ -43,6 +52,31 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.01, *,
               {"params": no_decay, "weight_decay": 0.0},
               {"params": prior, "weight_decay": 0.0, "lr": prior_lr}]
     return [group for group in groups if group["params"]]
+
+
+def _check_rate(name: str, value) -> None:
+    """A rate read from a config file may arrive as a string ("1e-3"), which torch's optimizers
+    only reject at their first step, far from the call that carried it."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        raise ValueError(f"{name}: expected a number >= 0, got {value!r} "
+                         f"({type(value).__name__}); a value from a config file needs float(...)")
+
+
+def _refuse_flat_parameters(model: torch.nn.Module) -> None:
+    """FSDP1 with use_orig_params=False (its default) replaces a module's parameters with one
+    flat parameter per wrapped unit: the prior's few scalars sit inside the weights' flat
+    tensor, so no group can give them another decay or rate. Silently, every parameter would
+    decay and take the base rate."""
+    if not any(getattr(p, "_is_flat_param", False) for p in model.parameters()):
+        return
+    if any(_is_prior_module(module) or callable(getattr(module, "no_weight_decay", None))
+           for module in model.modules()):
+        raise ValueError("model: FSDP (FullyShardedDataParallel) with use_orig_params=False "
+                         "flattens the prior parameters into the other weights, so they cannot "
+                         "have a group of their own; wrap with use_orig_params=True, or use FSDP2 "
+                         "(torch.distributed.fsdp.fully_shard)")
 
 
 def no_decay_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -55,6 +89,14 @@ def no_decay_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             own = dict(module.named_parameters())
             found += [own[name] for name in listed() if name in own]
     return list({id(p): p for p in found}.values())
+
+
+def _is_prior_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is (or derives from) a generated module's class."""
+    if getattr(type(module), "_bamgen_prior", None) is not None:
+        return True
+    return any(isinstance(getattr(sys.modules.get(cls.__module__), "PRIOR", None), dict)
+               for cls in type(module).__mro__)
 
 
 def _prior_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

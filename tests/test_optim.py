@@ -130,3 +130,41 @@ def test_bad_arguments_are_clear_errors():
         bamgen.param_groups([torch.nn.Parameter(torch.zeros(2))], weight_decay=0.1)
     with pytest.raises(ValueError, match="prior_lr"):
         bamgen.param_groups(Block(dim=8, heads=2), weight_decay=0.1, prior_lr=float("nan"))
+    with pytest.raises(ValueError, match=r"prior_lr: expected a number >= 0, got '1e-3' \(str\)"):
+        bamgen.param_groups(Block(dim=8, heads=2), weight_decay=0.1, prior_lr="1e-3")
+    with pytest.raises(ValueError, match="weight_decay: expected a number"):
+        bamgen.param_groups(Block(dim=8, heads=2), weight_decay="0.1")
+
+
+def test_a_tensor_learning_rate_is_a_number():
+    """torch's optimizers take a tensor lr (for capturable steps): so does prior_lr."""
+    _, priors = bamgen.param_groups(Block(dim=8, heads=2), weight_decay=0.1, prior_lr=torch.tensor(1e-2))
+    assert float(priors["lr"]) == pytest.approx(1e-2)
+
+
+def test_prior_lr_on_a_model_without_prior_parameters_warns():
+    """A config that sets prior_lr for a model whose attention has no learnable prior (NoPE, a
+    frozen prior) would otherwise give no parameter that rate, silently."""
+    model = Block(dim=8, heads=2)
+    model.attn.requires_grad_(False)
+    with pytest.warns(UserWarning, match="prior_lr: the model has no learnable prior parameter"):
+        groups = bamgen.param_groups(model, weight_decay=0.1, prior_lr=1e-2)
+    assert all("lr" not in g for g in groups)
+
+
+def test_fsdp1_with_flat_parameters_is_refused_by_name():
+    """FSDP1's default (use_orig_params=False) flattens the prior's scalars into the weights'
+    flat tensor: every parameter then decayed at the base rate, silently. use_orig_params=True
+    keeps them apart, and their group."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        flat = FSDP(Block(dim=8, heads=2), device_id=torch.device("cpu"))
+        with pytest.raises(ValueError, match="use_orig_params=True"):
+            bamgen.param_groups(flat, weight_decay=0.1)
+        model = FSDP(Block(dim=8, heads=2), device_id=torch.device("cpu"), use_orig_params=True)
+        _, priors = bamgen.param_groups(model, weight_decay=0.1, prior_lr=1e-2)
+        assert _ids(priors["params"]) == _ids([model.attn.raw_alpha, model.attn.raw_beta, model.attn.raw_mu])
+    finally:
+        dist.destroy_process_group()
