@@ -523,10 +523,37 @@ def _literal(v) -> str:
     return repr(v)
 
 
+def op_hash(traits_text: str, pos_traits: str | None, distance: dict | None,
+            hooks: list[Hook]) -> str:
+    """The hash of what the prior's custom ops run (16 hex): its traits, the printed hooks (their
+    code, not their docstrings) and the runtime ABI that reads them. The ops' name carries it
+    (runtime/ops.py: op_name), so a saved torch.export program or AOTInductor package finds the
+    build whose math it was traced with, and no other: an edited formula, parameter or strategy
+    is a new name, while the description, the parameters' initial values, the source line and
+    the bamgen version are not part of it (a program survives an upgrade that prints the same
+    hooks)."""
+    math = repr((RUNTIME_ABI, traits_text, pos_traits, distance,
+                 [dataclasses.replace(h, doc="") for h in hooks]))
+    return hashlib.sha256(math.encode("utf-8")).hexdigest()[:16]
+
+
 def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
     source_name = Path(spec.path).name
     score_text = str(spec.score) if spec.score is not None else "s + log_prior"
     formulas = dict(spec.formulas)
+    torch_side = torch_hooks(plan)
+    distance = None
+    if plan.distance_table is not None:
+        first, rest = _first_output_first(plan.distance_table.code)
+        distance = dict(prm=_prm_unpack(plan, "prm"),
+                        hoisted=plan.distance_table.code.hoisted, first=first, rest=rest,
+                        outputs=plan.distance_table.code.outputs,
+                        returned=_tuple(plan.distance_table.code.outputs, always=True))
+    triton_side = triton_hooks(plan)
+    positional = plan.positional
+    pos_side = [] if positional is None else triton_hooks(positional, prefix="pos_")
+    traits_text = _traits_source(traits(spec, plan))
+    pos_traits = None if positional is None else _traits_source(traits(spec, positional))
     log_prior_text = formulas.get("log_prior") or f"log({formulas['density']})"
     meta = {
         "name": spec.name,
@@ -548,6 +575,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         **({"warnings": [w.message for w in plan.ir.warnings]} if plan.ir.warnings else {}),
         "bamgen_version": __version__,
         "source_hash": spec.source_hash,
+        "op_hash": op_hash(traits_text, pos_traits, distance, torch_side + triton_side + pos_side),
         "build_hash": build_hash,
     }
     header = [
@@ -556,21 +584,10 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         f" positions={','.join(plan.positions_used) or '-'} build-hash={build_hash}",
         f"source-sha256={spec.source_hash}",
     ]
-    torch_side = torch_hooks(plan)
-    distance = None
-    if plan.distance_table is not None:
-        first, rest = _first_output_first(plan.distance_table.code)
-        distance = dict(prm=_prm_unpack(plan, "prm"),
-                        hoisted=plan.distance_table.code.hoisted, first=first, rest=rest,
-                        outputs=plan.distance_table.code.outputs,
-                        returned=_tuple(plan.distance_table.code.outputs, always=True))
-    triton_side = triton_hooks(plan)
-    positional = plan.positional
-    pos_side = [] if positional is None else triton_hooks(positional, prefix="pos_")
     return dict(
         spec=spec, plan=plan, header=header, source_name=source_name, abi=RUNTIME_ABI,
         prior_meta=pprint.pformat(meta, sort_dicts=False, width=96),
-        traits=_traits_source(traits(spec, plan)),
+        traits=traits_text,
         params=plan.params, learnable=plan.learnable,
         param_names=repr(tuple(p.name for p in plan.params)),
         learnable_names=repr(tuple(p.name for p in plan.learnable)), init_lines=_init_lines(plan),
@@ -578,7 +595,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         imports=_wrap(_runtime_imports(plan), "from bamgen.runtime import (", " " * 28, ")"),
         triton_globals=_triton_globals(triton_side + pos_side),
         pos_hooks=pos_side,
-        pos_traits=None if positional is None else _traits_source(traits(spec, positional)),
+        pos_traits=pos_traits,
         pos_binding=_wrap([h.name for h in pos_side], "(", " " * 8,
                           ",)" if len(pos_side) == 1 else ")", column=35) if pos_side else "()",
         score_text=score_text, log_prior_text=log_prior_text,

@@ -2,8 +2,9 @@
 ops").
 
 Each prior's forward and backward are torch.library custom ops in the namespace bamgen, named
-after the prior (op_name: two builds of one prior in a process do not collide; importing the
-same build again shares the first import's ops: shared_ops). Their fake implementations give
+after the prior and the hash of what they run (op_name: two builds of one prior in a process do
+not collide, and a saved program finds the build it was traced with; importing the same build
+again shares the first import's ops: shared_ops). Their fake implementations give
 the output shapes without running anything, so a trace has no graph break and a new sequence
 length is one more value of a symbolic size, not a recompile. Everything that reads tensor
 values (the parameters' domains, tensor offsets, cu_seqlens, key counts, the CPU path's
@@ -24,6 +25,7 @@ TRITON_DEFAULT_FP_FUSION=0 (TritonOps.wanted says why).
 (No `from __future__ import annotations` here: torch.library reads the ops' annotations.)
 """
 import functools
+import hashlib
 import math
 from typing import Optional, Tuple
 
@@ -38,27 +40,37 @@ from .tables import acc_dtype
 from .triton import interpreting
 
 
+# The version of the ops' arguments (their names, types, defaults and meaning): part of every
+# op's name, so a program saved by a bamgen whose ops took other arguments fails to load instead
+# of running with them dropped or defaulted (torch.export.load drops an argument the op no longer
+# takes, without a word). Bump it with any change to them; tests/runtime/test_export_names.py
+# records the schemas of each version.
+OPS_SCHEMA = 1
+
+
 def op_name(meta) -> str:
-    """The ops' name: the prior's, torch.ops.bamgen.<name>_fwd / _bwd (docs/architecture.md,
-    "Custom ops"). The first build of a prior imported in a process owns that name (importing it
-    again shares its ops); a different build of a prior of the same name (an edited file,
-    another strategy) takes <name>_<first 8 hex of its build hash>, so neither replaces the
-    other's ops. The owners live in a dict on torch.library, the one place every generated
-    module shares."""
-    owners = torch.library.__dict__.setdefault("_bamgen_op_owners", {})
-    if owners.setdefault(meta["name"], meta["build_hash"]) == meta["build_hash"]:
-        return meta["name"]
-    return f"{meta['name']}_{meta['build_hash'][:8]}"
+    """The ops' name, torch.ops.bamgen.<op_name>_fwd / _bwd (docs/architecture.md, "Custom
+    ops"): the prior's name and 8 hex of the hash of what the ops run (compiler/codegen.py:
+    op_hash) with OPS_SCHEMA. A function of the build alone, not of what else the process
+    imported: a program saved by torch.export or AOTInductor names the build it was traced
+    with, a fresh process that loads that build resolves it, and one that loaded an edited
+    prior of the same name (another formula, parameters or strategy) has no op of that name,
+    so loading fails instead of running the other formula (docs/packaging.md, "torch.export
+    and AOTInductor"). A module built before the op hash existed is named by its build hash."""
+    math = meta.get("op_hash", meta["build_hash"])
+    return f"{meta['name']}_{hashlib.sha256(f'{math}:{OPS_SCHEMA}'.encode()).hexdigest()[:8]}"
 
 
 def shared_ops(prior, kind, make):
-    """The ops of this build, registered by the first import of it in the process: a second
-    import (another module name, `generated.x` beside `bamgen.generated.x`, a reload) shares
-    them. Registering a name again would replace the first import's registration under the
-    op objects it still calls: a dangling operator handle in C++ (crashes seen: a segmentation
+    """The ops of this name, registered by the first import in the process of a build with them:
+    a second import (another module name, `generated.x` beside `bamgen.generated.x`, a reload,
+    a build that differs only outside the ops: its description, its parameters' initial
+    values, the bamgen version) shares them, the same math by the name's construction.
+    Registering a name again would replace the first import's registration under the op
+    objects it still calls: a dangling operator handle in C++ (crashes seen: a segmentation
     fault and a std::bad_alloc in a fake-tensor call, with two imports in one process)."""
     registry = torch.library.__dict__.setdefault("_bamgen_ops", {})
-    key = (prior.op_name, prior.meta["build_hash"], kind)
+    key = (prior.op_name, kind)
     if key not in registry:
         registry[key] = make(prior)
     return registry[key]

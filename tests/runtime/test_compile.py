@@ -289,16 +289,14 @@ def test_second_derivatives_raise_instead_of_a_silent_zero(backend):
 
 
 def test_op_names_and_reimport(monkeypatch):
-    """The ops are torch.ops.bamgen.<prior>_fwd / _bwd (docs/architecture.md, "Custom ops"); importing the same build
-    again under another module name shares the first import's op objects (registering again
-    left the first import calling a dangling operator handle), and both imports still compile;
-    a different build of a prior of the same name takes a name with its build hash."""
-    assert gaussian.OP_NAME == "gaussian" and ggd.OP_NAME == "generalized_gaussian"
-    assert hasattr(torch.ops.bamgen, "gaussian_fwd") and hasattr(torch.ops.bamgen, "gaussian_bwd")
-    owners = torch.library._bamgen_op_owners
-    monkeypatch.setitem(owners, "gaussian", "another build")
-    assert op_name(gaussian.PRIOR) == "gaussian_" + gaussian.PRIOR["build_hash"][:8]
-    monkeypatch.setitem(owners, "gaussian", gaussian.PRIOR["build_hash"])
+    """The ops are torch.ops.bamgen.<prior>_<op hash>_fwd / _bwd (docs/architecture.md, "Custom
+    ops"); importing the same build again under another module name shares the first import's
+    op objects (registering again left the first import calling a dangling operator handle), and
+    both imports still compile. (A different build: tests/runtime/test_export_names.py.)"""
+    assert gaussian.OP_NAME == op_name(gaussian.PRIOR) and gaussian.OP_NAME.startswith("gaussian_")
+    assert ggd.OP_NAME.startswith("generalized_gaussian_") and ggd.OP_NAME != gaussian.OP_NAME
+    assert hasattr(torch.ops.bamgen, gaussian.OP_NAME + "_fwd")
+    assert hasattr(torch.ops.bamgen, gaussian.OP_NAME + "_bwd")
     spec = importlib.util.spec_from_file_location("gaussian_again", gaussian.__file__)
     again = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gaussian_again", again)

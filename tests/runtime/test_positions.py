@@ -446,7 +446,7 @@ class FoxLayer(torch.nn.Module):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_fox_layer_compiles_fullgraph_once_for_every_length(backend):
     """torch.compile(fullgraph=True, dynamic=True): the positional custom ops
-    (torch.ops.bamgen.forget_gate_pfwd / _pbwd) take the position tensors; three lengths, one
+    (torch.ops.bamgen.forget_gate_<op hash>_pfwd / _pbwd) take the position tensors; three lengths, one
     graph, no break, and the step's output and every gradient (the gates' included) equal to
     eager's."""
     from torch._dynamo.utils import counters

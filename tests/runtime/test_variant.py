@@ -73,7 +73,7 @@ def test_runtime_state_is_per_prior(tmp_path):
     laplace = importlib.import_module("generated.laplace")
     assert ggd._prior.ops is not laplace._prior.ops
     assert ggd._prior.decode_tables is not laplace._prior.decode_tables
-    assert ggd.OP_NAME == "generalized_gaussian" and hasattr(torch.ops.bamgen, "laplace_fwd")
+    assert ggd.OP_NAME != laplace.OP_NAME and hasattr(torch.ops.bamgen, laplace.OP_NAME + "_fwd")
     with pytest.raises(ValueError, match="alpha must be positive"):
         ggd.attention(*(torch.randn(1, 1, 3, 8) for _ in range(3)), alpha=-1.0, beta=1.0, mu=0.0)
 
