@@ -87,6 +87,19 @@ def check_causal(traits, causal, pos_q=None, pos_k=None):
                          f"its query; pass token positions (q_offset, k_offset) instead")
 
 
+def check_theta(traits, theta):
+    """Inside an op: theta holds one column per parameter element of this prior. attention()
+    and the module build it so; a program traced with another build of the prior would not
+    (the ops' names differ per build, runtime/ops.py: op_name, so this is a last guard, before
+    a hook unpacks the columns with an error that names neither)."""
+    if theta.dim() != 2 or theta.shape[1] != traits.num_columns:
+        names = ", ".join(p.name for p in traits.params) or "none"
+        raise ValueError(f"theta: the prior {traits.name!r} takes theta of shape [heads, "
+                         f"{traits.num_columns}] (its parameters: {names}), got "
+                         f"{tuple(theta.shape)}: the call was made for another prior; pass this "
+                         f"prior's parameters")
+
+
 MAX_POSITION = 2 ** 24   # positions and distances are exact integers in float32 up to here
 
 

@@ -137,6 +137,7 @@ def _op_fwd(prior, q, k, v, theta, causal, scale, q_offset, k_offset, q_offsets,
     Triton); extra the float32 O of a low-precision Triton forward that a backward will follow,
     else an empty tensor. check: refuse parameters outside their domains (attention())."""
     checks.check_causal(prior.traits, causal)   # (a traced call's: attention() checks eager ones)
+    checks.check_theta(prior.traits, theta)
     layout = _op_layout(q, k, q_offset, k_offset, q_offsets, k_offsets, key_mask, cu_seqlens_q,
                         cu_seqlens_k)
     if check:
@@ -234,6 +235,7 @@ def _op_pfwd(prior, q, k, v, theta, pos_q, pos_k, causal, scale, key_mask, cu_se
     """(out, stats, extra) as _op_fwd's, of a call with position tensors (the int offsets
     place its tokens for the causal mask); q_bounds, k_bounds: positions.traced_bounds."""
     checks.check_causal(prior.traits, causal, pos_q, pos_k)
+    checks.check_theta(prior.traits, theta)
     extent = check_traced_bounds(q_bounds, k_bounds)
     layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
     if check:
@@ -410,6 +412,7 @@ def _op_prepare(prior, q, k, theta, causal, q_offset, k_offset, key_mask, for_ba
     kernels' loads address, never filled). Every output is new memory."""
     from .triton import launch
     checks.check_causal(prior.traits, causal)
+    checks.check_theta(prior.traits, theta)
     layout = _op_layout(q, k, q_offset, k_offset, None, None, key_mask, None, None)
     if check:
         prior.domain_check(theta)

@@ -121,6 +121,18 @@ def test_a_build_that_differs_outside_the_math_shares_the_ops(tmp_path):
                                rtol=0, atol=0)
 
 
+def test_theta_of_another_prior_is_refused_inside_the_op(tmp_path):
+    """The ops check theta's width before a hook unpacks it (before: "not enough values to
+    unpack" from inside the module)."""
+    mod = bamgen.load(write_prior(tmp_path, PRIOR_A, "myp.yaml"), cache_dir=tmp_path / "cache")
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    fwd = getattr(torch.ops.bamgen, mod.OP_NAME + "_fwd")
+    with pytest.raises(ValueError, match=r"theta: the prior 'myp' takes theta of shape \[heads, 1\] "
+                                         r"\(its parameters: b\), got \(2, 2\)"):
+        fwd(q, k, v, torch.ones(2, 2), True, 0.125, 0, 0, None, None, None, None, None, False,
+            False, False)
+
+
 # The ops' schemas (names left out) of each OPS_SCHEMA, as sha256: a change to an op's arguments
 # must bump OPS_SCHEMA, which renames every op, or a program saved before it would load and run
 # with an argument dropped or defaulted by torch.
