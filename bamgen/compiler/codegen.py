@@ -78,11 +78,19 @@ def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:
         row_cache=plan.row_factors is not None and not plan.row_factors.reads_i,
         logit_fma=plan.row_factors is not None and plan.row_factors.logit_fma,
         grad_modes=_grad_modes(plan), tile_kind=tile_kind(plan),
-        center_grads=(plan.strategy == "inline" and plan.score_is_identity and plan.ramp is None
-                      and bool(plan.learnable) and bool(set(plan.positions_used) & {"i", "j", "n"})),
+        center_grads=_centres_grads(plan),
         dist_sums=dist_sums(plan), channels=spec.channels, tensor_positions=plan.tensor_positions,
         position_grads=any(g != 0 for _, g in plan.ir.position_grads),
         causal_only=spec.causal_only)
+
+
+def _centres_grads(plan: KernelPlan) -> bool:
+    """PriorTraits.center_grads: an inline prior with learnable scalars whose logit is s +
+    log_prior and reads an absolute position (i, j or n; over several channels i0, j1, .., n), so
+    that a derivative may hold a part constant along each row."""
+    absolute = any(name[0] in "ijn" for name in plan.positions_used)
+    return (plan.strategy == "inline" and plan.score_is_identity and plan.ramp is None
+            and bool(plan.learnable) and absolute)
 
 
 # A table prior with more tabulated learnable scalars than this sums dS per distance in the dQ

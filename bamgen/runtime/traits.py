@@ -84,8 +84,9 @@ class PriorTraits:
     backward's preprocess kernel caches them, the logit is fma(q.k, scale, v) * r.
     grad_modes: per learnable parameter, GRAD_CLAMPED, GRAD_TABLE or GRAD_LOGIT_FACTOR.
     center_grads: the dQ kernel measures each printed derivative from its value at the row's own
-    position (an inline prior that reads i, j or n: a part of the derivative that is constant
-    along a row meets sum_j dS = 0, and in float32 its size would swamp the gradient).
+    position, d = 0 in every channel (an inline prior that reads i, j or n, over several
+    channels i0, j1, .., or n: a part of the derivative that is constant along a row meets
+    sum_j dS = 0, and in float32 its size would swamp the gradient).
     tile_kind: which tile table the kernels use (bamgen/runtime/triton/tiles.py).
     dist_sums: the dQ kernel takes the parameters' gradients from per-distance sums of dS
     against the derivative tables (a table prior of many tabulated scalars: T5's buckets).

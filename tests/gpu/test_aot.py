@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from bamgen.resources import shipped_priors
-from tests.helpers import ROOT, run_cli, run_cli_aot, run_script_aot
+from tests.helpers import ROOT, run_cli, run_cli_aot, run_script_aot, write_prior
 
 PRIORS = shipped_priors()
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
@@ -690,6 +690,28 @@ def test_positional_kernels_compile_without_spills(prior, arch, head_dim, layout
         if kernel["name"] not in NO_MMA:
             assert kernel["main_loop"]["mma"] > 0, kernel["name"]
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_80", marks=pytest.mark.aot_full)])
+def test_backward_kernels_of_ones_own_prior_over_channels_reading_n_compile(tmp_path, arch):
+    """A prior of one's own over two channels that reads n and learns a parameter: its dQ kernel
+    measures the derivatives from each row's own position (center_grads), one d = 0 per channel.
+    It failed to compile ("internal error while compiling", exit 2) where it took d = 0 as one
+    tensor. (No spill contract: it is not a shipped prior.)"""
+    prior = write_prior(tmp_path, """
+        name: grid_n
+        positions: 2
+        log_prior: -(Abs(d0) + Abs(d1)) * log(n) / b
+        params:
+          b: {init: 2.0, domain: positive}
+        """)
+    report = _inspect(prior, arch, 64, "--layout", "positions", "--kernel", "attn_bwd_dq",
+                      "--kernel", "attn_bwd_dkdv")
+    assert {k["name"] for k in report["kernels"]} == {"attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"}
+    for kernel in report["kernels"]:
+        assert 0 < kernel["registers"] <= 255, kernel
+        assert kernel["main_loop"]["mma"] > 0, kernel["name"]
 
 TABLE_KERNELS_SCRIPT = r"""
 import json, sys

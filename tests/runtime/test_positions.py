@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bamgen
+from tests.helpers import write_prior
 from tests.reference import reference_attention
 from tests.runtime.test_library import LIBRARY, as_reference, fold_shared
 from tests.tolerance import assert_all_close, atol_for
@@ -951,3 +952,64 @@ def test_a_key_at_minus_infinity_among_integer_positions_is_a_hidden_key(backend
     for name, got, want in zip(("out", "dq", "dk", "dv", "db"), *results):
         assert bool(torch.isfinite(got).all()), name
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+
+
+# A prior of one's own over several channels that reads n (the keys a row sees): its slope in
+# the grid distance grows with log(n), and c log(n) moves every logit of a row alike (softmax is
+# blind to it: c's gradient is 0). Its dQ kernel measures the derivatives from each row's own
+# position (center_grads), which over several channels reads one d = 0 per channel.
+GRID_N = """
+    name: grid_n{C}
+    positions: {C}
+    log_prior: -({distance}) * log(n) / b + c * log(n)
+    params:
+      b: {{init: 2.0, domain: positive}}
+      c: {{init: 0.3}}
+    """
+
+
+@pytest.fixture(scope="module")
+def grid_n_priors(tmp_path_factory):
+    """The 2- and 3-channel priors of GRID_N, built once from their own files."""
+    folder = tmp_path_factory.mktemp("grid_n")
+    built = {}
+    for channels in (2, 3):
+        distance = " + ".join(f"Abs(d{c})" for c in range(channels))
+        text = GRID_N.format(C=channels, distance=distance)
+        built[channels] = bamgen.load(write_prior(folder, text, f"grid_n{channels}.yaml"),
+                                      cache_dir=folder / "cache")
+    return built
+
+
+@pytest.mark.parametrize("backend,dtype", PATHS)
+@pytest.mark.parametrize("channels,grid", [(2, (4, 6)), (3, (2, 3, 4))])
+def test_a_prior_of_ones_own_over_several_channels_reading_n(grid_n_priors, channels, grid,
+                                                             backend, dtype):
+    """Every value and gradient (q, k, v, the positions through a learnt shift, b, c) against
+    the float64 attention with the bias written out, causal with padding keys so that n is not
+    the row's index plus one. The Triton backward of such a prior raised TypeError: its dQ
+    kernel took each row's d = 0 as one tensor where the positions are one per channel."""
+    module = grid_n_priors[channels]
+    assert module.TRAITS.center_grads
+    g = torch.Generator().manual_seed(channels)
+    B, H, N = 2, 2, 24
+    shift = torch.randn(B, N, channels, generator=g, dtype=dtype).mul(0.3).requires_grad_(True)
+    pos = bamgen.positions.grid(*grid, dtype=dtype)[None] + shift
+    q, k, v = (torch.randn(B, H, N, 16, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    key_mask[0, [3, 10]] = False
+    key_mask[1, 17:] = False
+    b = torch.tensor([1.5, 3.0], requires_grad=True)
+    c = torch.tensor([0.3, -0.2], requires_grad=True)
+    out = module.attention(q, k, v, b=b, c=c, causal=True, key_mask=key_mask, pos_q=pos, pos_k=pos,
+                           backend=backend)
+
+    def build(cdt):
+        visible = torch.ones(N, N, dtype=torch.bool).tril() & key_mask[:, None, :]
+        log_n = visible.sum(-1).to(cdt).log()[:, None, :, None]     # every row sees key 0
+        p = pos.to(cdt)
+        dist = (p[:, :, None, :] - p[:, None, :, :]).abs().sum(-1)[:, None]
+        bias = -dist * log_n / b.to(cdt)[None, :, None, None] + c.to(cdt)[None, :, None, None] * log_n
+        return _materialised(q, k, v, bias, True, key_mask=key_mask, cdt=cdt)
+    _check(out, build, dtype, (q, k, v, shift, b, c), torch.randn(out.shape, generator=g))
+

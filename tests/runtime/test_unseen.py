@@ -248,19 +248,33 @@ def test_infinite_limit_is_clamped_with_a_note(tmp_path):
     assert torch.isfinite(out).all() and torch.isfinite(beta.grad).all()
 
 
-def test_a_derivative_constant_along_each_row_gives_no_gradient(tmp_path):
+# -c |i| deep into a sequence, over one channel (token positions at offsets) and over two (the
+# same positions as tensors: i0 the token's, i1 = 0, so that the logits are the one channel's)
+DEPTH_PRIORS = {1: "-Abs(d) / b - c * Abs(i)", 2: "-(Abs(d0) + Abs(d1)) / b - c * Abs(i0)"}
+
+
+def _token_positions_in_channel_0(n, offset):
+    """[1, n, 2] positions of n tokens from offset: channel 0 the token's, channel 1 0."""
+    at = torch.arange(n, dtype=torch.float32) + offset
+    return torch.stack([at, torch.zeros(n)], -1)[None]
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_a_derivative_constant_along_each_row_gives_no_gradient(tmp_path, channels):
     """A log-prior term in the query's position alone (-c |i|) moves every logit of a row alike:
     softmax is blind to it, and c's gradient is exactly 0. Deep into a sequence (i ~ 1e5) its
     derivative -|i| is large, and summed per score in float32 it left rounding of 1e5 * eps times
     the row's dS; the dQ kernel measures such derivatives from the row's own position instead
     (TRAITS.center_grads), so the Triton gradient is 0 exactly (the CPU path sums in float64:
-    a few 1e-9)."""
-    prior = write_prior(tmp_path, """
+    a few 1e-9). Over two channels it reads d = 0 in every channel; a prior there that read
+    i0 but not n was not centred, and c's Triton gradient was -0.01."""
+    prior = write_prior(tmp_path, f"""
         name: depth_constant
-        log_prior: -Abs(d) / b - c * Abs(i)
+        positions: {channels}
+        log_prior: {DEPTH_PRIORS[channels]}
         params:
-          b: {init: 4.0, domain: positive}
-          c: {init: 0.001, domain: nonnegative}
+          b: {{init: 4.0, domain: positive}}
+          c: {{init: 0.001, domain: nonnegative}}
         """)
     module = bamgen.load(prior, cache_dir=tmp_path / "cache")
     assert module.TRAITS.center_grads
@@ -268,14 +282,18 @@ def test_a_derivative_constant_along_each_row_gives_no_gradient(tmp_path):
     q, k, v, dout = (torch.randn(1, 2, n, 16) for n in (19, 41, 41, 19))
     c = torch.tensor([0.001, 0.0], requires_grad=True)
     b = torch.tensor([4.0, 1.0], requires_grad=True)
+    offsets = dict(q_offset=100_000, k_offset=100_000 - 22)
+    positions = {}   # (one channel: the offsets place the tokens)
+    if channels > 1:
+        positions = dict(pos_q=_token_positions_in_channel_0(19, offsets["q_offset"]),
+                         pos_k=_token_positions_in_channel_0(41, offsets["k_offset"]))
+    ref = reference_attention(q, k, v, {"b": b.detach(), "c": c.detach()},
+                              lambda d, p: -torch.abs(d) / p["b"] - p["c"] * torch.abs(p["i"]),
+                              causal=True, dout=dout, **offsets)
     for backend in ("torch", "triton"):
-        out = module.attention(q, k, v, b=b, c=c, q_offset=100_000, k_offset=100_000 - 22,
-                               backend=backend)
+        out = module.attention(q, k, v, b=b, c=c, backend=backend, **offsets, **positions)
         dc, db = torch.autograd.grad(out, (c, b), dout)
         if backend == "triton":
             assert torch.equal(dc, torch.zeros_like(dc)), dc
         assert float(dc.abs().max()) < 1e-7, (backend, dc)
-        ref = reference_attention(q, k, v, {"b": b.detach(), "c": c.detach()},
-                                  lambda d, p: -torch.abs(d) / p["b"] - p["c"] * torch.abs(p["i"]),
-                                  causal=True, q_offset=100_000, k_offset=100_000 - 22, dout=dout)
         torch.testing.assert_close(db, ref.dparams["b"].float(), rtol=1e-4, atol=1e-6)

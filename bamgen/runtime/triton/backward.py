@@ -63,7 +63,7 @@ import triton.language as tl
 from .helpers import (
     TABLE_ROW_ARGS, _as_cols, _as_rows, _clamped, _clamped_sum, _distance, _dot, _factored_logit2, _fp32_scalars,
     _kept_keys, _load_kv,
-    _logit2, _logit_grads, _logit_row2, _lowp, _position, _position_diff, _position_reduce,
+    _logit2, _logit_grads, _logit_row2, _lowp, _own_distance, _position, _position_diff, _position_reduce,
     _position_terms, _store_positions, _tensor_positions, _zero_tiles, _ramp_logit2, _ramp_nearest_key, _ramp_nearest_row_term, _ramp_reference,
     _ramp_row_term, _program_span, _row_dot, _row_factors, _row_offsets, _softmax_stats,
     _steady_keys, _steady_query_tiles, _table_load, _table_load4, _table_logit2, _value_entries, _window_keys)
@@ -508,10 +508,10 @@ def _attn_bwd_dq(Q, K, V, Theta, DO, Mrow, Lrow, Delta, DQ, DTheta, RowSums, Tab
         # each derivative at the row's own position (d = 0, j = i): a per-row constant that the
         # sums subtract (sum_j dS_ij (g_ij - c_i) - (sum_j dS_ij)(sum_j P_ij (g_ij - c_i)) is the
         # same gradient: sum_j P_ij = 1), 0 where it is not finite
-        at_row = prior_grads(0.0, pos_i * 0.0, pos_i, pos_i, pos_n, (), sc)
+        at_row = prior_grads(0.0, _own_distance(pos_i), pos_i, pos_i, pos_n, (), sc)
         centres = ()
         for g in tl.static_range(GRAD_COUNT):
-            centre = at_row[GRAD_BASE + g] + tl.zeros_like(pos_i)
+            centre = at_row[GRAD_BASE + g] + tl.zeros([BLOCK_M, 1], dtype=tl.float32)
             centres = centres + (tl.where(tl.abs(centre) < float("inf"), centre, 0.0),)
     if CAUSAL:
         n_hi = tl.minimum(Nk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + q_offset - k_offset, 0))

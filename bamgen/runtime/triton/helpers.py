@@ -145,6 +145,19 @@ def _position_diff(pos_i, pos_j):
 
 
 @triton.jit
+def _own_distance(pos_i):
+    """d = 0 at each row's own position, shaped as pos_i: one [M, 1] per channel (a tuple
+    over more than one), so that the dQ kernel can read the derivatives there (CENTER_GRADS)."""
+    if POSITIONS > 1:
+        out = ()
+        for c in tl.static_range(POSITIONS):
+            out = out + (pos_i[c] * 0.0,)
+    else:
+        out = pos_i * 0.0
+    return out
+
+
+@triton.jit
 def _position_terms(accs, ds, p, grads, FIRST: tl.constexpr):
     """accs[c] + dS * grads[FIRST + c] for each channel c, score by score (0 where P is: a
     derivative may be infinite on a hidden score, and 0 * inf is NaN). The tiles are summed

@@ -37,8 +37,9 @@ Flags (tl.constexpr; each prior's values come from its PriorTraits):
                   host), 2 the logit's own factor u (finite wherever P > 0)
   TILE_ROW_SUMS   (two or more learnable parameters) the dQ kernel reduces its correction's
                   row sums per key tile, which frees registers for wider tiles
-  CENTER_GRADS    (inline, SCORE_IS_S, reads i, j or n) dQ takes each derivative minus its value
-                  at the row's own position (d = 0): the same gradient, without the rounding of
+  CENTER_GRADS    (inline, SCORE_IS_S, reads i, j or n; over channels i_c, j_c or n) dQ takes
+                  each derivative minus its value at the row's own position (d = 0 in every
+                  channel, j = i): the same gradient, without the rounding of
                   a large part that is constant along the row (SCORE_IS_S's -c * |i|, say)
   CLAMP_POSITIONS (reads i or j) the hooks see a padding token's negative position as 0, and d
                   from the positions so read: a formula is only ever evaluated at real tokens'
