@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 import warnings
 from typing import Mapping
 
@@ -198,7 +199,11 @@ def is_integer_valued(expr: sp.Basic) -> bool:
     return False
 
 
-POSITION_NAMES = frozenset(("d", "i", "j", "n"))
+POSITION_NAMES_IN_ORDER = ("d", "i", "j", "n")
+POSITION_NAMES = frozenset(POSITION_NAMES_IN_ORDER)
+# a position of one channel of a prior over several (spec.position_names: d0, i1, j2, ..), whose
+# formulas have these in place of d, i and j (and no parameter or let may take such a name)
+CHANNEL_POSITION = re.compile(r"[dij][0-9]+")
 
 _BINOPS = {
     ast.Add: lambda a, b: a + b,
@@ -458,8 +463,7 @@ class _Builder:
         self._require_expr(index)
         if not is_integer_valued(index):
             raise self.fail(f"the index of {name}[{_short(index)}] is not integer-valued",
-                            "an index is an integer, d, i, j, n, a Sum's index, floor(...) or "
-                            "ceiling(...), or Min, Max, Piecewise, +, - and * of those")
+                            self._index_hint(name, node.slice))
         size = len(self.vectors[name])
         if index.is_Number and not 0 <= index <= size - 1:
             # (a computed index is clamped; a constant one outside is a slip for every use)
@@ -467,6 +471,22 @@ class _Builder:
                             f"elements", f"write an index from 0 to {size - 1} (there are no "
                             f"negative indices: {name}[{size - 1}] is the last element)")
         return Gather(index, *self.vectors[name])
+
+    def _index_hint(self, name: str, index: ast.AST) -> str:
+        """What an index may be, in this formula's own positions (d, i, j, n over one channel;
+        over several, d0, i0, .. are real numbers and n alone an integer), and the refused index
+        under floor() as the formula spells it, which builds (its element at the floor)."""
+        integers = [p for p in POSITION_NAMES_IN_ORDER if p in self.symbols]
+        reals = [] if "d" in self.symbols else sorted(   # (one channel's d0 is a parameter)
+            (p for p in self.symbols if CHANNEL_POSITION.fullmatch(p)), key=lambda p: (p[0], int(p[1:])))
+        text = ast.get_source_segment(self.source, index) or ast.unparse(index)
+        example = f"{name}[floor({text})]" if len(text) <= MAX_REWRITE_ARGUMENT else \
+            f"{name}[floor(...)]"
+        hint = (f"an index is an integer, {''.join(p + ', ' for p in integers)}a Sum's index, "
+                f"floor(...) or ceiling(...), or Min, Max, Piecewise, +, - and * of those")
+        if reals:
+            hint += f"; this prior's positions {', '.join(reals)} are real numbers"
+        return f"{hint}: e.g. {example}"
 
     def _sum(self, node: ast.Call, depth: int):
         """``Sum(body, (m, lo, hi))``, lo and hi integer literals, inclusive: the body built once

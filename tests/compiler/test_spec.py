@@ -665,3 +665,27 @@ def test_every_rewrite_a_hint_gives_is_a_formula_of_the_language_computing_the_f
         assert float(expr.subs(D, x)) == pytest.approx(want, rel=1e-12), rewritten
         compared += 1
     assert compared >= 2
+
+
+@pytest.mark.parametrize("positions, index, integers, reals", [
+    (1, "d/8", "d, i, j, n, ", None),
+    (2, "d0", "n, ", "d0, d1, i0, i1, j0, j1"),
+    (3, "(d0 + i1*2)/3", "n, ", "d0, d1, d2, i0, i1, i2, j0, j1, j2"),
+])
+def test_an_index_that_is_not_an_integer_is_refused_in_the_priors_own_symbols(
+        tmp_path, positions, index, integers, reals):
+    """The hint lists the integer positions this prior has (over several channels n alone: d,
+    i and j are not its symbols) and its real ones, and writes the index under floor() as the
+    file spells it; the file so fixed builds. It listed d, i, j, n to a prior over channels."""
+    text = "name: x\npositions: {}\nlog_prior: w[{}]\nparams:\n  w: {{size: 8, init: 0.0}}\n"
+    path = write_prior(tmp_path, text.format(positions, index))
+    result = run_cli_in_process("build", str(path), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2 and not (tmp_path / "out").exists(), result.output
+    (line,) = result.stderr.splitlines()
+    assert "is not integer-valued (hint: an index is an integer, " + integers + "a Sum's index" \
+        in line, line
+    real_part = f"; this prior's positions {reals} are real numbers" if reals else ""
+    assert line.endswith(f"of those{real_part}: e.g. w[floor({index})])"), line
+    fixed = write_prior(tmp_path, text.format(positions, f"floor({index})"), "fixed.yaml")
+    result = run_cli_in_process("build", str(fixed), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
