@@ -608,8 +608,8 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
                           ",)" if len(pos_side) == 1 else ")", column=35) if pos_side else "()",
         score_text=score_text, log_prior_text=log_prior_text,
         grid_sizes=_grid_sizes(spec.channels),
-        channel_doc=(f"; this prior's {spec.channels} channels: [B, N, {spec.channels}] or "
-                     f"[B, Hq, N, {spec.channels}], required") if spec.channels > 1 else "",
+        position_shapes=_position_shapes(spec.channels),
+        position_reads=_position_reads(spec.channels),
         distance=distance, torch_hooks=torch_side, triton_hooks=triton_side,
         torch_binding=_torch_binding(torch_side, distance is not None),
         triton_binding=_wrap([h.name for h in triton_side], "(", " " * 5,
@@ -617,6 +617,22 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         values=_values_dict(plan),
         param_args="".join(f"{p.name}, " for p in plan.params),
     )
+
+
+def _position_shapes(channels: int) -> str:
+    """The shapes attention() takes for pos_q and pos_k: a prior over several channels takes
+    [.., C] alone, and requires them (docs/positions.md)."""
+    if channels == 1:
+        return "[B, N] or [B, Hq, N]"
+    return f"[B, N, {channels}] or [B, Hq, N, {channels}], required"
+
+
+def _position_reads(channels: int) -> str:
+    """The formula's symbols that the position tensors give, as its prior file names them."""
+    if channels == 1:
+        return "i, j and d"
+    last = channels - 1
+    return f"i0..i{last}, j0..j{last} and d0..d{last}"
 
 
 def _grid_sizes(channels: int) -> str:

@@ -167,6 +167,19 @@ def test_alibi_2d_cross_attention_between_grids(backend, dtype):
     _check(out, build, dtype, (q, k, v, b, shift), torch.randn(out.shape, generator=g))
 
 
+def test_a_prior_over_channels_documents_only_the_positions_it_takes():
+    """help(attention) of a prior over two channels gives its [.., 2] shapes and its own
+    symbols: it also offered the one channel's [B, N] or [B, Hq, N], which it refuses, and
+    named i, j and d, which its formulas do not have."""
+    doc = " ".join(ALIBI_2D.attention.__doc__.split())
+    assert "pos_q, pos_k: positions as tensors (docs/positions.md): [B, N, 2] or [B, Hq, N, 2], " \
+        "required, float or integer" in doc, doc
+    assert "the formula's i0..i1, j0..j1 and d0..d1 come from them" in doc, doc
+    assert "[B, N] or" not in doc and "i, j and d" not in doc, doc
+    with pytest.raises(ValueError, match="pos_q"):
+        ALIBI_2D.attention(*(torch.randn(1, 1, 4, 8) for _ in range(3)), b=1.0,
+                           pos_q=torch.zeros(1, 4), pos_k=torch.zeros(1, 4))
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_random_integer_positions_through_a_shipped_prior(backend):
     """Randomized positional encodings (Ruoss et al.): sorted random integers drawn from a range
