@@ -336,26 +336,34 @@ class IdentityRotary(torch.nn.Module):
     """Stands in for a model's rotary embedding under ``rope="remove"``: cos = 1 and sin = 0,
     so HF's ``apply_rotary_pos_emb`` leaves q and k as they are; or, for a family whose
     rotary embedding gives complex ``freqs_cis`` (Llama 4, DeepSeek-V2: ``torch.polar``), the
-    complex 1 over its ``head_dim / 2`` pairs of channels, which q and k are multiplied by."""
+    complex 1 over its ``head_dim / 2`` pairs of channels, which q and k are multiplied by.
 
-    def __init__(self, head_dim: int, complex_: bool = False):
+    ``widths``: a family whose rotary embedding serves each layer type over its own width
+    (Gemma 4: sliding layers of ``head_dim``, global ones of ``global_head_dim``, the layer
+    type its forward's third argument) gets each type's width; any other call, ``head_dim``."""
+
+    def __init__(self, head_dim: int, complex_: bool = False, widths: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.complex_ = complex_
+        self.widths = dict(widths or {})
 
     def forward(self, x, position_ids, *args, **kwargs):   # (Gemma 3 adds the layer type)
+        layer_type = args[0] if args else kwargs.get("layer_type")
+        width = getattr(self, "widths", {}).get(layer_type, self.head_dim)
         # [batch, tokens]: multimodal RoPE's position_ids carry a leading axis of sections
         # ([3, batch, tokens], Qwen2-VL's), which its cos and sin do not
         tokens = position_ids.shape[-2:]
         if self.complex_:
-            return torch.ones((*tokens, self.head_dim // 2), dtype=torch.complex64,
-                              device=x.device)
-        shape = (*tokens, self.head_dim)
+            return torch.ones((*tokens, width // 2), dtype=torch.complex64, device=x.device)
+        shape = (*tokens, width)
         ones = torch.ones(shape, dtype=x.dtype, device=x.device)
         return ones, torch.zeros_like(ones)
 
     def extra_repr(self):
-        return f"head_dim={self.head_dim}" + (", complex" if self.complex_ else "")
+        widths = getattr(self, "widths", {})
+        return (f"head_dim={self.head_dim}" + (f", widths={widths}" if widths else "")
+                + (", complex" if self.complex_ else ""))
 
 
 def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bool = False) -> None:
@@ -453,26 +461,36 @@ def _dispatches_attention(cls: type) -> bool:
     return cls.__module__.startswith("transformers.") and "ALL_ATTENTION_FUNCTIONS" in forward_source(cls)
 
 
-def _rotary_modules(model) -> list[tuple[torch.nn.Module, str, int]]:
-    """(parent, attribute, rotary width) of each rotary embedding: a module with an
-    ``inv_freq`` buffer (or one per layer type, ``<type>_inv_freq``, as Gemma 3's) whose
-    forward(x, position_ids, ...) gives (cos, sin) over 2 * len(inv_freq) channels."""
+def _rotary_modules(model) -> list[tuple[torch.nn.Module, str, dict]]:
+    """(parent, attribute, rotary widths) of each rotary embedding: a module with an
+    ``inv_freq`` buffer (or one per layer type, ``<type>_inv_freq``, as Gemma 3's and Gemma
+    4's) whose forward(x, position_ids, ...) gives (cos, sin) over 2 * len(inv_freq) channels;
+    the widths by layer type (None: the plain ``inv_freq``)."""
     found = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            widths = [2 * buffer.shape[-1] for key, buffer in child.named_buffers(recurse=False)
-                      if key == "inv_freq" or key.endswith("_inv_freq")]
+            widths = {_rotary_layer_type(key): 2 * buffer.shape[-1]
+                      for key, buffer in child.named_buffers(recurse=False)
+                      if key == "inv_freq" or key.endswith("_inv_freq")}
             if widths:
-                found.append((parent, name, max(widths)))
+                found.append((parent, name, widths))
     return found
+
+
+def _rotary_layer_type(buffer_name: str) -> str | None:
+    """The layer type an ``inv_freq`` buffer serves: ``sliding_attention_inv_freq`` (and its
+    ``sliding_attention_original_inv_freq`` copy) serve ``sliding_attention``; ``inv_freq``,
+    None."""
+    name = buffer_name.removesuffix("inv_freq").removesuffix("_")
+    return name.removesuffix("original").removesuffix("_") or None
 
 
 def _remove_rotary(model) -> None:
     """Every rotary embedding becomes the identity over its own width (partial rotary, as
-    GPT-NeoX's and Phi-3's, included)."""
-    for parent, name, width in _rotary_modules(model):
+    GPT-NeoX's and Phi-3's, included), each layer type's over its own (Gemma 4's)."""
+    for parent, name, widths in _rotary_modules(model):
         complex_ = "torch.polar" in forward_source(type(getattr(parent, name)))
-        setattr(parent, name, IdentityRotary(width, complex_))
+        setattr(parent, name, IdentityRotary(max(widths.values()), complex_, widths))
 
 
 def _check_model(model, rope: str) -> None:
