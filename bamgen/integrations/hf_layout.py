@@ -45,6 +45,7 @@ class PaddingLayout:
     # it on its causal rule and no rule OR-ed into it opens it both ways throughout); False,
     # both ways; None, its form does not tell (a compiled call's OR-ed or AND-ed rules).
     causal_rule: bool | None = None
+    q_length: int | None = None   # the queries HF built the mask for (None: not known)
 
     # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
     # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
@@ -53,6 +54,32 @@ class PaddingLayout:
 
     def contiguous(self):
         return self
+
+    def __getitem__(self, index):
+        """The layout of some of the call's queries, as HF slices a 4-D mask's query rows
+        (``mask[:, :, rows, :]``): Gemma 4 keeps only the last ``logits_to_keep`` queries
+        before its KV-shared layers, which read the keys of earlier layers whole. The queries
+        kept start ``rows.start`` later; the keys, and so ``key_mask``, are the same."""
+        rows = _query_rows(index)
+        if rows is None or self.q_length is None:
+            raise ValueError(f"attention_mask: bamgen's padding layout takes a slice of its query "
+                             f"rows alone (mask[:, :, start:stop, :], with its number of queries "
+                             f"known: {self.q_length}), got the index {index!r}; run the layers "
+                             f"on every query, or with another attention implementation")
+        start, stop, _ = rows.indices(self.q_length)
+        return dataclasses.replace(self, q_offset=self.q_offset + start,
+                                   q_length=max(stop - start, 0))
+
+
+def _query_rows(index) -> slice | None:
+    """The slice of query rows that a 4-D mask's ``index`` takes, every batch row, head and key
+    kept; None for any other index."""
+    whole = slice(None)
+    if not (isinstance(index, tuple) and len(index) == 4 and isinstance(index[2], slice)):
+        return None
+    if index[0] != whole or index[1] != whole or index[3] != whole or index[2].step not in (None, 1):
+        return None
+    return index[2]
 
 
 def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
@@ -74,7 +101,7 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         both_ways = _or_rule(mask_function) and grid.sees_ahead(mask_function)
         causal_rule = mask_direction(mask_function, grid, both_ways)
     return dataclasses.replace(layout, window=local_size or None, both_ways=both_ways,
-                               causal_rule=causal_rule)
+                               causal_rule=causal_rule, q_length=q_length)
 
 
 def _plain_direction(mask_function) -> bool | None:

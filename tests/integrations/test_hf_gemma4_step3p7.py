@@ -5,7 +5,7 @@ models built from a config, compared with the family's own eager attention."""
 import torch
 import transformers
 
-
+import pytest
 from bamgen.integrations.transformers import IdentityRotary, apply_prior
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -55,3 +55,34 @@ def test_gemma4_rope_remove_serves_each_layer_type_its_own_head_dim():
         want = without_rotation(tiny_gemma4())(ids, attention_mask=mask).logits
     torch.testing.assert_close(got[0], want[0], **CLOSE)
     torch.testing.assert_close(got[1, 4:], want[1, 4:], **CLOSE)
+
+
+KV_SHARED = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                 num_kv_shared_layers=2)
+
+
+@pytest.mark.parametrize("rope", ["keep", "remove"])
+def test_gemma4_kv_shared_layers_equal_eager_on_the_queries_they_keep(rope):
+    """Gemma 4's KV-shared layers (num_kv_shared_layers, as its E2B/E4B checkpoints) read the
+    keys of earlier layers, and HF runs them on the last logits_to_keep queries alone, slicing
+    each layer type's mask as a 4-D tensor (mask[:, :, -k:, :]): every prefill and generate()
+    failed ('PaddingLayout' object is not subscriptable). The layout now takes that slice
+    (the queries kept start later, the keys are the same): the zero prior equals HF's eager
+    attention for every logits_to_keep, and generate() gives its tokens with either cache."""
+    def eager():
+        model = tiny_gemma4(**KV_SHARED)
+        return model if rope == "keep" else without_rotation(model)
+    model = apply_prior(tiny_gemma4(**KV_SHARED), "uniform", rope=rope)
+    ids, mask = left_padded_batch(length=9, pad=3)
+    with torch.no_grad():
+        for keep in (0, 1, 3):
+            got = model(ids, attention_mask=mask, logits_to_keep=keep).logits
+            want = eager()(ids, attention_mask=mask, logits_to_keep=keep).logits
+            real = mask[:, -got.shape[1]:].bool()
+            torch.testing.assert_close(got[real], want[real], **CLOSE, msg=f"logits_to_keep={keep}")
+    for cache in ({}, dict(cache_implementation="static")):
+        call = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True, **cache)
+        got, want = model.generate(ids, **call), eager().generate(ids, **call)
+        assert torch.equal(got.sequences, want.sequences), cache
+        torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), **CLOSE)
