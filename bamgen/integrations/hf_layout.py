@@ -100,8 +100,21 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         grid = MaskGrid(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
         both_ways = _or_rule(mask_function) and grid.sees_ahead(mask_function)
         causal_rule = mask_direction(mask_function, grid, both_ways)
+        if causal_rule is False:
+            layout = _every_key_masked(layout, attention_mask, batch_size, int(kv_offset), kv_length)
     return dataclasses.replace(layout, window=local_size or None, both_ways=both_ways,
                                causal_rule=causal_rule, q_length=q_length)
+
+
+def _every_key_masked(layout: PaddingLayout, attention_mask, batch_size: int, kv_start: int,
+                      kv_length: int) -> PaddingLayout:
+    """``layout`` with a key mask over every key, for a call HF's mask makes both ways: a static
+    cache's slots past the last written one, which the causal rule hides (and the plain layout
+    leaves to it), would be seen; HF's mask hides them by the token mask."""
+    if layout.key_mask is not None or not isinstance(attention_mask, torch.Tensor):
+        return layout
+    keys = _token_mask(attention_mask, batch_size, kv_start + kv_length)[:, kv_start:]
+    return layout if bool(keys.all()) else dataclasses.replace(layout, key_mask=keys)
 
 
 def _plain_direction(mask_function) -> bool | None:

@@ -220,13 +220,7 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                          f"defined for keys at or before their query); use a causal decoder, "
                          f"without is_causal=False, or a prior defined both ways")
     if causal and layout.both_ways:
-        raise ValueError(f"model type {_family(module)!r}: its mask lets some queries see keys "
-                         f"after them (a rule OR-ed into the causal mask: Gemma 3's and "
-                         f"PaliGemma's image tokens attend both ways within an image), which "
-                         f"bamgen's causal attention does not model; use inputs without that "
-                         f"rule (text alone; under torch.compile, which cannot evaluate the rule "
-                         f"over the tokens, text without token_type_ids or pixel_values), or a "
-                         f"family whose mask is causal")
+        raise ValueError(_both_ways_message(module))
     if sliding_window is None and layout.window is not None:
         # the family put its window into the mask alone (Qwen2-MoE, PhiMoE): honoured alike
         if not causal:
@@ -247,16 +241,42 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out[..., :width].transpose(1, 2).contiguous(), None
 
 
+def _both_ways_message(module) -> str:
+    """Why a causal call whose mask lets some queries see keys after them is refused, naming
+    where the rule comes from: the config's ``use_bidirectional_attention`` where the layers
+    stay causal (Step3p7's: its mask says both ways; an eager call reads the rule and runs both
+    ways, a compiled one cannot), else the inputs (Gemma 3's and PaliGemma's images)."""
+    family = _family(module)
+    bidirectional = getattr(getattr(module, "config", None), "use_bidirectional_attention", False)
+    if bidirectional and getattr(module, "is_causal", True):   # (PaliGemma's layers say False)
+        return (f"model type {family!r}: its config's use_bidirectional_attention=True ORs into "
+                f"the causal mask a rule that lets queries see keys after them, which bamgen "
+                f"runs both ways only where it can evaluate the rule, on eager calls; under "
+                f"torch.compile (dynamo reads no mask function's rules) it cannot, so call the "
+                f"model uncompiled, or build it with use_bidirectional_attention=False (causal)")
+    return (f"model type {family!r}: its mask lets some queries see keys after them (a rule "
+            f"OR-ed into the causal mask: Gemma 3's and PaliGemma's image tokens attend both "
+            f"ways within an image), which bamgen's causal attention does not model; use inputs "
+            f"without that rule (text alone; under torch.compile, which cannot evaluate the rule "
+            f"over the tokens, text without token_type_ids or pixel_values), or a family whose "
+            f"mask is causal")
+
+
 def _direction(module, layout: PaddingLayout, call_is_causal) -> bool:
     """Whether the call is causal: the call's is_causal (HF passes config.is_causal, or the model
     call's own is_causal=, to every layer: a decoder made bidirectional, its mask built
-    bidirectional alike), else the layer's; a layer that says bidirectional runs causal where
-    HF built the call's mask causal (PaliGemma's Gemma layers: ``use_bidirectional_attention``,
-    the causal rule in the mask alone, as HF's eager attention applies it), so that a rule
-    OR-ed into that mask (PaliGemma's prefix, Gemma 3's images) is refused alike."""
+    bidirectional alike), else the direction of the mask HF built for the call, as HF's eager
+    attention applies it, where its form tells one, else the layer's. A layer that says
+    bidirectional runs causal where HF built the call's mask causal (PaliGemma's Gemma layers:
+    ``use_bidirectional_attention``, the causal rule in the mask alone), so that a rule OR-ed
+    into that mask (PaliGemma's prefix, Gemma 3's images) is refused alike; a layer that says
+    causal runs both ways where a rule OR-ed into its causal mask makes it the same both ways
+    (Step3p7's ``use_bidirectional_attention``: its layers keep is_causal=True)."""
     if call_is_causal is not None:
         return bool(call_is_causal)
-    return bool(getattr(module, "is_causal", True)) or layout.causal_rule is True
+    if layout.causal_rule is not None:
+        return layout.causal_rule
+    return bool(getattr(module, "is_causal", True))
 
 
 def _same_head_dim(query, key, value, call: dict):

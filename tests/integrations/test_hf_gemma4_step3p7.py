@@ -86,3 +86,61 @@ def test_gemma4_kv_shared_layers_equal_eager_on_the_queries_they_keep(rope):
         got, want = model.generate(ids, **call), eager().generate(ids, **call)
         assert torch.equal(got.sequences, want.sequences), cache
         torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), **CLOSE)
+
+
+def tiny_step3p7(seed=0, **config):
+    """A Step3p7 text model (a sliding layer of window 4, a global one, dense MLPs), eager."""
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+    torch.manual_seed(seed)
+    cfg = Step3p7TextConfig(**{
+        **TINY, "head_dim": 16, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense"] * 2,
+        "num_local_experts": 2, "n_routed_experts": 2, "num_experts_per_tok": 1,
+        "moe_intermediate_size": 32, "share_expert_dim": 32, **config})
+    cfg._attn_implementation = "eager"
+    return Step3p7TextModel(cfg).eval()
+
+
+def in_two_chunks(model, ids, mask, cache):
+    """The hidden states of ``ids`` run as a prompt of 8 tokens, then 3 more through ``cache``."""
+    first = model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=cache, use_cache=True)
+    rest = model(ids[:, 8:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    return first.last_hidden_state, rest.last_hidden_state
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_step3p7_use_bidirectional_attention_runs_both_ways_as_its_mask(padded):
+    """Step3p7's use_bidirectional_attention=True keeps its layers is_causal=True and ORs a rule
+    into the causal mask that opens every key (its window's, on sliding layers): the mask is
+    the same both ways. Text alone was refused as Gemma 3's image tokens ('use inputs without
+    that rule (text alone ...)'). It now runs both ways, as HF's eager attention applies the
+    mask: the zero prior equals eager, in one call and in two through a dynamic or a static
+    cache (whose slots past the written ones the token mask hides, as HF's mask does)."""
+    from transformers import DynamicCache, StaticCache
+    ids, mask = left_padded_batch(pad=3 if padded else 0)
+    model = apply_prior(tiny_step3p7(use_bidirectional_attention=True), "uniform", rope="keep")
+    eager = tiny_step3p7(use_bidirectional_attention=True)
+    real = mask.bool()
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask), eager(ids, attention_mask=mask)
+        torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], **CLOSE)
+        for cache in (lambda: DynamicCache(config=eager.config),
+                      lambda: StaticCache(config=eager.config, max_cache_len=20)):
+            got = torch.cat(in_two_chunks(model, ids, mask, cache()), dim=1)
+            want = torch.cat(in_two_chunks(eager, ids, mask, cache()), dim=1)
+            torch.testing.assert_close(got[real], want[real], **CLOSE)
+
+
+def test_step3p7_use_bidirectional_attention_compiled_is_refused_by_its_config_field():
+    """Under torch.compile the rule OR-ed into the mask cannot be evaluated, and the layers say
+    causal: the call is refused, naming the config field that sets the rule (it named Gemma
+    3's image tokens and asked for text alone, which the call already was)."""
+    model = apply_prior(tiny_step3p7(use_bidirectional_attention=True), "uniform", rope="keep")
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(ValueError, match=r"model type 'step3p5': its config's "
+                                         r"use_bidirectional_attention=True .* call the model "
+                                         r"uncompiled, or build it with "
+                                         r"use_bidirectional_attention=False"):
+        compiled(torch.tensor([[5, 6, 7, 8, 9]]))
+
