@@ -521,7 +521,7 @@ def _check_model(model, rope: str) -> None:
         raise ValueError(f"model: expected a Hugging Face transformers model, got "
                          f"{type(model).__name__}")
     family = getattr(config, "model_type", type(model).__name__)
-    if getattr(config, "num_attention_heads", None) is None:
+    if _head_count(config, family) is None:
         raise ValueError(_composite_message(model, family))
     layers = _attention_layers(model)
     if not layers:
@@ -568,6 +568,26 @@ def _check_model(model, rope: str) -> None:
                          f"module with an inv_freq buffer) to remove; its positions come from "
                          f"elsewhere (absolute embeddings?): pass rope='keep' to add the prior "
                          f"to them")
+
+
+def _head_count(config, family: str) -> int | None:
+    """config.num_attention_heads, over which every layer's prior is built, or a ValueError
+    where the config sets it per layer (transformers' heterogeneous configs, as Step3p7's
+    ``num_sliding_attention_heads``: reading it raises transformers' own error)."""
+    try:
+        return getattr(config, "num_attention_heads", None)
+    except RuntimeError as error:   # (AmbiguousGlobalPerLayerAttributeError)
+        if type(error).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+    fields = config.to_dict()
+    sliding = fields.get("num_sliding_attention_heads")
+    source = f" from num_sliding_attention_heads={sliding}" if sliding is not None else ""
+    fix = (f"num_sliding_attention_heads={fields.get('num_attention_heads')} (or unset)"
+           if sliding is not None else "one head count for every layer")
+    raise ValueError(f"model type {family!r}: its config sets num_attention_heads per layer "
+                     f"(per_layer_config {fields.get('per_layer_config')}{source}), and bamgen "
+                     f"builds every layer's prior over one number of query heads, the config's "
+                     f"num_attention_heads; build the model with {fix}")
 
 
 def _class_source(cls: type) -> str:

@@ -144,3 +144,21 @@ def test_step3p7_use_bidirectional_attention_compiled_is_refused_by_its_config_f
                                          r"use_bidirectional_attention=False"):
         compiled(torch.tensor([[5, 6, 7, 8, 9]]))
 
+
+def test_step3p7_per_layer_head_counts_are_refused_by_name():
+    """num_sliding_attention_heads gives sliding layers their own head count (a per-layer
+    num_attention_heads): apply_prior let transformers' AmbiguousGlobalPerLayerAttributeError
+    out. It raises a ValueError naming the family, the field and the fix, the model untouched;
+    with the same head count for every layer it runs."""
+    model = tiny_step3p7(num_sliding_attention_heads=2)
+    with pytest.raises(ValueError, match=r"model type 'step3p5': its config sets "
+                                         r"num_attention_heads per layer .* from "
+                                         r"num_sliding_attention_heads=2.* build the model with "
+                                         r"num_sliding_attention_heads=4 \(or unset\)"):
+        apply_prior(model, "uniform", rope="keep")
+    assert model.config._attn_implementation == "eager"
+    assert not any(name.endswith("bamgen_prior") for name, _ in model.named_modules())
+    same = apply_prior(tiny_step3p7(num_sliding_attention_heads=4), "uniform", rope="keep")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    torch.testing.assert_close(same(ids).last_hidden_state,
+                               tiny_step3p7(num_sliding_attention_heads=4)(ids).last_hidden_state, **CLOSE)
