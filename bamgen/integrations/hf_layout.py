@@ -35,11 +35,16 @@ class PaddingLayout:
     tensors [B]. ``window`` is the sliding window HF built the mask with (its ``local_size``:
     a query sees the keys fewer than ``window`` tokens back), or None: some families put the
     window into the mask alone and pass none to attention (Qwen2-MoE, PhiMoE).
+    ``window_inclusive``: HF built that window both ways with its own overlay
+    (``sliding_window_bidirectional_overlay``), which shows the keys up to ``window`` tokens
+    away either side, |q - k| <= window: one more than the causal window shows
+    (:func:`window_inclusive`).
     """
     key_mask: torch.Tensor | None
     q_offset: int | torch.Tensor
     k_offset: int | torch.Tensor
     window: int | None = None
+    window_inclusive: bool = False
     both_ways: bool = False   # the mask lets some keys after a query be seen (an or-rule)
     # The direction HF's mask gives the call (:func:`mask_direction`): True, causal (HF built
     # it on its causal rule and no rule OR-ed into it opens it both ways throughout); False,
@@ -85,10 +90,11 @@ def _query_rows(index) -> slice | None:
 def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                    attention_mask: torch.Tensor | PaddingLayout | None = None,
                    local_size: int | None = None, mask_function=None,
-                   **_unused) -> PaddingLayout:
+                   allow_is_bidirectional_skip=None, **_unused) -> PaddingLayout:
     """The mask function bamgen registers with HF's ``AttentionMaskInterface``: HF calls it
     with the sizes of the cache (``q_offset`` may be a 0-d tensor for a static cache), the
-    2-D token mask, if any, and a sliding window's size as ``local_size``."""
+    2-D token mask, if any, and a sliding window's size as ``local_size``; its bidirectional
+    builders alone pass ``allow_is_bidirectional_skip``."""
     if isinstance(attention_mask, PaddingLayout):
         return attention_mask   # built by generate() for this very step
     layout = _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
@@ -102,8 +108,9 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         causal_rule = mask_direction(mask_function, grid, both_ways)
         if causal_rule is False:
             layout = _every_key_masked(layout, attention_mask, batch_size, int(kv_offset), kv_length)
-    return dataclasses.replace(layout, window=local_size or None, both_ways=both_ways,
-                               causal_rule=causal_rule, q_length=q_length)
+    inclusive = window_inclusive(mask_function, local_size, allow_is_bidirectional_skip is not None)
+    return dataclasses.replace(layout, window=local_size or None, window_inclusive=inclusive,
+                               both_ways=both_ways, causal_rule=causal_rule, q_length=q_length)
 
 
 def _every_key_masked(layout: PaddingLayout, attention_mask, batch_size: int, kv_start: int,
@@ -115,6 +122,24 @@ def _every_key_masked(layout: PaddingLayout, attention_mask, batch_size: int, kv
         return layout
     keys = _token_mask(attention_mask, batch_size, kv_start + kv_length)[:, kv_start:]
     return layout if bool(keys.all()) else dataclasses.replace(layout, key_mask=keys)
+
+
+def window_inclusive(mask_function, local_size: int | None, bidirectional_builder: bool) -> bool:
+    """Whether HF built the mask's window of ``local_size`` with its bidirectional overlay
+    (``sliding_window_bidirectional_overlay``: |q - k| <= W), not the causal one (the keys
+    fewer than W back). Why: the same W shows one key more each way in the bidirectional
+    overlay, which HF's eager attention follows (a decoder made bidirectional by is_causal,
+    Mistral's, Gemma 4's ``use_bidirectional_attention="all"``), while a family's own overlay
+    may count it as the causal one does (EmbeddingGemma's, |q - k| < W). Read from the mask
+    function on an eager call; a compiled call cannot read its closures, and reads which
+    builder made it (HF's bidirectional ones alone pass ``allow_is_bidirectional_skip``, and
+    the sliding one alone a window with it)."""
+    if not local_size:
+        return False
+    if torch.compiler.is_compiling():
+        return bidirectional_builder
+    from transformers.masking_utils import sliding_window_bidirectional_overlay
+    return _built_on(mask_function, sliding_window_bidirectional_overlay(local_size))
 
 
 def _plain_direction(mask_function) -> bool | None:
@@ -171,11 +196,12 @@ def _inner_functions(mask_function) -> list:
 
 def _built_on(mask_function, rule, depth: int = 0) -> bool:
     """Whether HF's mask function ``rule`` is ``mask_function`` or one of the rules it
-    combines, read from its closures."""
-    if mask_function is rule:
-        return True
+    combines, read from its closures (compared by code: an overlay HF builds for each window
+    is a new function of the same code)."""
     if not isinstance(mask_function, types.FunctionType) or depth > 8:
         return False
+    if mask_function is rule or mask_function.__code__ is rule.__code__:
+        return True
     return any(_built_on(f, rule, depth + 1) for f in _inner_functions(mask_function))
 
 

@@ -221,7 +221,12 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                          f"without is_causal=False, or a prior defined both ways")
     if causal and layout.both_ways:
         raise ValueError(_both_ways_message(module))
-    if sliding_window is None and layout.window is not None:
+    if layout.window_inclusive:
+        # HF's bidirectional window shows the keys W away (|q - k| <= W), as its eager
+        # attention applies it: bamgen's hides |d| >= W + 1 (the attention's own window is
+        # W for Mistral, W + 1 for ModernBERT's, which counts it so itself)
+        sliding_window = layout.window + 1
+    elif sliding_window is None and layout.window is not None:
         # the family put its window into the mask alone (Qwen2-MoE, PhiMoE): honoured alike
         if not causal:
             raise ValueError(f"model type {_family(module)!r}: its mask has a sliding window "
@@ -248,7 +253,9 @@ def _both_ways_message(module) -> str:
     ways, a compiled one cannot), else the inputs (Gemma 3's and PaliGemma's images)."""
     family = _family(module)
     bidirectional = getattr(getattr(module, "config", None), "use_bidirectional_attention", False)
-    if bidirectional and getattr(module, "is_causal", True):   # (PaliGemma's layers say False)
+    # (True, not Gemma 4's "vision", whose rule comes from the inputs; PaliGemma's layers say
+    # is_causal=False)
+    if bidirectional is True and getattr(module, "is_causal", True):
         return (f"model type {family!r}: its config's use_bidirectional_attention=True ORs into "
                 f"the causal mask a rule that lets queries see keys after them, which bamgen "
                 f"runs both ways only where it can evaluate the rule, on eager calls; under "
@@ -386,6 +393,17 @@ class IdentityRotary(torch.nn.Module):
                 + (", complex" if self.complex_ else ""))
 
 
+def _both_ways_windows(config, every: list[LayerExtras]) -> list[LayerExtras]:
+    """For a model made bidirectional by its config (``is_causal=False``: HF then builds its
+    sliding masks with its bidirectional overlay, |q - k| <= W), the extras of its windows one
+    wider, which its calls run (``PaddingLayout.window_inclusive``): built with the others, so
+    that a compiled call finds them."""
+    if getattr(config, "is_causal", True):
+        return []
+    return [LayerExtras(extras.sliding_window + 1, extras.softcap)
+            for extras in every if extras.sliding_window is not None]
+
+
 def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bool = False) -> None:
     """Attach a prior to every attention layer (shared: one prior, a submodule of the base
     model, that every layer reads), remove RoPE if asked, switch attention."""
@@ -395,8 +413,8 @@ def _install(model, module: ModuleType, rope: str, init: dict | None, shared: bo
     cls = getattr(module, module.PRIOR["class_name"])
     layers = _attention_layers(model)
     family = getattr(config, "model_type", type(model).__name__)
-    every = (extras for attention in layers for extras in layer_extras(attention, config, True))
-    for extras in dict.fromkeys(every):
+    every = [extras for attention in layers for extras in layer_extras(attention, config, True)]
+    for extras in dict.fromkeys(every + _both_ways_windows(config, every)):
         if not extras.plain:   # before any change to the model: a refusal leaves it as it was
             _prepare_variant(cls, extras, family)
 

@@ -1098,6 +1098,51 @@ def test_a_decoder_made_bidirectional_by_is_causal_stays_bidirectional():
     torch.testing.assert_close(model(ids).logits, llama()(ids).logits, **CLOSE)
 
 
+# windowed families made bidirectional: Qwen3 windowed on its first layer; Qwen2-MoE and PhiMoE
+# put their window into the mask alone
+BIDIRECTIONAL_WINDOWS = {"mistral": {}, "qwen2": {}, "gemma2": {}, "qwen2_moe": {}, "phimoe": {},
+                         "qwen3": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1,
+                                       layer_types=["sliding_attention", "full_attention"])}
+
+
+@pytest.mark.parametrize("family", list(BIDIRECTIONAL_WINDOWS))
+def test_a_windowed_decoder_made_bidirectional_sees_its_window_as_eager(family):
+    """HF builds a bidirectional call's window (config.is_causal=False, or the call's) with its
+    own overlay, which shows the keys up to W away either side (|q - k| <= W): one key more
+    than its causal window. bamgen hid |d| >= W and the zero prior was off against the
+    family's eager attention, silently (0.14 to 1.9 here, 6.5 in an outside test), and
+    Qwen2-MoE's and PhiMoE's mask-alone window was refused. Now equal, by the config and by
+    the call, padded rows included (11 tokens, window 4)."""
+    changes = BIDIRECTIONAL_WINDOWS[family]
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    by_config = dict(attention_mask=mask)
+    by_call = dict(attention_mask=mask, is_causal=False)
+    for config, call in (({"is_causal": False}, by_config), ({}, by_call)):
+        want = family_model(family, **changes, **config)(ids, **call).logits
+        model = apply_prior(family_model(family, **changes, **config), "uniform", rope="keep")
+        got = model(ids, **call).logits
+        torch.testing.assert_close(got[0], want[0], **CLOSE)
+        torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
+
+
+def test_a_compiled_bidirectional_window_equals_eager():
+    """A compiled call cannot read the mask function's overlay: it reads which of HF's builders
+    made the mask, and the prior of the wider window is built by apply_prior for a model made
+    bidirectional by its config, so the compiled call has no graph break and equals eager."""
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    model = apply_prior(family_model("mistral", is_causal=False), "uniform", rope="keep")
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        want = family_model("mistral", is_causal=False)(ids, attention_mask=mask).logits
+        got = compiled(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got[0], want[0], **CLOSE)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
+
+
 def test_a_family_whose_attention_indexes_the_mask_is_refused():
     """GLM-MoE-DSA's sparse attention (as DeepSeek-V3.2's) indexes the mask tensor to pick the
     keys each query sees: apply_prior took it and every forward failed with TypeError:
@@ -1428,3 +1473,44 @@ def test_embedding_gemma_stays_bidirectional_compiled_too():
         want = _tiny_embedding_gemma()(ids).last_hidden_state
         torch.testing.assert_close(model(ids).last_hidden_state, want, **CLOSE)
         torch.testing.assert_close(compiled(input_ids=ids), want, **CLOSE)
+
+
+def _tiny_gemma4(text_only=True, **text):
+    """A tiny Gemma 4 (eager attention): its text model (a sliding-window layer of window 4,
+    then a global one), or that language model in a multimodal Gemma 4 with a one-layer vision
+    tower whose sliding layers let an image's tokens (``mm_token_type_ids``) attend both ways."""
+    config = transformers.Gemma4TextConfig(
+        **TINY, head_dim=16, global_head_dim=32, sliding_window=4, initializer_range=0.2,
+        layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=100,
+        hidden_size_per_layer_input=8, **text)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    if text_only:
+        return transformers.Gemma4ForCausalLM(config).eval()
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+    whole = transformers.Gemma4Config(
+        text_config=config.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+        image_token_id=90, boi_token_id=91, eoi_token_id=92, boa_token_id=93, eoa_token_id=94,
+        audio_token_id=95)
+    whole._attn_implementation = "eager"
+    return transformers.Gemma4ForConditionalGeneration(whole).eval()
+
+
+def test_gemma4_made_bidirectional_sees_its_window_as_eager():
+    """Gemma 4's use_bidirectional_attention="all" makes its text model bidirectional through
+    its config (is_causal=False): HF's sliding layers' window shows |q - k| <= W, and bamgen's
+    hid |d| >= W (the zero prior off by 2.7 to 5.3 against eager in an outside test, its
+    global layers matching). Now equal, eager and compiled, padded rows included."""
+    ids = torch.randint(1, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    want = _tiny_gemma4(use_bidirectional_attention="all")(ids, attention_mask=mask).logits
+    model = apply_prior(_tiny_gemma4(use_bidirectional_attention="all"), "uniform", rope="keep")
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for got in (model(ids, attention_mask=mask).logits, compiled(input_ids=ids, attention_mask=mask)):
+            torch.testing.assert_close(got[0], want[0], **CLOSE)
+            torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
+
