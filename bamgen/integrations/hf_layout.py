@@ -310,7 +310,9 @@ def mark_handed_masks(model, args, kwargs):
       layers' mask as the window AND the or-rule, whose rule a compiled call cannot see
       (:func:`_is_or_mask`), while its global layers' mask, built in the same call, shows it;
       a model of sliding layers alone would run its images causal, silently. The rule is the
-      inputs' (an image's tokens), so every causal layer refuses the call.
+      inputs' (an image's tokens), so every causal layer refuses the call. Gemma 4 ORs it into
+      its sliding layers' mask alone, which a compiled call tells by its missing window
+      (:func:`_window_over_rule`).
     - One whose form does not tell its direction (a compiled call: :func:`_plain_direction`)
       is causal: the model around built it with HF's causal mask and its rules (PaliGemma's
       prefix, OR-ed in; a window or packing, AND-ed), and a compiled PaliGemma, whose Gemma
@@ -321,11 +323,25 @@ def mark_handed_masks(model, args, kwargs):
     layouts = [mask for mask in named.values() if isinstance(mask, PaddingLayout)]
     if not layouts:
         return None
-    both_ways = any(layout.both_ways for layout in layouts)
+    both_ways = any(layout.both_ways for layout in layouts) or _window_over_rule(named)
     if all(layout.both_ways == both_ways and layout.causal_rule is not None for layout in layouts):
         return None
     marked = {name: _marked(mask, both_ways) for name, mask in named.items()}
     return args, {**kwargs, "attention_mask": marked if isinstance(masks, dict) else marked[None]}
+
+
+def _window_over_rule(named: dict) -> bool:
+    """Whether a compiled call is handed a mask for its sliding layers that carries no window
+    of HF's own (``local_size``). HF's sliding masks carry it (text alone); a multimodal model
+    builds one without it where it ANDs the window over an or-rule itself: Gemma 3's and Gemma
+    4's when the inputs mark images (``create_masks_for_vision_model``: AND(window, OR(causal,
+    image blocks))), whose rule a compiled call cannot see under the AND. Gemma 3's global
+    layers' mask shows it; Gemma 4's is plain causal, and a compiled Gemma 4 ran its images
+    causal, silently. (An AND of rules is no sign of its own: HF wraps every mask so for
+    packed documents, under torch.compile whenever a call has no 2-D mask and no cache.)"""
+    sliding = named.get("sliding_attention")
+    return (torch.compiler.is_compiling() and isinstance(sliding, PaddingLayout)
+            and sliding.window is None)
 
 
 def _marked(mask, both_ways: bool):

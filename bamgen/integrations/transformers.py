@@ -262,11 +262,11 @@ def _both_ways_message(module) -> str:
                 f"torch.compile (dynamo reads no mask function's rules) it cannot, so call the "
                 f"model uncompiled, or build it with use_bidirectional_attention=False (causal)")
     return (f"model type {family!r}: its mask lets some queries see keys after them (a rule "
-            f"OR-ed into the causal mask: Gemma 3's and PaliGemma's image tokens attend both "
-            f"ways within an image), which bamgen's causal attention does not model; use inputs "
-            f"without that rule (text alone; under torch.compile, which cannot evaluate the rule "
-            f"over the tokens, text without token_type_ids or pixel_values), or a family whose "
-            f"mask is causal")
+            f"OR-ed into the causal mask: Gemma 3's, Gemma 4's and PaliGemma's image tokens "
+            f"attend both ways within an image), which bamgen's causal attention does not model; "
+            f"use inputs without that rule (text alone; under torch.compile, which cannot "
+            f"evaluate the rule over the tokens, text without token_type_ids, mm_token_type_ids "
+            f"or pixel_values), or a family whose mask is causal")
 
 
 def _direction(module, layout: PaddingLayout, call_is_causal) -> bool:

@@ -1514,3 +1514,31 @@ def test_gemma4_made_bidirectional_sees_its_window_as_eager():
             torch.testing.assert_close(got[0], want[0], **CLOSE)
             torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
 
+
+def test_a_compiled_gemma4_refuses_vision_tokens_and_runs_text_alone():
+    """Gemma 4 ORs its image rule (``mm_token_type_ids``) into its sliding layers' mask alone,
+    under the window; its global layers' mask is plain causal. Compiled, no mask showed the
+    rule and the call ran causal, silently (off by 2.86 from eager), where eager refuses it.
+    The sliding layers' mask, handed without a window of HF's own (the model ANDs the window
+    over the rule itself), now marks every mask of the call, so it is refused as eager refuses
+    it; text alone compiles and equals the eager call."""
+    model = _tiny_gemma4(text_only=False, use_bidirectional_attention="vision")
+    own = copy.deepcopy(model)
+    apply_prior(model.model.language_model, "uniform", rope="keep")
+    ids = torch.randint(1, 90, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    image = torch.zeros_like(ids)
+    image[:, 5:8] = 1   # one block of three vision tokens per row
+    refusal = (r"model type 'gemma4_text': its mask lets some queries see keys after them"
+               r".*under torch.compile.*without token_type_ids, mm_token_type_ids")
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="aot_eager")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=refusal):
+            model(input_ids=ids, attention_mask=mask, mm_token_type_ids=image)
+        with pytest.raises(ValueError, match=refusal):
+            compiled(input_ids=ids, attention_mask=mask, mm_token_type_ids=image)
+        want = own(input_ids=ids, attention_mask=mask).logits
+        got = compiled(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got[0], want[0], **CLOSE)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
