@@ -61,6 +61,18 @@ def op_name(meta) -> str:
     return f"{meta['name']}_{hashlib.sha256(f'{math}:{OPS_SCHEMA}'.encode()).hexdigest()[:8]}"
 
 
+def claimed_op_name(meta) -> str:
+    """op_name(meta), unless another copy of the runtime already registered ops of that name in
+    this process: a standalone build's runtime, frozen at its build (docs/packaging.md), beside
+    the installed one, with the same math printed. Its kernels may differ (a fix since), so
+    each copy runs its own: the second takes that name with its runtime's own tag."""
+    name = op_name(meta)
+    owner = torch.library.__dict__.setdefault("_bamgen_op_owners", {}).setdefault(name, __name__)
+    if owner == __name__:
+        return name
+    return f"{name}_{hashlib.sha256(__name__.encode()).hexdigest()[:8]}"
+
+
 def shared_ops(prior, kind, make):
     """The ops of this name, registered by the first import in the process of a build with them:
     a second import (another module name, `generated.x` beside `bamgen.generated.x`, a reload,

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from . import blocks, functional
 from .cpu.decode import DecodeTables
-from .ops import Ops, TritonOps, op_name, shared_ops
+from .ops import Ops, TritonOps, claimed_op_name, shared_ops
 from .params import DomainCheck
 from .traits import HOOK_HELPERS, RUNTIME_ABI, PriorTraits, position_table_traits
 
@@ -66,7 +66,7 @@ class Prior:
         self.tuned = {}                  # autotuned tiles (triton/launch.py)
         self._kernels = None
         self._kernels_lock = threading.Lock()
-        self.op_name = op_name(meta)     # torch.ops.bamgen.<op_name>_fwd / _bwd
+        self.op_name = claimed_op_name(meta)     # torch.ops.bamgen.<op_name>_fwd / _bwd
         self.ops = shared_ops(self, "ops", Ops)
         self.triton_ops = shared_ops(self, "triton", TritonOps) if TritonOps.wanted() else None
         # the prior as the kernels of calls with position tensors see it (docs/positions.md):

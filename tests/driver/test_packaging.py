@@ -244,3 +244,26 @@ def test_an_installed_wheel_imports_builds_and_loads_outside_the_repository(tmp_
     """, cwd=work, pythonpath=site, BAMGEN_CACHE_DIR=str(work / "cache"))
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith("bamgen._cache.laplace_")
+
+
+def test_a_standalone_build_beside_the_installed_one_runs_its_own_kernels(tmp_path):
+    """A standalone file's runtime is frozen at its build: imported beside the installed
+    bamgen's build of the same prior (the same math, so the same op name), it registers its own
+    ops under its runtime's tag rather than share the first one's, which may be another
+    runtime's kernels. Both give the same numbers here, as both runtimes are this one."""
+    out = tmp_path / "vendored"
+    res = run_cli("build", "--standalone", "laplace", "-o", str(out), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    ran = _run("""
+        import torch
+        import laplace as vendored
+        import bamgen
+        installed = bamgen.load("laplace")
+        assert vendored.OP_NAME.startswith("laplace_") and installed.OP_NAME.startswith(vendored.OP_NAME + "_")
+        assert vendored._prior.ops is not installed._prior.ops
+        q = torch.randn(1, 2, 9, 16)
+        assert torch.equal(vendored.attention(q, q, q, b=4.0), installed.attention(q, q, q, b=4.0))
+        print("ok")
+    """, cwd=tmp_path, pythonpath=out)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.strip() == "ok"
