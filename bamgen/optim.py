@@ -57,11 +57,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.01, *,
 def _check_rate(name: str, value) -> None:
     """A rate read from a config file may arrive as a string ("1e-3"), which torch's optimizers
     only reject at their first step, far from the call that carried it."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
+    if callable(getattr(value, "item", None)) and getattr(value, "size", None) in (1, ()) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1):
+        value = value.item()   # a one-element tensor or numpy array
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-        raise ValueError(f"{name}: expected a number >= 0, got {value!r} "
-                         f"({type(value).__name__}); a value from a config file needs float(...)")
+        hint = "; a value from a config file needs float(...)" if isinstance(value, str) else ""
+        raise ValueError(f"{name}: expected a number >= 0, got {value!r} ({type(value).__name__})"
+                         f"{hint}")
 
 
 def _refuse_flat_parameters(model: torch.nn.Module) -> None:
@@ -74,8 +76,8 @@ def _refuse_flat_parameters(model: torch.nn.Module) -> None:
     if any(_is_prior_module(module) or callable(getattr(module, "no_weight_decay", None))
            for module in model.modules()):
         raise ValueError("model: FSDP (FullyShardedDataParallel) with use_orig_params=False "
-                         "flattens the prior parameters into the other weights, so they cannot "
-                         "have a group of their own; wrap with use_orig_params=True, or use FSDP2 "
+                         "flattens the prior parameters (and the names no_weight_decay() lists) "
+                         "into the other weights, so they cannot have a group of their own; wrap with use_orig_params=True, or use FSDP2 "
                          "(torch.distributed.fsdp.fully_shard)")
 
 
