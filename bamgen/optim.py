@@ -57,9 +57,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.01, *,
 def _check_rate(name: str, value) -> None:
     """A rate read from a config file may arrive as a string ("1e-3"), which torch's optimizers
     only reject at their first step, far from the call that carried it."""
-    if callable(getattr(value, "item", None)) and getattr(value, "size", None) in (1, ()) or (
-            isinstance(value, torch.Tensor) and value.numel() == 1):
-        value = value.item()   # a one-element tensor or numpy array
+    if hasattr(value, "item") and not isinstance(value, str):
+        try:
+            value = value.item()   # a one-element tensor or numpy array
+        except (ValueError, RuntimeError):
+            pass                   # (more than one element: refused below)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
         hint = "; a value from a config file needs float(...)" if isinstance(value, str) else ""
         raise ValueError(f"{name}: expected a number >= 0, got {value!r} ({type(value).__name__})"
@@ -73,11 +75,12 @@ def _refuse_flat_parameters(model: torch.nn.Module) -> None:
     decay and take the base rate."""
     if not any(getattr(p, "_is_flat_param", False) for p in model.parameters()):
         return
-    if any(_is_prior_module(module) or callable(getattr(module, "no_weight_decay", None))
+    if any(_generated_prior(module) is not None or callable(getattr(module, "no_weight_decay", None))
            for module in model.modules()):
         raise ValueError("model: FSDP (FullyShardedDataParallel) with use_orig_params=False "
                          "flattens the prior parameters (and the names no_weight_decay() lists) "
-                         "into the other weights, so they cannot have a group of their own; wrap with use_orig_params=True, or use FSDP2 "
+                         "into the other weights, so they cannot have a group of their own; "
+                         "wrap with use_orig_params=True, or use FSDP2 "
                          "(torch.distributed.fsdp.fully_shard)")
 
 
@@ -93,24 +96,29 @@ def no_decay_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list({id(p): p for p in found}.values())
 
 
-def _is_prior_module(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is (or derives from) a generated module's class."""
-    if getattr(type(module), "_bamgen_prior", None) is not None:
-        return True
-    return any(isinstance(getattr(sys.modules.get(cls.__module__), "PRIOR", None), dict)
-               for cls in type(module).__mro__)
+def _generated_prior(module: torch.nn.Module):
+    """The prior of ``module``'s class, if it (or a class it derives from) is a generated
+    module's: its runtime Prior, or the ``PRIOR`` dict its module carries; else None. Read from
+    the class, so it holds where FSDP1 has taken the module's own parameters away."""
+    prior = getattr(type(module), "_bamgen_prior", None)
+    if prior is not None:
+        return prior
+    for cls in type(module).__mro__:
+        meta = getattr(sys.modules.get(cls.__module__), "PRIOR", None)
+        if isinstance(meta, dict) and isinstance(meta.get("params"), dict):
+            return meta
+    return None
 
 
 def _prior_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The stored learnable parameters of the prior (raw_<name>, or the attribute its traits
     name), if ``module`` (or a class it derives from) is a generated module's class."""
-    prior = getattr(type(module), "_bamgen_prior", None)
-    if prior is not None:
-        own = dict(module.named_parameters(recurse=False))
-        return [own[p.storage] for p in prior.traits.params if p.learnable and p.storage in own]
-    for cls in type(module).__mro__:
-        prior = getattr(sys.modules.get(cls.__module__), "PRIOR", None)
-        if isinstance(prior, dict) and isinstance(prior.get("params"), dict):
-            own = dict(module.named_parameters(recurse=False))
-            return [own[f"raw_{name}"] for name in prior["params"] if f"raw_{name}" in own]
-    return []
+    prior = _generated_prior(module)
+    if prior is None:
+        return []
+    if isinstance(prior, dict):
+        names = [f"raw_{name}" for name in prior["params"]]
+    else:
+        names = [p.storage for p in prior.traits.params if p.learnable]
+    own = dict(module.named_parameters(recurse=False))
+    return [own[name] for name in names if name in own]

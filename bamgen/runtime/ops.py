@@ -57,8 +57,8 @@ def op_name(meta) -> str:
     prior of the same name (another formula, parameters or strategy) has no op of that name,
     so loading fails instead of running the other formula (docs/packaging.md, "torch.export
     and AOTInductor"). A module built before the op hash existed is named by its build hash."""
-    math = meta.get("op_hash", meta["build_hash"])
-    return f"{meta['name']}_{hashlib.sha256(f'{math}:{OPS_SCHEMA}'.encode()).hexdigest()[:8]}"
+    runs = meta.get("op_hash", meta["build_hash"])
+    return f"{meta['name']}_{hashlib.sha256(f'{runs}:{OPS_SCHEMA}'.encode()).hexdigest()[:8]}"
 
 
 def claimed_op_name(meta) -> str:
