@@ -85,7 +85,27 @@ def shared_ops(prior, kind, make):
     key = (prior.op_name, kind)
     if key not in registry:
         registry[key] = make(prior)
+        _alias_prior_name(prior)
     return registry[key]
+
+
+# every op a prior may register, after its name (Ops and TritonOps)
+OP_SUFFIXES = ("_fwd", "_bwd", "_pfwd", "_pbwd", "_prepare", "_fwd_triton", "_bwd_triton")
+
+
+def _alias_prior_name(prior) -> None:
+    """torch.ops.bamgen.<the prior's name>_fwd, _bwd, ... as well, the names docs/architecture.md
+    promises for the first build of a prior a process imports: the same op objects as
+    <op_name>_fwd, ..., so a call through either is one op, and a traced graph (a saved
+    program) names the hashed ops, which find their build. A later build of another math keeps
+    its hashed names alone, as an edited prior took <name>_<build hash> before."""
+    owners = torch.library.__dict__.setdefault("_bamgen_alias_owners", {})
+    if owners.setdefault(prior.meta["name"], prior.op_name) != prior.op_name:
+        return
+    namespace = torch.ops.bamgen
+    for suffix in OP_SUFFIXES:
+        if torch._C._dispatch_has_kernel(f"bamgen::{prior.op_name}{suffix}"):
+            setattr(namespace, prior.meta["name"] + suffix, getattr(namespace, prior.op_name + suffix))
 
 
 # torch < 2.12 has no such query; its non-strict export traces FakeTensors, which tracing() sees

@@ -297,6 +297,9 @@ def test_op_names_and_reimport(monkeypatch):
     assert ggd.OP_NAME.startswith("generalized_gaussian_") and ggd.OP_NAME != gaussian.OP_NAME
     assert hasattr(torch.ops.bamgen, gaussian.OP_NAME + "_fwd")
     assert hasattr(torch.ops.bamgen, gaussian.OP_NAME + "_bwd")
+    # the prior's own name too, for the first build imported: the same ops
+    assert torch.ops.bamgen.gaussian_fwd is getattr(torch.ops.bamgen, gaussian.OP_NAME + "_fwd")
+    assert torch.ops.bamgen.generalized_gaussian_bwd is getattr(torch.ops.bamgen, ggd.OP_NAME + "_bwd")
     spec = importlib.util.spec_from_file_location("gaussian_again", gaussian.__file__)
     again = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gaussian_again", again)
