@@ -18,10 +18,11 @@ def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_off
     [Hq]}. The arguments and the result are the generated module's attention()'s."""
     q, k, v = checks.autocast_inputs(q, k, v)
     checks.check_inputs(q, k, v, causal, scale, backend)
-    if not ops.tracing(q):   # (traced: the ops check it when they run, as eager's error)
+    via_ops = ops.through_ops(q)   # traced, or under a selective checkpoint
+    if not via_ops:   # (the ops check it when they run, as eager's error)
         checks.check_causal(prior.traits, causal, pos_q, pos_k)
     pos = positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q)
-    if pos is not None and ops.tracing(q):   # the positional custom ops check at run time
+    if pos is not None and via_ops:   # the positional custom ops check at run time
         theta = make_theta(prior.traits, q, values, grad=True)
         return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale, backend,
                                      key_mask, cu_seqlens_q, cu_seqlens_k, check=True,
@@ -31,7 +32,7 @@ def attention(prior, q, k, v, values, causal=True, scale=None, q_offset=0, k_off
         layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
         theta = make_theta(prior.traits, q, values, grad=True, check=prior.domain_check)
         return attend(prior, q, k, v, theta, causal, scale, layout, backend, pos)
-    if ops.tracing(q):   # torch.compile, torch.export, torch.func: the custom ops check at run time
+    if via_ops:   # traced, or a selective checkpoint's region: the ops check at run time
         theta = make_theta(prior.traits, q, values, grad=True)
         return ops.attend(prior, q, k, v, theta, causal, scale, backend, q_offset, k_offset,
                           key_mask, cu_seqlens_q, cu_seqlens_k, check=True)

@@ -105,11 +105,12 @@ class PriorAttention(torch.nn.Module):
                              f"num_heads={self.num_heads}")
         q, k, v = checks.autocast_inputs(q, k, v)
         checks.check_inputs(q, k, v, causal, scale, backend)
-        if not ops.tracing(q):   # (traced: the ops check it when they run, as eager's error)
+        via_ops = ops.through_ops(q)   # traced, or under a selective checkpoint
+        if not via_ops:   # (the ops check it when they run, as eager's error)
             checks.check_causal(prior.traits, causal, pos_q, pos_k)
         theta = make_theta(prior.traits, q, self.prior_params(), grad=True)
         pos = positions_of(prior, q, k, pos_q, pos_k, q_offset, k_offset, cu_seqlens_q)
-        if pos is not None and ops.tracing(q):
+        if pos is not None and via_ops:
             return ops.attend_positional(prior, q, k, v, theta, pos.q, pos.k, causal, scale,
                                          backend, key_mask, cu_seqlens_q, cu_seqlens_k,
                                          check=False, q_offset=q_offset, k_offset=k_offset,
@@ -117,7 +118,7 @@ class PriorAttention(torch.nn.Module):
         if pos is not None:
             layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
             return attend(prior, q, k, v, theta, causal, scale, layout, backend, pos)
-        if ops.tracing(q):
+        if via_ops:
             return ops.attend(prior, q, k, v, theta, causal, scale, backend, q_offset, k_offset,
                               key_mask, cu_seqlens_q, cu_seqlens_k, check=False)
         layout = checks.layout(q, k, q_offset, k_offset, key_mask, cu_seqlens_q, cu_seqlens_k)
