@@ -96,10 +96,11 @@ class PriorTraits:
     with the position derivatives among the hooks. table_positions: these are the traits of the
     kernels that read the prior's distance table at integer position tensors
     (position_table_traits). position_grads: some derivative of the logit by a position is not
-    0 (NoPE's are all 0: its kernels of positions as tensors sum none, and the positions'
-    gradients are 0). causal_only: the prior file declares causal_only: true, its formulas
-    were checked only where a key is at or before its query, so every call must be causal
-    and take token positions (runtime/checks.py, check_causal)."""
+    0 (NoPE's and T5's are all 0: their kernels of positions as tensors and the torch path's
+    backward sum none, and the positions' gradients are 0). causal_only: the prior file
+    declares causal_only: true, its formulas were checked only where a key is at or before its
+    query, so every call must be causal and take token positions (runtime/checks.py,
+    check_causal)."""
     name: str
     class_name: str
     params: tuple[ParamTraits, ...]

@@ -438,6 +438,45 @@ def test_kernels_sum_positions_gradients_only_where_a_position_moves_the_logit()
         assert module._prior.positional.traits.position_grads is moves, name
 
 
+@pytest.mark.parametrize("name, moves", [("t5", False), ("t5_bidirectional", False),
+                                         ("generalized_gaussian", True)])
+def test_the_cpu_path_sums_positions_gradients_only_where_a_position_moves_the_logit(
+        monkeypatch, name, moves):
+    """The torch path, as the kernels: a prior whose logit no position moves (T5's buckets are
+    steps) evaluates no derivative by a position in its backward, and float positions that
+    require grad get zeros; every other gradient is the summing backward's, bit for bit."""
+    import dataclasses
+    prior = importlib.import_module(f"generated.{name}")._prior
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    pos = torch.randint(1, 5, (1, 40), generator=g).cumsum(-1).float()
+    torch.manual_seed(3)
+    initial = prior.default_params(2)   # (T5's are drawn at random: once)
+
+    def step():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, pos)]
+        values = {n: t.clone().requires_grad_() for n, t in initial.items()}
+        out = prior.attention(*leaves[:3], values, True, None, 0, 0, None, None, None, "torch",
+                              leaves[3], leaves[3])
+        return torch.autograd.grad(out.square().sum(), leaves + list(values.values()))
+
+    summing = step() if moves else None
+    if not moves:   # the backward that sums them, for the other gradients
+        monkeypatch.setattr(prior, "traits", dataclasses.replace(prior.traits, position_grads=True))
+        summing = step()
+        monkeypatch.undo()
+    evaluated = []
+    hooks = prior.torch
+    monkeypatch.setattr(prior, "torch", dataclasses.replace(
+        hooks, position_grads=lambda *a: evaluated.append(1) or hooks.position_grads(*a)))
+    grads = step()
+    assert bool(evaluated) is moves
+    if not moves:
+        assert grads[3].shape == pos.shape and not grads[3].any()
+    for got, want in zip(grads, summing):
+        assert torch.equal(got, want)
+
+
 class FoxLayer(torch.nn.Module):
     """docs/positions.md's FoX layer: gates from a projection, positions their log-sigmoid sums."""
 

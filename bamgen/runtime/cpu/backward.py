@@ -146,7 +146,9 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
     correction below instead of applying it (see finish_param_grads).
     pos: position tensors (backward()): the result has their gradients after the others, the
     row sums of dS * d logit / d i_c for pos_q and the column sums of dS * d logit / d j_c for
-    pos_k, in float64 tiles (a FoX row's dS sums to 0 against a derivative of 1)."""
+    pos_k, in float64 tiles (a FoX row's dS sums to 0 against a derivative of 1); zeros,
+    summed over no tile, where no position moves the logit (traits.position_grads: NoPE, T5's
+    buckets, whose derivatives the compiler found 0)."""
     B, Hq, Nq, D = q.shape
     cdt = acc_dtype(q)   # the compute dtype
     tables = position_tables(prior, theta, pos, True, shifted) if pos is not None else \
@@ -171,6 +173,7 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
     # several ulps of their magnitude
     dparams = torch.zeros(B, Hk * G, P, dtype=torch.float64, device=dev)
     C = 0 if pos is None else pos[0].shape[-1]
+    position_sums = pos is not None and prior.traits.position_grads
     dpos_q = torch.zeros(B, Hk, G, Nq, C, dtype=torch.float64, device=dev)
     dpos_k = torch.zeros(B, Hk, G, Nk, C, dtype=torch.float64, device=dev)
 
@@ -237,8 +240,8 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
                 if visible is not None:   # dS = 0 where masked, even in a row whose delta is NaN
                     ds.masked_fill_(~visible, 0.0)
                 # where(): a derivative may be inf/nan on a masked score, where ds is 0
-                seen = p > 0 if dlogit_dparams or not score_is_s or pos is not None else None
-                if pos is not None:   # (dS here is d loss / d logit)
+                seen = p > 0 if dlogit_dparams or not score_is_s or position_sums else None
+                if position_sums:   # (dS here is d loss / d logit)
                     _position_sums(prior, ds, seen, s, pos_d, pos_i, pos_j, pos_n, prm, C,
                                    dpos_q[b, h0:h1, :, i0:i1], dpk_t[:, :, j0:j1])
                 if dlogit_dparams:
