@@ -265,4 +265,5 @@ def positional_backward(prior, use_triton, dout, q, k, v, out, saved, theta, cau
                                layout.q_offset, layout.k_offset, pos=pos,
                                position_grads=position_grads, **layout.masks())
     return cpu_backward.backward(prior, dout, q, k, v, out, *saved, theta, causal, scale,
-                                 layout.q_offset, layout.k_offset, pos=pos, **layout.masks())
+                                 layout.q_offset, layout.k_offset, pos=pos,
+                                 position_grads=position_grads, **layout.masks())

@@ -18,16 +18,19 @@ from .hooks import (distance_tables, entries_at, generic_tables, logit_grads, po
 
 
 def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted=True,
-             rows=None, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, pos=None):
+             rows=None, n=None, key_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, pos=None,
+             position_grads=True):
     """dq, dk, dv (input dtype) and the learnable parameters' gradients [Hq, prior.traits.num_grads]:
     the parts of the call (call_parts) as the forward split it.
     rows: see _backward_generic (the table path needs no row correction: it sums dS
     per distance in float64 against derivatives shifted to be small where it matters).
     pos: the forward's position tensors (see forward.forward): then the generic path, and the
-    positions' gradients after the others, (dpos_q, dpos_k) like pos."""
+    positions' gradients after the others, (dpos_q, dpos_k) like pos; zeros, not summed, where
+    position_grads is False (no position requires grad: backward_generic)."""
     if pos is not None:
         return positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted,
-                                   n, key_mask, cu_seqlens_q, cu_seqlens_k, pos, q_offset, k_offset)
+                                   n, key_mask, cu_seqlens_q, cu_seqlens_k, pos, q_offset, k_offset,
+                                   position_grads)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     parts = call_parts(B, Nq, Nk, q_offset, k_offset, cu_seqlens_q, cu_seqlens_k)
@@ -66,12 +69,13 @@ def backward(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k
 
 
 def positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n,
-                        key_mask, cu_seqlens_q, cu_seqlens_k, pos, q_offset=0, k_offset=0):
+                        key_mask, cu_seqlens_q, cu_seqlens_k, pos, q_offset=0, k_offset=0,
+                        position_grads=True):
     """backward() of a call with position tensors: (dq, dk, dv, dparams, dpos_q, dpos_k), packed
     documents as the forward grouped them (and offsets 0)."""
     if cu_seqlens_q is None:
         return _positional_call(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n,
-                                key_mask, pos, q_offset, k_offset)
+                                key_mask, pos, q_offset, k_offset, position_grads)
     B, Hq, Nq, D = q.shape
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dpos = [torch.zeros(p.shape, dtype=acc_dtype(q), device=q.device) for p in pos]
@@ -82,7 +86,8 @@ def positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, 
         dq_g, dk_g, dv_g, dp_g, dpq_g, dpk_g = _positional_call(
             prior, group.gather(dout, 0), group.gather(q, 0), group.gather(k, 1),
             group.gather(v, 1), group.gather(out, 0), stats_g, theta, causal, scale, shifted, None,
-            group.key_mask, (group.gather(pos[0], 0), group.gather(pos[1], 1)))
+            group.key_mask, (group.gather(pos[0], 0), group.gather(pos[1], 1)),
+            position_grads=position_grads)
         for t, g, side in ((dq, dq_g, 0), (dk, dk_g, 1), (dv, dv_g, 1), (dpos[0], dpq_g, 0),
                            (dpos[1], dpk_g, 1)):
             group.scatter(t, g, side)
@@ -91,13 +96,13 @@ def positional_backward(prior, dout, q, k, v, out, stats, theta, causal, scale, 
 
 
 def _positional_call(prior, dout, q, k, v, out, stats, theta, causal, scale, shifted, n, key_mask,
-                     pos, q_offset=0, k_offset=0):
+                     pos, q_offset=0, k_offset=0, position_grads=True):
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     k, v = hide_padding(k, v, key_mask)
     q, dout, out, v = quiet_dead_rows(q, dout, out, v, stats.contiguous())
     return hidden_keys_get_nothing(backward_generic(
         prior, dout, q, k, v, out, stats.contiguous(), theta, causal, scale, q_offset, k_offset,
-        shifted, None, n, key_mask, pos), key_mask)
+        shifted, None, n, key_mask, pos, position_grads), key_mask)
 
 
 def backward_call(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset, shifted,
@@ -139,7 +144,7 @@ def hidden_keys_get_nothing(grads: tuple, key_mask) -> tuple:
 
 
 def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_offset, k_offset,
-                     shifted=True, rows=None, n=None, key_mask=None, pos=None):
+                     shifted=True, rows=None, n=None, key_mask=None, pos=None, position_grads=True):
     """Closed-form backward: P rebuilt from the forward's statistics, dS = P * (dP - rowsum(dO * O)).
     z is computed exactly as the forward computed it (same tiles, same logit hook).
     rows (backward_block): a [B, Hq, Nq, 1 + P] tensor that receives the row sums of the
@@ -148,7 +153,8 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
     row sums of dS * d logit / d i_c for pos_q and the column sums of dS * d logit / d j_c for
     pos_k, in float64 tiles (a FoX row's dS sums to 0 against a derivative of 1); zeros,
     summed over no tile, where no position moves the logit (traits.position_grads: NoPE, T5's
-    buckets, whose derivatives the compiler found 0)."""
+    buckets, whose derivatives the compiler found 0) or the call wants none (position_grads:
+    no position requires grad, integer positions among them)."""
     B, Hq, Nq, D = q.shape
     cdt = acc_dtype(q)   # the compute dtype
     tables = position_tables(prior, theta, pos, True, shifted) if pos is not None else \
@@ -173,7 +179,7 @@ def backward_generic(prior, dout, q, k, v, out, stats, theta, causal, scale, q_o
     # several ulps of their magnitude
     dparams = torch.zeros(B, Hk * G, P, dtype=torch.float64, device=dev)
     C = 0 if pos is None else pos[0].shape[-1]
-    position_sums = pos is not None and prior.traits.position_grads
+    position_sums = pos is not None and position_grads and prior.traits.position_grads
     dpos_q = torch.zeros(B, Hk, G, Nq, C, dtype=torch.float64, device=dev)
     dpos_k = torch.zeros(B, Hk, G, Nk, C, dtype=torch.float64, device=dev)
 
