@@ -9,7 +9,8 @@ the output shapes without running anything, so a trace has no graph break and a 
 length is one more value of a symbolic size, not a recompile. Everything that reads tensor
 values (the parameters' domains, tensor offsets, cu_seqlens, key counts, the CPU path's
 threads) runs inside the ops, at run time. Eager calls keep the autograd Function (the same
-kernels, less dispatch).
+kernels, less dispatch), except in a selective activation checkpoint's region, where a policy
+names the forward op (checkpointing).
 
 Triton ops: the GPU path under torch.compile, in the open. A traced GPU call with int offsets
 and no packed documents runs three ops instead of the opaque _fwd: _prepare (a custom op: the
