@@ -13,6 +13,7 @@ without a rebuild, and a change to what the compiler prints gives a new key.
 from __future__ import annotations
 
 import hashlib
+import keyword
 import pprint
 import re
 import dataclasses
@@ -476,17 +477,20 @@ def _param_doc(p) -> str:
         shape = (f"tensor [Hq, {p.size}] (or [{p.size}], the same for every head)" if p.per_head
                  else f"tensor [{p.size}], shared by the heads")
     extra = "" if p.learnable else ", no gradient"
+    if keyword.iskeyword(p.name):   # (no signature can list it: **keyword_params takes it)
+        return f'{p.name}: {shape} ({p.domain}{extra}), a Python keyword: **{{"{p.name}": ...}}.'
     return f"{p.name}: {shape} ({p.domain}{extra})."
 
 
 def own_names(plan: KernelPlan) -> dict[str, str]:
     """The generated module's own names in the functions that take the parameters as
-    arguments (backward_block's dout, out, stats; log_prior_at's num_heads; the bound Prior),
+    arguments (backward_block's dout, out, stats; log_prior_at's num_heads; the bound Prior;
+    the **keyword_params that take the parameters named by Python keywords),
     each with '_' appended while a parameter has it: the user's names win (docs/priors.md,
     "Names")."""
     taken = {p.name for p in plan.params}
     out = {}
-    for name in ("dout", "out", "stats", "num_heads", "_prior"):
+    for name in ("dout", "out", "stats", "num_heads", "_prior", "keyword_params"):
         renamed = name
         while renamed in taken:
             renamed += "_"
@@ -614,9 +618,21 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         torch_binding=_torch_binding(torch_side, distance is not None),
         triton_binding=_wrap([h.name for h in triton_side], "(", " " * 5,
                              ",)" if len(triton_side) == 1 else ")", column=4),
-        values=_values_dict(plan),
-        param_args="".join(f"{p.name}, " for p in plan.params),
+        values={function: _values_dict(plan, function, own_names(plan))
+                for function in ("attention", "forward_block", "backward_block", "log_prior_at")},
+        param_args="".join(f"{p.name}, " for p in plan.params if not keyword.iskeyword(p.name)),
+        keyword_args=(f"**{own_names(plan)['keyword_params']}"
+                      if any(keyword.iskeyword(p.name) for p in plan.params) else ""),
+        usage_args=_usage_args(plan),
     )
+
+
+def _usage_args(plan: KernelPlan) -> str:
+    """The parameters in the docstring's attention() call: name=..., and those named by Python
+    keywords in one **{"lambda": ...}."""
+    named = "".join(f", {p.name}=..." for p in plan.params if not keyword.iskeyword(p.name))
+    keywords = [f'"{p.name}": ...' for p in plan.params if keyword.iskeyword(p.name)]
+    return named + (f", **{{{', '.join(keywords)}}}" if keywords else "")
 
 
 def _position_shapes(channels: int) -> str:
@@ -654,10 +670,15 @@ def _torch_binding(hooks: list[Hook], distance: bool) -> str:
     return _wrap(args, rest=" " * 15, column=15)
 
 
-def _values_dict(plan: KernelPlan) -> str:
-    """The parameters as the dict the runtime takes, {"name": name, ...} (continuation lines
-    indented for the template's `return _prior.f(` calls)."""
-    return _wrap([f'"{p.name}": {p.name}' for p in plan.params], "{", " " * 12, "}", column=17)
+def _values_dict(plan: KernelPlan, function: str, own: dict[str, str]) -> str:
+    """The parameters as the dict the runtime takes, {"name": name, ...}, those named by Python
+    keywords from **keyword_params, checked by the Prior as Python checks the others
+    (continuation lines indented for the template's `return _prior.f(` calls)."""
+    items = [f'"{p.name}": {p.name}' for p in plan.params if not keyword.iskeyword(p.name)]
+    if not any(keyword.iskeyword(p.name) for p in plan.params):
+        return _wrap(items, "{", " " * 12, "}", column=17)
+    checked = f'{own["_prior"]}.keyword_params("{function}", {own["keyword_params"]})'
+    return _wrap(items + [f"**{checked}"], "{", " " * 12, "}", column=17) if items else checked
 
 
 def _tidy(text: str) -> str:

@@ -14,9 +14,13 @@ would, and refuses what SymPy's exact arithmetic could only do with astronomical
 from __future__ import annotations
 
 import ast
+import io
+import keyword
 import math
 import re
+import tokenize
 import warnings
+from dataclasses import dataclass
 from typing import Mapping
 
 import sympy as sp
@@ -78,7 +82,16 @@ REWRITES: Mapping[str, tuple[tuple[str, ...], str]] = {
     "pow": (("x", "y"), "{(x)}**{(y)}"),
 }
 MAX_REWRITE_ARGUMENT = 40   # characters of an argument a hint repeats; beyond, it says x
-RESERVED = frozenset(FUNCTIONS) | frozenset(CONSTANTS) | {"True", "False"}
+# True and False are the conditions of a Piecewise's last pair, None a constant (as in Python),
+# and/or join conditions: names of the language, which no parameter or let may take
+RESERVED = frozenset(FUNCTIONS) | frozenset(CONSTANTS) | {"True", "False", "None", "and", "or"}
+# The Python keywords a formula reads as names (a decay rate lambda, a parameter in): every other
+# keyword (docs/priors.md, "Names")
+KEYWORD_NAMES = frozenset(keyword.kwlist) - RESERVED
+# Parameter and let names: Python identifiers (σ, λ too: Python 3 takes Unicode letters, and so
+# do the formulas, parsed by Python's ast), in the form Python reads them (NFKC), at most 64
+# characters.
+MAX_NAME = 64
 MAX_SUM_TERMS = 256    # terms of a Sum once expanded (nested Sums: the product of their lengths)
 MAX_SUM_EXPANSION = 2_000_000   # nodes of all the expanded copies of Sum bodies, in one formula
 
@@ -253,19 +266,11 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
         # The text is copied into the generated module's docstrings: no comments, no escapes.
         raise fail("comments ('#') and backslashes are not allowed in a formula",
                    "put remarks in 'description'")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # SyntaxWarnings would print a second line
-            tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as exc:
-        raise fail(f"cannot parse {text.strip()!r}: {exc.msg}",
-                   "use Python/SymPy syntax, e.g. -(Abs(d - mu)/alpha)**beta") from None
-    except (RecursionError, MemoryError):
-        raise fail("the formula is nested too deeply to parse", "simplify the expression") from None
+    source = _Source.parse(text.strip(), {*symbols, *(vectors or {})}, fail)
     builder = _Builder(symbols, fail, vectors or {}, {} if kinks is None else kinks, symbols_hint,
-                       source=text.strip())
+                       source=source)
     try:
-        expr = builder.build(tree.body, depth=0)
+        expr = builder.build(source.tree.body, depth=0)
     except (ArithmeticError, TypeError, ValueError) as exc:
         if isinstance(exc, SpecError):
             raise
@@ -282,15 +287,86 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
     return expr
 
 
+@dataclass(frozen=True)
+class _Source:
+    """A formula's text and its tree as Python's parser reads them. A keyword that names
+    something (lambda, in) is renamed token by token, for the parser alone, to a name no prior
+    can declare (longer than MAX_NAME characters, and not in the text); the tree's names are
+    then the user's again, so that the symbols and every message see the name as written."""
+    text: str                      # what was parsed: the text with the keywords renamed
+    tree: ast.Expression
+    written: Mapping[str, str]     # {the parser's name: the keyword the user wrote}
+
+    @classmethod
+    def parse(cls, text: str, declared, fail) -> "_Source":
+        """The declared names that are keywords renamed; failing that, every keyword the text
+        may use as a name (an undeclared lambda is then an unknown symbol, not a syntax
+        error). The language's own keywords and/or stay operators."""
+        try:
+            return cls._parse(text, {*declared} & KEYWORD_NAMES)
+        except SyntaxError as exc:
+            first = exc
+        except (RecursionError, MemoryError):
+            raise fail("the formula is nested too deeply to parse", "simplify the expression") from None
+        try:
+            return cls._parse(text, KEYWORD_NAMES)
+        except (SyntaxError, RecursionError, MemoryError):
+            raise fail(f"cannot parse {text!r}: {first.msg}",
+                       "use Python/SymPy syntax, e.g. -(Abs(d - mu)/alpha)**beta") from None
+
+    @classmethod
+    def _parse(cls, text: str, names) -> "_Source":
+        renamed, written = _rename_keywords(text, names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # SyntaxWarnings would print a second line
+            tree = ast.parse(renamed, mode="eval")
+        if written:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and node.id in written:
+                    node.id = written[node.id]
+        return cls(renamed, tree, written)
+
+    def segment(self, node: ast.AST) -> str:
+        """The text of ``node`` as the user wrote it."""
+        text = ast.get_source_segment(self.text, node) or ast.unparse(node)
+        for internal, name in self.written.items():
+            text = text.replace(internal, name)
+        return text
+
+
+def _rename_keywords(text: str, names) -> tuple[str, dict[str, str]]:
+    """``text`` with each keyword of ``names`` that it spells as a token renamed to a name of
+    more than MAX_NAME characters that the text does not hold (so nothing else is that name),
+    and {the new name: the keyword}. Tokens after one that does not tokenize stay as written
+    (the parser then says what is wrong there)."""
+    starts = [0] + [k + 1 for k, c in enumerate(text) if c == "\n"]
+    found = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.NAME and tok.string in names:
+                (row, col), (_, end) = tok.start, tok.end
+                found.append((starts[row - 1] + col, starts[row - 1] + end, tok.string))
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    internal = {}
+    for name in sorted({name for _, _, name in found}):
+        internal[name] = f"keyword_{name}".ljust(MAX_NAME + 1, "_")
+        while internal[name] in text:
+            internal[name] += "_"
+    for start, end, name in reversed(found):
+        text = text[:start] + internal[name] + text[end:]
+    return text, {new: name for name, new in internal.items()}
+
+
 class _Builder:
     """Rebuilds a whitelisted Python AST as a SymPy expression."""
 
     def __init__(self, symbols: Mapping[str, sp.Expr], fail,
                  vectors: Mapping[str, tuple[sp.Symbol, ...]], kinks: dict,
-                 symbols_hint: str | None = None, source: str = ""):
+                 symbols_hint: str | None = None, source: _Source | None = None):
         self.symbols = dict(symbols)
         self.symbols_hint = symbols_hint
-        self.source = source     # the formula's text, quoted back in hints as the user wrote it
+        self.source = source     # the formula's text and tree, quoted back in hints as written
         self.fail = fail
         self.vectors = vectors
         self.kinks = kinks
@@ -479,7 +555,7 @@ class _Builder:
         integers = [p for p in POSITION_NAMES_IN_ORDER if p in self.symbols]
         reals = [] if "d" in self.symbols else sorted(   # (one channel's d0 is a parameter)
             (p for p in self.symbols if CHANNEL_POSITION.fullmatch(p)), key=lambda p: (p[0], int(p[1:])))
-        text = ast.get_source_segment(self.source, index) or ast.unparse(index)
+        text = self.source.segment(index)
         example = f"{name}[floor({text})]" if len(text) <= MAX_REWRITE_ARGUMENT else \
             f"{name}[floor(...)]"
         hint = (f"an index is an integer, {''.join(p + ', ' for p in integers)}a Sum's index, "
@@ -566,7 +642,7 @@ class _Builder:
             return self._Compare(ast.copy_location(compare, node), depth)
         if name not in FUNCTIONS:
             allowed = "allowed functions: " + ", ".join(sorted(FUNCTIONS))
-            rewrite = _rewrite(node, name, self.source)
+            rewrite = _rewrite(node, name, self.source.segment)
             raise self.fail(f"unknown function '{name}'",
                             f"write {rewrite}; {allowed}" if rewrite else allowed)
         if node.keywords:
@@ -640,14 +716,14 @@ class _Builder:
                             "conditions belong only inside Piecewise((value, condition), ...)")
 
 
-def _rewrite(call: ast.Call, name: str, source: str) -> str | None:
+def _rewrite(call: ast.Call, name: str, segment) -> str | None:
     """'f(args) as <the same with the language's functions>' for a function of REWRITES, with
-    the call's own arguments (as ``source`` spells them) where they are short, or None: a user
+    the call's own arguments (as ``segment`` gives their text) where they are short, or None: a user
     who wrote log1p(r*d) reads the formula to write in its place."""
     if name not in REWRITES:
         return None
     params, template = REWRITES[name]
-    texts = [ast.get_source_segment(source, a) or ast.unparse(a) for a in call.args]
+    texts = [segment(a) for a in call.args]
     if (name in ("max", "min") and 2 < len(texts) <= MAX_MINMAX_ARGS and not call.keywords
             and all(len(t) <= MAX_REWRITE_ARGUMENT for t in texts)):   # Max takes them all
         return f"{name}({', '.join(texts)}) as {name.capitalize()}({', '.join(texts)})"

@@ -25,7 +25,7 @@ import yaml
 
 from ..errors import SpecError
 from .timeout import cpu_budget, working_on
-from .formula import MAX_LITERAL, RESERVED, ElementSymbol, evaluate, parse_formula
+from .formula import MAX_LITERAL, MAX_NAME, RESERVED, ElementSymbol, evaluate, parse_formula
 
 MAX_FILE_BYTES = 64 * 1024
 FLOAT32_TINY = 1.1754943508222875e-38   # float32's smallest normal value
@@ -34,10 +34,6 @@ MAX_SIZE = 256           # elements of one vector parameter
 MAX_ELEMENTS = 512       # scalars of all the parameters together (a vector counts its elements)
 MAX_LETS = 64            # named sub-formulas
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")          # used with fullmatch: no trailing newline
-# Parameter and let names: Python identifiers (σ, λ too: Python 3 takes Unicode letters, and so
-# do the formulas, parsed by Python's ast), in the form Python reads them (NFKC), at most 64
-# characters.
-MAX_NAME = 64
 
 # Symbols a formula may use (docs/priors.md). Positions are real numbers in the kernel.
 POSITION_SYMBOLS = ("d", "i", "j", "n")
@@ -589,7 +585,8 @@ def _parse_params(raw, lines) -> tuple[ParamSpec, ...]:
 
 def _check_name(name, field: str, line: int | None, what: str) -> None:
     """A parameter's or sub-formula's name: an identifier that is not a name of the formula
-    language, a Python keyword or an argument of attention() (docs/priors.md, "Names")."""
+    language or an argument of attention() (docs/priors.md, "Names"); a Python keyword such as
+    lambda is the user's too."""
     if isinstance(name, (bool, int, float)) or name is None:
         # YAML reads the keys true/false/yes/no/on/off/null and numbers as such, not as text
         raise SpecError(f"invalid {what} name {_show(name)}: YAML reads that key as "
@@ -616,12 +613,10 @@ def _check_name(name, field: str, line: int | None, what: str) -> None:
 def _reserved_because(name: str) -> str | None:
     """Why ``name`` cannot name a parameter or a sub-formula, or None: only what would make it
     mean two things in a formula or in attention()'s arguments. Every other clash with a name
-    of the generated code is the compiler's to avoid (docs/priors.md, "Names")."""
+    of the generated code, or with Python's keywords, is the compiler's to avoid
+    (docs/priors.md, "Names")."""
     if name in RESERVED or name in POSITION_SYMBOLS or name in SCORE_SYMBOLS or name in INIT_SYMBOLS:
-        return "it is a symbol, function or constant of the formula language"
-    if keyword.iskeyword(name):   # (attention() takes every parameter as a keyword argument)
-        return ("it is a Python keyword, so attention() could not take it as a keyword "
-                f"argument (attention(q, k, v, {name}=...) is a syntax error)")
+        return "it is a symbol, function, constant or operator of the formula language"
     if name in ATTENTION_ARGS:
         return "it is an argument of the generated attention()"
     return None

@@ -5,6 +5,7 @@ generated module binds its public functions to it (docs/architecture.md, "The ge
 module")."""
 from __future__ import annotations
 
+import keyword
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -117,6 +118,24 @@ class Prior:
 
     def log_prior_at(self, d, values, num_heads=None):
         return blocks.log_prior_at(self, d, values, num_heads)
+
+    def keyword_params(self, function: str, given: dict) -> dict:
+        """The parameters named by Python keywords (lambda, in), which no signature can list:
+        the generated functions take them through **keyword_params (attention(q, k, v,
+        **{"lambda": 0.5})) and pass them on from here, with the TypeErrors Python gives a
+        listed keyword-only argument that is missing or unexpected."""
+        names = [p.name for p in self.traits.params if keyword.iskeyword(p.name)]
+        unexpected = next((name for name in given if name not in names), None)
+        if unexpected is not None:
+            raise TypeError(f"{function}() got an unexpected keyword argument {unexpected!r}")
+        missing = [name for name in names if name not in given]
+        if missing:
+            listed = " and ".join(", ".join(map(repr, missing)).rsplit(", ", 1))
+            raise TypeError(f"{function}() missing {len(missing)} required keyword-only "
+                            f"argument{'s' if len(missing) > 1 else ''}: {listed} (a Python "
+                            f"keyword is not written name=value: pass **{{{missing[0]!r}: "
+                            f"value}})")
+        return given
 
     def triton_kernel_specs(self, dtype="bf16", head_dim=64, causal=True, arch="sm_90", candidate=0,
                             layout="plain"):

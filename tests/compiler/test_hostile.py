@@ -94,7 +94,6 @@ EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "shadow_log_prior.yaml": ("params.log_prior", ("'log_prior' is reserved",)),
     "shadow_h.yaml": ("params.h", ("'h' is reserved",)),
     "shadow_piecewise.yaml": ("params.Piecewise", ("'Piecewise' is reserved",)),
-    "shadow_lambda.yaml": ("params.lambda", ("'lambda' is reserved",)),
     "shadow_q.yaml": ("params.q", ("'q' is reserved", "attention()")),
     "param_newline.yaml": ("params.b\\n", ("invalid parameter name",)),
     "name_traversal.yaml": ("name", ("invalid name '../../etc/passwd'",)),
@@ -252,6 +251,10 @@ BUILDS: dict[str, Builds] = {
     # names the generated code also uses (a builtin, nn.Module's attributes, the storage prefix
     # raw_, a local t, the kernels' rows, a leading '_'): once refused, they are the user's,
     # and the compiler renames its own around them
+    # Python keywords: the parser reads them as names, attention() takes **{"lambda": ...}
+    "shadow_lambda.yaml": Builds(
+        lambda d, p: -_abs(d) / p["lambda"] - p["in"] * torch.log(1 + _abs(d)),
+        {"lambda": [4.0, 2.0], "in": [0.5, -0.25]}),
     "shadow_builtin_float.yaml": Builds(lambda d, p: -_abs(d) / p["float"], {"float": [4.0, 2.0]}),
     "shadow_builtin_range_buffer.yaml": Builds(lambda d, p: -_abs(d) * p["range"],
                                                {"range": [0.25, 0.5]}),

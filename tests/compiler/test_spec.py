@@ -12,7 +12,7 @@ from bamgen.compiler import spec as spec_module
 from bamgen.checks.inits import check_inits
 from bamgen.driver.build import compile_spec
 from bamgen.errors import SpecError
-from bamgen.compiler.formula import REWRITES, parse_formula
+from bamgen.compiler.formula import KEYWORD_NAMES, REWRITES, ElementSymbol, parse_formula
 from bamgen.compiler.spec import load_spec, parse_spec
 from tests.helpers import run_cli_in_process, write_prior
 
@@ -210,8 +210,8 @@ def _clashing_names() -> dict[str, set[str]]:
 
 
 def test_every_name_the_generated_code_uses_works_as_a_parameter():
-    """A parameter may take any name but the language's, a keyword or an argument of
-    attention(): the compiler renames its own names around it. Derived from the rendered
+    """A parameter may take any name but the language's or an argument of attention(), a
+    Python keyword included: the compiler renames its own names around it. Derived from the rendered
     modules (the arguments, locals and called functions of every generated function, and the
     names the printed hooks derive from a parameter), each such name is given to a parameter of
     a prior that uses it, and the module must compute what the same prior with plain names
@@ -220,6 +220,8 @@ def test_every_name_the_generated_code_uses_works_as_a_parameter():
     clashes = _clashing_names()
     assert {"stats", "num_heads", "out", "dout", "attention"} <= set(clashes)   # the check sees them
     names = sorted(n for n in clashes if not spec_module._reserved_because(n))
+    # Python's keywords, which the formulas and the generated signatures cannot spell as names
+    names += sorted(KEYWORD_NAMES) + ["keyword_params", "keyword_lambda" + "_" * 50]
     # and the hooks' own names, the module's globals, nn.Module's attributes and builtins
     names += ["prm", "pos_d", "tab", "tab_v", "sc", "Theta_h", "tl", "torch", "math", "values",
               "element_at", "init_formula", "c0", "x0", "k0", "_prior", "training", "forward",
@@ -263,7 +265,9 @@ def test_module_attributes_cover_torch_nn_module():
 @pytest.mark.parametrize("name, words", [
     ("key_mask", "argument of the generated attention()"),
     ("cu_seqlens_q", "argument of the generated attention()"), ("q", "attention()"),
-    ("lambda", "Python keyword, so attention() could not take it as a keyword argument"),
+    ("None", "constant or operator of the formula language"),
+    ("and", "constant or operator of the formula language"),
+    ("or", "constant or operator of the formula language"),
     ("exp", "formula language"), ("Sum", "formula language"),
     ("cos", "formula language"), ("n", "formula language"),
 ])
@@ -689,3 +693,119 @@ def test_an_index_that_is_not_an_integer_is_refused_in_the_priors_own_symbols(
     fixed = write_prior(tmp_path, text.format(positions, f"floor({index})"), "fixed.yaml")
     result = run_cli_in_process("build", str(fixed), "-o", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
+
+
+LAMBDA, IN = sp.Symbol("lambda", positive=True), sp.Symbol("in", real=True)
+KEYWORD_SYMS = {"d": D, "lambda": LAMBDA, "in": IN}
+
+
+@pytest.mark.parametrize("formula, expected", [
+    ("exp(-lambda*Abs(d))", sp.exp(-LAMBDA * sp.Abs(D))),
+    ("-lambda*Abs(d) - in", -LAMBDA * sp.Abs(D) - IN),
+    ("-(lambda\n   * Abs(d))", -LAMBDA * sp.Abs(D)),
+    # and, or stay the language's operators beside a parameter named by a keyword
+    ("Piecewise((-lambda*d, (d > 0) and (d < in)), (0, True))",
+     sp.Piecewise((-LAMBDA * D, sp.And(D > 0, D < IN)), (0, True))),
+    # an undeclared keyword is a Sum's index as any new name is
+    ("Sum(d*for, (for, 0, 3))", 6 * D),
+])
+def test_a_python_keyword_declared_as_a_name_reads_as_that_name(formula, expected):
+    assert parse_formula(formula, KEYWORD_SYMS, field="log_prior") == expected
+
+
+@pytest.mark.parametrize("formula, symbols, words", [
+    ("exp(-lambda*d)", {"d": D}, "unknown symbol 'lambda'"),
+    ("log1p(lambda*d)", KEYWORD_SYMS, "write log1p(lambda*d) as log(1 + lambda*d)"),
+    ("w[lambda]", KEYWORD_SYMS, "e.g. w[floor(lambda)]"),
+    ("lambda d: -d", {"d": D}, "a lambda is not allowed"),
+    ("-lambda*(d", KEYWORD_SYMS, "cannot parse '-lambda*(d'"),
+])
+def test_messages_about_a_keyword_name_spell_it_as_written(formula, symbols, words):
+    """The parser reads lambda under another name; no message shows that name."""
+    vectors = {"w": tuple(ElementSymbol("w", k) for k in range(4))}
+    with pytest.raises(SpecError) as err:
+        parse_formula(formula, symbols, field="log_prior", vectors=vectors)
+    assert words in str(err.value) and "keyword_" not in str(err.value), str(err.value)
+
+
+KEYWORDS = """
+name: decay
+description: an exponential decay at rate lambda, a log term weighted by in, a buffer global
+log_prior: -rate_d - in*log(1 + Abs(d)) - global*with[Min(floor(Abs(d)/4), 3)]
+let:
+  rate_d: lambda*Abs(d)
+params:
+  lambda: {init: 0.5, domain: positive}
+  in: {init: 0.1}
+  global: {init: 1.0, learnable: false}
+  with: {size: 4, init: 0.25, per_head: false, learnable: false}
+"""
+
+
+def _keyword_log_prior(d, p):
+    table = p["with"]   # [B, Hq, Nq, Nk, 4]
+    bucket = torch.clamp(torch.floor(d.abs() / 4), max=3).long().expand(table.shape[:-1])
+    element = torch.gather(table, -1, bucket[..., None])[..., 0]
+    return -p["lambda"] * d.abs() - p["in"] * torch.log(1 + d.abs()) - p["global"] * element
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_prior_with_python_keywords_as_names_builds_runs_and_learns(tmp_path, backend):
+    """lambda (a decay rate), in and global were refused as Python keywords; now the CLI builds
+    the prior, attention() takes them as **{"lambda": ...} on both backends (Triton under the
+    interpreter) and matches a float64 reference with the gradient of lambda, the nn.Module
+    stores them under the user's names and round-trips its state dict."""
+    from bamgen.driver.loader import import_module_file
+    from tests.reference import reference_attention
+    from tests.tolerance import assert_all_close
+    prior = write_prior(tmp_path, KEYWORDS, "decay.yaml")
+    res = run_cli_in_process("build", str(prior), "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    module = import_module_file(tmp_path / "out" / "decay.py")
+    assert module.PARAM_NAMES == ("lambda", "in", "global", "with")
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 24, 16) for _ in range(4))
+    values = {"lambda": torch.tensor([0.05, 0.3]), "in": torch.tensor([0.5, -0.2]),
+              "global": torch.tensor([1.0, 2.0]), "with": torch.tensor([0.0, 0.5, 1.0, 3.0])}
+    leaves = {n: t.clone().requires_grad_(n in module.LEARNABLE) for n, t in values.items()}
+    out = module.attention(q, k, v, **leaves, backend=backend)
+    out.backward(dout)
+    kw = dict(causal=True, dout=dout)
+    values["with"] = values["with"][None]   # (the reference's shape of a shared vector)
+    ref = reference_attention(q, k, v, values, _keyword_log_prior, **kw)
+    pt = reference_attention(q, k, v, values, _keyword_log_prior, compute_dtype=torch.float32, **kw)
+    assert_all_close([("out", out, ref.out, pt.out)]
+                     + [("d" + n, leaves[n].grad, ref.dparams[n], pt.dparams[n])
+                        for n in ("lambda", "in")], torch.float32, context=backend)
+    layer = module.DecayAttention(num_heads=2, init={"lambda": [0.05, 0.3]})
+    assert set(layer.state_dict()) == {"raw_lambda", "raw_in", "global", "with"}
+    assert torch.equal(getattr(layer, "with"), torch.full((4,), 0.25))
+    layer(q, k, v, backend=backend).sum().backward()
+    assert getattr(layer, "raw_lambda").grad.abs().min() > 0
+    again = module.DecayAttention(num_heads=2)
+    again.load_state_dict(layer.state_dict())
+    assert torch.equal(again(q, k, v, backend=backend), layer(q, k, v, backend=backend))
+    torch.testing.assert_close(again.prior_params()["lambda"], torch.tensor([0.05, 0.3]))
+
+
+def test_errors_about_a_keyword_parameter_name_it_as_written(tmp_path):
+    from bamgen.driver.loader import import_module_file
+    bad = write_prior(tmp_path, KEYWORDS.replace("{init: 0.5, domain: positive}",
+                                                 "{init: -0.5, domain: positive}"), "bad.yaml")
+    res = run_cli_in_process("build", str(bad), "-o", str(tmp_path / "bad"), cwd=tmp_path)
+    assert res.exit_code == 2 and "field 'params.lambda.init'" in res.output, res.output
+    prior = write_prior(tmp_path, KEYWORDS, "decay.yaml")
+    assert run_cli_in_process("build", str(prior), "-o", str(tmp_path / "out"),
+                              cwd=tmp_path).exit_code == 0
+    module = import_module_file(tmp_path / "out" / "decay.py")
+    q = k = v = torch.randn(1, 2, 8, 16)
+    given = {"in": 0.1, "global": 1.0, "with": torch.zeros(4)}
+    with pytest.raises(TypeError, match=r"""attention\(\) missing 1 required keyword-only """
+                                        r"""argument: 'lambda' .*\*\*\{'lambda': value\}"""):
+        module.attention(q, k, v, **given)
+    with pytest.raises(TypeError, match=r"attention\(\) got an unexpected keyword argument 'lamda'"):
+        module.attention(q, k, v, **given, **{"lambda": 0.5, "lamda": 0.5})
+    with pytest.raises(ValueError, match="lambda must be positive"):
+        module.attention(q, k, v, **given, **{"lambda": -0.5})
+    with pytest.raises(ValueError, match="init: lambda must be positive"):
+        module.DecayAttention(num_heads=2, init={"lambda": -1.0})

@@ -268,6 +268,50 @@ def test_a_windowed_layer_runs_a_prior_written_as_a_density():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+KEYWORD_PRIOR = """name: decay_rate
+log_prior: -lambda*Abs(d) - in*log(1 + Abs(d))
+params:
+  lambda: {init: 0.25, domain: positive}
+  in: {init: 0.1}
+"""
+
+
+def test_a_prior_with_python_keywords_as_names_trains_saves_and_reloads(tmp_path, monkeypatch):
+    """Parameters named lambda and in (Python keywords): Gemma 2's local layers run the derived
+    prior (window and softcap written around the user's formula) with the layer's own lambda,
+    bamgen.param_groups trains them, and save_pretrained / from_pretrained brings them back."""
+    monkeypatch.setenv("BAMGEN_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "decay_rate.yaml"
+    source.write_text(KEYWORD_PRIOR)
+    model = apply_prior(family_model("gemma2"), source, **{"lambda": [0.1, 0.2, 0.4, 0.8]})
+    layer = model.model.layers[0].self_attn
+    local = transformers_variant(layer)
+    assert local.traits.window and local.traits.param_names == ("lambda", "in")
+    q, k, v = (torch.randn(1, 4, 9, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    got = layer.bamgen_prior.forward_with(local, q, k, v)
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) / 4.0
+    d = (torch.arange(9)[:, None] - torch.arange(9)[None, :]).double()
+    values = {n: t.double()[:, None, None] for n, t in layer.bamgen_prior.prior_params().items()}
+    prior = -values["lambda"] * d.abs() - values["in"] * torch.log1p(d.abs())
+    logits = (torch.tanh(scores) + prior).masked_fill((d < 0) | (d >= 4), -torch.inf)
+    torch.testing.assert_close(got.double(), torch.softmax(logits, -1) @ v.double(),
+                               rtol=1e-5, atol=1e-5)
+    model.train()
+    optimizer = torch.optim.AdamW(bamgen.param_groups(model, weight_decay=0.1), lr=1e-2)
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    before = prior_params(model)
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    after = prior_params(model)
+    assert sorted(after) == sorted(f"model.layers.{n}.self_attn.bamgen_prior.raw_{p}"
+                                   for n in (0, 1) for p in ("lambda", "in"))
+    assert all(not torch.equal(before[key], after[key]) for key in after)
+    want = model.eval()(ids).logits
+    model.save_pretrained(tmp_path / "model")
+    loaded = from_pretrained(tmp_path / "model").eval()
+    assert torch.equal(loaded(ids).logits, want)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_windowed_families_generate_alike_with_every_cache(family):
     """Generation past the window (7 prompt tokens, 6 new, a window of 4) through the sliding
