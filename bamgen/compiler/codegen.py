@@ -13,10 +13,12 @@ without a rebuild, and a change to what the compiler prints gives a new key.
 from __future__ import annotations
 
 import hashlib
+import io
 import keyword
 import pprint
 import re
 import dataclasses
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -354,6 +356,81 @@ def _wrap(items, first: str = "", rest: str = "", last: str = "", column: int = 
     return "\n".join(lines + [cur + last])
 
 
+# Columns a printed statement (a formula's, an init's) fills before it is broken over lines.
+WIDTH = 100
+
+
+def _fit(statement: str, indent: int) -> str:
+    """A printed statement (`name = code`, `return code`) that starts at column ``indent``, as
+    it is where every line fits in WIDTH columns, else broken over lines after a comma or
+    before a binary + or -, if or else, at the outermost brackets first (an expression broken
+    at its own level is put in parentheses), each level of continuation lines indented 4
+    columns more. Text in, text out: the hooks' code and the op hash stay as they are, and the
+    same statement always breaks the same way."""
+    lines = statement.split("\n")
+    if len(lines[0]) + indent <= WIDTH and all(len(line) <= WIDTH for line in lines[1:]):
+        return statement
+    flat = " ".join(line.strip() for line in lines)   # (earlier breaks are inside brackets)
+    split = len("return ") if flat.startswith("return ") else flat.index(" = ") + 3
+    head, code = flat[:split], flat[split:]
+    breaks = _breaks(code)
+    if any(depth == 0 for _, depth in breaks):
+        code = f"({code})"
+        breaks = _breaks(code)
+    if not breaks:
+        return statement
+    return head + _fill(code, breaks, indent + len(head), indent)
+
+
+def _breaks(code: str) -> list[tuple[int, int]]:
+    """(index of a space where ``code`` may break, bracket depth there): the space after a
+    comma, or before a binary + or - (spaced on both sides, as the printers write it), an if or
+    an else."""
+    out, depth = [], 0
+    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+        start, end = tok.start[1], tok.end[1]
+        if tok.string in (")", "]", "}"):
+            depth -= 1
+        if tok.string == "," and code[end:end + 1] == " ":
+            out.append((end, depth))
+        elif (tok.string in ("+", "-", "if", "else") and start > 0 and code[start - 1] == " "
+              and code[end:end + 1] == " "):
+            out.append((start - 1, depth))
+        if tok.string in ("(", "[", "{"):
+            depth += 1
+    return out
+
+
+def _fill(code: str, breaks: list[tuple[int, int]], column: int, indent: int) -> str:
+    """``code`` placed from ``column`` on (see _fit), its continuation lines indented from
+    ``indent`` + 4."""
+    return _layout(code, 0, len(code), breaks, column, indent + 4)
+
+
+def _layout(code: str, start: int, end: int, breaks: list[tuple[int, int]], column: int,
+            indent: int) -> str:
+    """code[start:end] placed from ``column`` on: as it is where it fits, else cut at its
+    outermost breaks into pieces packed onto lines at ``indent``, a piece too long for a line
+    laid out in turn one level (4 columns) deeper."""
+    if column + end - start <= WIDTH:
+        return code[start:end]
+    inner = [(at, depth) for at, depth in breaks if start < at < end]
+    if not inner:
+        return code[start:end]
+    outermost = min(depth for _, depth in inner)
+    cuts = [at for at, depth in inner if depth == outermost]
+    text = ""
+    for k, (a, b) in enumerate(zip([start] + [at + 1 for at in cuts], cuts + [end])):
+        if k > 0 and column + 1 + b - a <= WIDTH:
+            text, column = text + " ", column + 1
+        elif k > 0:
+            text, column = text + "\n" + " " * indent, indent
+        piece = _layout(code, a, b, breaks, column, indent + 4)
+        text += piece
+        column = len(piece) - piece.rfind("\n") - 1 if "\n" in piece else column + len(piece)
+    return text
+
+
 def _unpack(names, source: str) -> tuple[str, ...]:
     """`(a, b, ...) = source` as statement lines of a hook (none for no names)."""
     if not names:
@@ -413,6 +490,7 @@ def _templates() -> jinja2.Environment:
                              autoescape=False)
     env.filters["assignments"] = _assignments
     env.filters["capitalize_first"] = lambda text: text[:1].upper() + text[1:]
+    env.filters["fit"] = _fit
     return env
 
 

@@ -1,5 +1,6 @@
 """generated/ is rebuilt from priors/ and must match what is committed, byte for byte; and a
 build gives the same bytes whatever Python's hash seed."""
+import ast
 import os
 import re
 import subprocess
@@ -100,3 +101,48 @@ def test_a_prior_without_a_description_gets_no_empty_paragraph():
                                 "    logit_ij = s + log_prior\n"), docstring
     described = compile_spec(parse_spec(text + "description: a Laplace prior\n")).text
     assert "positional prior.\n\na Laplace prior\n\n    logit_ij" in described
+
+
+# Where a printed line may break (bamgen.compiler.codegen._breaks): after a comma, before a
+# binary + or -, an if or an else
+BREAK = re.compile(r", | [-+] | if | else ")
+
+
+def _printed_statements(path):
+    """The source lines of each assignment and return in the module's functions: its printed
+    formulas (the hooks, distance_prior) and inits (default_params)."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    for function in ast.parse(text).body:
+        if isinstance(function, ast.FunctionDef):
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Assign, ast.Return)):
+                    yield lines[node.lineno - 1:node.end_lineno]
+
+
+@pytest.mark.parametrize("module", sorted((ROOT / "generated").glob("*.py")), ids=lambda p: p.stem)
+def test_printed_formulas_and_inits_break_before_100_columns(module):
+    """A formula or an init printed on one line ran to 266 columns (laplace's init) and to
+    thousands (sandwich's sum of cosines, fire's MLP); a line may pass WIDTH only where it
+    holds no place to break."""
+    from bamgen.compiler.codegen import WIDTH
+    for statement in _printed_statements(module):
+        for line in statement:
+            rest = re.sub(r'^ *(return |[\w\[\]"]+ = )?', "", line)
+            assert len(line) <= WIDTH or not BREAK.search(rest), f"{module.name}: {line}"
+
+
+def test_a_long_printed_statement_breaks_into_the_same_expression():
+    """Broken at the outermost brackets first, the same bytes every time, the same Python."""
+    from bamgen.compiler.codegen import WIDTH, _fit
+    terms = [f"torch.cos({k}.5*pos_d)*torch.where(pos_d > {k}, 1.0, prm_b)" for k in range(12)]
+    for statement in ("x0 = " + " + ".join(terms), "return (" + ", ".join(terms) + ")",
+                      "return prm_a*(" + " - ".join(terms) + ") + s"):
+        fitted = _fit(statement, 4)
+        lines = fitted.split("\n")
+        assert fitted == _fit(statement, 4) and len(lines) > 2, fitted
+        assert len(lines[0]) + 4 <= WIDTH and all(len(line) <= WIDTH for line in lines[1:]), fitted
+        assert ast.dump(ast.parse(fitted)) == ast.dump(ast.parse(statement))
+        assert lines[1].startswith(" " * 8 + ("+" if statement.startswith("x0") else "")), fitted
+    short = "return (c0*x0 + s, 1.0,\n            c1*x0)"
+    assert _fit(short, 4) == short
