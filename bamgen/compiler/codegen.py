@@ -696,8 +696,7 @@ def _context(spec: PriorSpec, plan: KernelPlan, build_hash: str) -> dict:
         torch_binding=_torch_binding(torch_side, distance is not None),
         triton_binding=_wrap([h.name for h in triton_side], "(", " " * 5,
                              ",)" if len(triton_side) == 1 else ")", column=4),
-        values={function: _values_dict(plan, function, own_names(plan))
-                for function in ("attention", "forward_block", "backward_block", "log_prior_at")},
+        values=_values_dicts(plan, own_names(plan)),
         param_args="".join(f"{p.name}, " for p in plan.params if not keyword.iskeyword(p.name)),
         keyword_args=(f"**{own_names(plan)['keyword_params']}"
                       if any(keyword.iskeyword(p.name) for p in plan.params) else ""),
@@ -748,15 +747,24 @@ def _torch_binding(hooks: list[Hook], distance: bool) -> str:
     return _wrap(args, rest=" " * 15, column=15)
 
 
-def _values_dict(plan: KernelPlan, function: str, own: dict[str, str]) -> str:
+def _values_dicts(plan: KernelPlan, own: dict[str, str]) -> dict[str, str]:
+    """{function: its parameters' dict}, each wrapped from the column the template's call
+    line puts it at (after `q, k, v, `, backward_block's `dout, q, k, v, out, stats, `, `d, `)."""
+    columns = {"attention": 17, "forward_block": 17, "log_prior_at": 11,
+               "backward_block": 8 + len(f"{own['dout']}, q, k, v, {own['out']}, {own['stats']}, ")}
+    return {function: _values_dict(plan, function, own, column)
+            for function, column in columns.items()}
+
+
+def _values_dict(plan: KernelPlan, function: str, own: dict[str, str], column: int) -> str:
     """The parameters as the dict the runtime takes, {"name": name, ...}, those named by Python
     keywords from **keyword_params, checked by the Prior as Python checks the others
     (continuation lines indented for the template's `return _prior.f(` calls)."""
     items = [f'"{p.name}": {p.name}' for p in plan.params if not keyword.iskeyword(p.name)]
     if not any(keyword.iskeyword(p.name) for p in plan.params):
-        return _wrap(items, "{", " " * 12, "}", column=17)
+        return _wrap(items, "{", " " * 12, "}", column=column)
     checked = f'{own["_prior"]}.keyword_params("{function}", {own["keyword_params"]})'
-    return _wrap(items + [f"**{checked}"], "{", " " * 12, "}", column=17) if items else checked
+    return _wrap(items + [f"**{checked}"], "{", " " * 12, "}", column=column) if items else checked
 
 
 def _tidy(text: str) -> str:
