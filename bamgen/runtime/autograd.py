@@ -138,6 +138,15 @@ def first_order(backward_fn):
     return wrapper
 
 
+def unviewed(out):
+    """out, a view of the backend's [B, Hk, G, N, D] buffer (the query heads grouped by their
+    key head), as a tensor of its own over the same memory: an autograd Function's view output
+    refused an in-place edit of the result ('Output 0 of PriorAttentionBackward is a view'), and
+    FSDP2 warns of a view returned by a wrapped module. The edit is then caught where the
+    backward needs the saved result, as for any saved output."""
+    return out.detach() if out._base is not None else out
+
+
 class PriorAttention(torch.autograd.Function):
     """Attention with a prior's logit; gradients for q, k, v and the parameter tensor theta."""
 
@@ -155,6 +164,7 @@ class PriorAttention(torch.autograd.Function):
         for_backward = grad_mode and any(ctx.needs_input_grad[1:5])
         out, *saved = forward(prior, q, k, v, theta.detach(), causal, scale, layout, use_triton,
                               for_backward)
+        out = unviewed(out)
         ctx.save_for_backward(q, k, v, theta, out, *saved)
         ctx.settings = (prior, causal, scale, layout, use_triton)
         return out
@@ -230,6 +240,7 @@ class PositionalAttention(torch.autograd.Function):
             ctx.position_call = pos if pos.span is not None else dataclasses.replace(pos, pos=None)
         out, *saved = positional_forward(prior, q, k, v, theta.detach(), pos, causal, scale,
                                          layout, use_triton, True, ctx.position_grads)
+        out = unviewed(out)
         ctx.save_for_backward(q, k, v, theta, pos_q, pos_k, out, *saved)
         return out
 

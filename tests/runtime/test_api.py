@@ -257,6 +257,28 @@ def test_rows_that_see_no_key_are_zero_with_zero_gradients(backend):
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("positions", [False, True], ids=["offsets", "position_tensors"])
+@pytest.mark.parametrize("Hk", [4, 2], ids=["mha", "gqa"])
+def test_the_result_is_a_tensor_of_its_own_not_a_view(backend, positions, Hk):
+    """FSDP2 warns of a wrapped module that returns a view, and a view output of an autograd
+    Function refused `out.mul_(2)` outright. The result owns its memory; an in-place edit is
+    then caught by the backward that needs it, as SDPA's is, and an edit of a copy is free."""
+    torch.manual_seed(3)
+    q, k, v = (t.requires_grad_() for t in qkv(Hq=4, Hk=Hk, Nq=9, Nk=9))
+    pos = dict(pos_q=torch.arange(9.0)[None], pos_k=torch.arange(9.0)[None]) if positions else {}
+    out = ggd.attention(q, k, v, **P, backend=backend, **pos)
+    assert out._base is None and not out._is_view()
+    edited = out.clone()
+    edited.mul_(2)
+    edited.sum().backward()
+    assert q.grad is not None
+    out = ggd.attention(q, k, v, **P, backend=backend, **pos)
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_uniform_matches_sdpa():
     q, k, v = qkv(Hq=2, Hk=2, Nq=40, Nk=40)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
