@@ -12,6 +12,7 @@ without a rebuild, and a change to what the compiler prints gives a new key.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import keyword
@@ -54,10 +55,24 @@ def render(spec: PriorSpec, plan: KernelPlan) -> Artifact:
     """The module of a planned prior (no file is touched)."""
     template = _templates().get_template("module.py.jinja")
     text = _tidy(template.render(**_context(spec, plan, _HASH_SLOT)))
+    _check_syntax(spec.name, text)
     build_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     return Artifact(name=spec.name, filename=f"{spec.name}.py",
                     text=text.replace(_HASH_SLOT, build_hash), build_hash=build_hash,
                     notes=plan.ir.notes, strategy=plan.strategy, warnings=plan.ir.warnings)
+
+
+def _check_syntax(name: str, text: str) -> None:
+    """Refuse to hand out a module Python cannot parse: a compiler bug (a name the renaming
+    missed, a printed line broken in the wrong place) then stops the build, before anything is
+    written, instead of surfacing as a SyntaxError at import, far from its cause."""
+    try:
+        ast.parse(text)
+    except SyntaxError as error:
+        line = text.splitlines()[error.lineno - 1].strip() if error.lineno else ""
+        raise RuntimeError(f"bamgen generated invalid Python for the prior {name!r} (line "
+                           f"{error.lineno}: {error.msg}: {line!r}): a bug of bamgen's, not of "
+                           f"the prior file; please report it with the file") from error
 
 
 def traits(spec: PriorSpec, plan: KernelPlan) -> PriorTraits:

@@ -146,3 +146,17 @@ def test_a_long_printed_statement_breaks_into_the_same_expression():
         assert lines[1].startswith(" " * 8 + ("+" if statement.startswith("x0") else "")), fitted
     short = "return (c0*x0 + s, 1.0,\n            c1*x0)"
     assert _fit(short, 4) == short
+
+
+def test_a_module_python_cannot_parse_stops_the_build_and_writes_nothing(tmp_path, monkeypatch):
+    """A compiler bug that renders invalid Python (a name the renaming missed) stops the build
+    with a message that says whose bug it is, and no file is written; it surfaced as a
+    SyntaxError at import, far from its cause."""
+    from bamgen.compiler import codegen
+    from bamgen.driver.build import build_file
+    tidy = codegen._tidy
+    monkeypatch.setattr(codegen, "_tidy", lambda text: tidy(text) + "\nlambda = 1\n")
+    with pytest.raises(RuntimeError, match=r"invalid Python for the prior 'laplace' .*lambda = 1.*"
+                                           r"a bug of bamgen's"):
+        build_file(ROOT / "priors" / "laplace.yaml", tmp_path)
+    assert list(tmp_path.iterdir()) == []
