@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .hf_blocks import SeenRanges, seen_ranges
+
 
 @dataclass(frozen=True)
 class PaddingLayout:
@@ -39,6 +41,10 @@ class PaddingLayout:
     (``sliding_window_bidirectional_overlay``), which shows the keys up to ``window`` tokens
     away either side, |q - k| <= window: one more than the causal window shows
     (:func:`window_inclusive`).
+    ``seen``: where an or-rule lets some queries of an eager causal call see keys after them
+    (``both_ways``: Gemma 3's and Gemma 4's image blocks, PaliGemma's prefix), the range of
+    keys HF's mask shows each query, which bamgen runs as several calls
+    (bamgen/integrations/hf_blocks.py); None where it is no such call, or compiled.
     """
     key_mask: torch.Tensor | None
     q_offset: int | torch.Tensor
@@ -51,6 +57,7 @@ class PaddingLayout:
     # both ways; None, its form does not tell (a compiled call's OR-ed or AND-ed rules).
     causal_rule: bool | None = None
     q_length: int | None = None   # the queries HF built the mask for (None: not known)
+    seen: SeenRanges | None = None
 
     # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
     # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
@@ -72,8 +79,9 @@ class PaddingLayout:
                              f"known: {self.q_length}), got the index {index!r}; run the layers "
                              f"on every query, or with another attention implementation")
         start, stop, _ = rows.indices(self.q_length)
+        seen = None if self.seen is None else self.seen.rows(start, stop)
         return dataclasses.replace(self, q_offset=self.q_offset + start,
-                                   q_length=max(stop - start, 0))
+                                   q_length=max(stop - start, 0), seen=seen)
 
 
 def _query_rows(index) -> slice | None:
@@ -108,6 +116,8 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         causal_rule = mask_direction(mask_function, grid, both_ways)
         if causal_rule is False:
             layout = _every_key_masked(layout, attention_mask, batch_size, int(kv_offset), kv_length)
+        elif both_ways:   # (causal, blocks of queries that see both ways: run by blocks)
+            layout = dataclasses.replace(layout, seen=grid.seen_ranges(mask_function))
     inclusive = window_inclusive(mask_function, local_size, allow_is_bidirectional_skip is not None)
     return dataclasses.replace(layout, window=local_size or None, window_inclusive=inclusive,
                                both_ways=both_ways, causal_rule=causal_rule, q_length=q_length)
@@ -162,7 +172,8 @@ def mask_direction(mask_function, grid: "MaskGrid", both_ways: bool) -> bool | N
     Why: a family may make its layers bidirectional (``is_causal=False``) and keep the causal
     rule in the mask alone (PaliGemma's Gemma: ``use_bidirectional_attention``, its causal
     mask OR-ed with the prefix), which HF's eager attention follows. A rule OR-ed into the
-    causal mask that opens only some keys ahead stays causal, with ``both_ways``: refused."""
+    causal mask that opens only some keys ahead stays causal, with ``both_ways``: its blocks
+    run both ways (``PaddingLayout.seen``)."""
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
     if _built_on(mask_function, causal_mask_function):
         return not (both_ways and grid.symmetric(mask_function))
@@ -257,6 +268,15 @@ class MaskGrid:
         square, real = seen[:, rows, cols], self._real_pairs()[:, rows, cols]
         return bool(((square == square.transpose(1, 2)) | ~real).all())
 
+    def seen_ranges(self, mask_function) -> SeenRanges | None:
+        """The range of real keys the mask shows each real query (hf_blocks.SeenRanges), or
+        None where it cannot be evaluated or some query's keys are not one range."""
+        seen = self._seen(mask_function)
+        if seen is None:
+            return None
+        queries, keys = self._real_tokens()
+        return seen_ranges(seen, queries, keys, int(self.q_offset) - int(self.kv_offset))
+
     def _positions(self):
         device = self._device()
         q_start, kv_start = int(self.q_offset), int(self.kv_offset)
@@ -281,15 +301,20 @@ class MaskGrid:
 
     def _real_pairs(self) -> torch.Tensor:
         """bool [B, Nq, Nk]: the pairs of a real query and a real key (all, without a mask)."""
-        shape = (self.batch_size, self.q_length, self.kv_length)
+        queries, keys = self._real_tokens()
+        return queries[:, :, None] & keys[:, None, :]
+
+    def _real_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bool [B, Nq], bool [B, Nk]): the real queries and keys (all, without a mask)."""
         if not isinstance(self.attention_mask, torch.Tensor):
-            return torch.ones(shape, dtype=torch.bool, device=self._device())
+            device = self._device()
+            return (torch.ones(self.batch_size, self.q_length, dtype=torch.bool, device=device),
+                    torch.ones(self.batch_size, self.kv_length, dtype=torch.bool, device=device))
         q_start, kv_start = int(self.q_offset), int(self.kv_offset)
         slots = max(q_start + self.q_length, kv_start + self.kv_length)
         tokens = _token_mask(self.attention_mask, self.batch_size, slots)
-        queries = tokens[:, q_start:q_start + self.q_length, None]
-        keys = tokens[:, None, kv_start:kv_start + self.kv_length]
-        return (queries & keys).expand(shape)
+        return (tokens[:, q_start:q_start + self.q_length],
+                tokens[:, kv_start:kv_start + self.kv_length])
 
 
 def install_mask_marking(model) -> None:
@@ -306,13 +331,14 @@ def mark_handed_masks(model, args, kwargs):
     the call with its layouts marked, or None to leave it as it is; a Python-level decision on
     static facts, so a compiled forward keeps one graph.
 
-    - An or-rule one of them carries is carried by all. Why: HF builds Gemma 3's sliding
-      layers' mask as the window AND the or-rule, whose rule a compiled call cannot see
+    - Compiled, an or-rule one of them carries is carried by all. Why: HF builds Gemma 3's
+      sliding layers' mask as the window AND the or-rule, whose rule a compiled call cannot see
       (:func:`_is_or_mask`), while its global layers' mask, built in the same call, shows it;
       a model of sliding layers alone would run its images causal, silently. The rule is the
       inputs' (an image's tokens), so every causal layer refuses the call. Gemma 4 ORs it into
       its sliding layers' mask alone, which a compiled call tells by its missing window
-      (:func:`_window_over_rule`).
+      (:func:`_window_over_rule`). An eager call evaluates each mask's own rule (and runs its
+      blocks: Gemma 4's global layers stay causal), so nothing is carried there.
     - One whose form does not tell its direction (a compiled call: :func:`_plain_direction`)
       is causal: the model around built it with HF's causal mask and its rules (PaliGemma's
       prefix, OR-ed in; a window or packing, AND-ed), and a compiled PaliGemma, whose Gemma
@@ -323,10 +349,12 @@ def mark_handed_masks(model, args, kwargs):
     layouts = [mask for mask in named.values() if isinstance(mask, PaddingLayout)]
     if not layouts:
         return None
-    both_ways = any(layout.both_ways for layout in layouts) or _window_over_rule(named)
-    if all(layout.both_ways == both_ways and layout.causal_rule is not None for layout in layouts):
+    spread = torch.compiler.is_compiling() and (any(layout.both_ways for layout in layouts)
+                                                or _window_over_rule(named))
+    if all((layout.both_ways or not spread) and layout.causal_rule is not None
+           for layout in layouts):
         return None
-    marked = {name: _marked(mask, both_ways) for name, mask in named.items()}
+    marked = {name: _marked(mask, spread) for name, mask in named.items()}
     return args, {**kwargs, "attention_mask": marked if isinstance(masks, dict) else marked[None]}
 
 
@@ -344,11 +372,11 @@ def _window_over_rule(named: dict) -> bool:
             and sliding.window is None)
 
 
-def _marked(mask, both_ways: bool):
+def _marked(mask, spread: bool):
     if not isinstance(mask, PaddingLayout):
         return mask
     causal_rule = True if mask.causal_rule is None else mask.causal_rule
-    return dataclasses.replace(mask, both_ways=both_ways, causal_rule=causal_rule)
+    return dataclasses.replace(mask, both_ways=mask.both_ways or spread, causal_rule=causal_rule)
 
 
 def _padding_layout(batch_size, q_length, kv_length, q_offset, kv_offset,

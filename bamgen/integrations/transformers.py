@@ -27,11 +27,14 @@ What :func:`apply_prior` changes in the model, and why each piece is needed:
   before attention, or number absolute positions across the whole row
   (bamgen/integrations/hf_layout.py, :func:`install_document_markers`).
 - A forward pre-hook on the same models marks the masks a call is handed ready-made (by a
-  multimodal model around): every mask of a call (one per layer type) with an or-rule that one
-  of them shows (under torch.compile the rule of Gemma 3's image tokens is read from the masks'
-  form, which its sliding layers' window hides), and causal where a compiled call's form does
+  multimodal model around): under torch.compile, every mask of a call (one per layer type) with
+  an or-rule that one of them shows (the rule of Gemma 3's image tokens is read from the masks'
+  form there, which its sliding layers' window hides), and causal where a compiled call's form does
   not tell (PaliGemma's, whose layers say bidirectional)
   (bamgen/integrations/hf_layout.py, :func:`mark_handed_masks`).
+- A causal call whose mask lets blocks of queries see both ways (Gemma 3's and Gemma 4's
+  images, PaliGemma's prefix) runs as one call per run of queries, eager
+  (bamgen/integrations/hf_blocks.py).
 - ``config.bamgen`` records the prior (a shipped name, or the prior file's text) and ``rope``;
   :func:`from_pretrained` reads it, rebuilds the model with the prior in place before the
   weights load (so the learned prior parameters load like any weight) and keeps ``"bamgen"``.
@@ -49,6 +52,7 @@ from types import ModuleType
 
 import torch
 
+from .hf_blocks import attend_by_runs
 from .hf_layout import (PaddingLayout, install_document_markers, install_mask_marking,
                         install_read_scope, packed_documents, padding_layout,
                         transformers_models)
@@ -219,8 +223,6 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                          f"{prior._bamgen_prior.traits.name!r} is causal only (causal_only: true, "
                          f"defined for keys at or before their query); use a causal decoder, "
                          f"without is_causal=False, or a prior defined both ways")
-    if causal and layout.both_ways:
-        raise ValueError(_both_ways_message(module))
     if layout.window_inclusive:
         # HF's bidirectional window shows the keys W away (|q - k| <= W), as its eager
         # attention applies it: bamgen's hides |d| >= W + 1 (the attention's own window is
@@ -239,10 +241,17 @@ def bamgen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                 cu_seqlens_q=packed[0], cu_seqlens_k=packed[1])
     extras = call_extras(sliding_window, softcap)
     query, key, value, width = _same_head_dim(query, key, value, call)
-    if extras.plain:
-        out = prior(query, key, value, **call)
+
+    def attend(extras: LayerExtras, query, key, value, **call):
+        if extras.plain:
+            return prior(query, key, value, **call)
+        return prior.forward_with(_variant(module, prior, extras), query, key, value, **call)
+    if causal and layout.both_ways:   # blocks of queries that see both ways (images, a prefix)
+        if layout.seen is None or packed[0] is not None:
+            raise ValueError(_both_ways_message(module))
+        out = attend_by_runs(attend, extras, query, key, value, call, layout.seen)
     else:
-        out = prior.forward_with(_variant(module, prior, extras), query, key, value, **call)
+        out = attend(extras, query, key, value, **call)
     return out[..., :width].transpose(1, 2).contiguous(), None
 
 
@@ -262,11 +271,12 @@ def _both_ways_message(module) -> str:
                 f"torch.compile (dynamo reads no mask function's rules) it cannot, so call the "
                 f"model uncompiled, or build it with use_bidirectional_attention=False (causal)")
     return (f"model type {family!r}: its mask lets some queries see keys after them (a rule "
-            f"OR-ed into the causal mask: Gemma 3's, Gemma 4's and PaliGemma's image tokens "
-            f"attend both ways within an image), which bamgen's causal attention does not model; "
-            f"use inputs without that rule (text alone; under torch.compile, which cannot "
-            f"evaluate the rule over the tokens, text without token_type_ids, mm_token_type_ids "
-            f"or pixel_values), or a family whose mask is causal")
+            f"OR-ed into the causal mask: Gemma 3's and Gemma 4's image tokens attend both ways "
+            f"within an image, PaliGemma's prefix), which bamgen runs block by block on eager "
+            f"calls alone, where each query's keys are one range and no documents are packed; "
+            f"under torch.compile it cannot evaluate the rule over the tokens: call the model "
+            f"uncompiled, or use inputs without that rule (text alone; compiled, text without "
+            f"token_type_ids, mm_token_type_ids or pixel_values)")
 
 
 def _direction(module, layout: PaddingLayout, call_is_causal) -> bool:
@@ -276,7 +286,7 @@ def _direction(module, layout: PaddingLayout, call_is_causal) -> bool:
     attention applies it, where its form tells one, else the layer's. A layer that says
     bidirectional runs causal where HF built the call's mask causal (PaliGemma's Gemma layers:
     ``use_bidirectional_attention``, the causal rule in the mask alone), so that a rule OR-ed
-    into that mask (PaliGemma's prefix, Gemma 3's images) is refused alike; a layer that says
+    into that mask (PaliGemma's prefix, Gemma 3's images) runs by blocks alike; a layer that says
     causal runs both ways where a rule OR-ed into its causal mask makes it the same both ways
     (Step3p7's ``use_bidirectional_attention``: its layers keep is_causal=True)."""
     if call_is_causal is not None:

@@ -1243,16 +1243,23 @@ def test_multimodal_rope_is_removed_in_a_language_model():
         assert out[row, batch.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
 
 
-def _tiny_gemma3_with_images():
-    """A Gemma 3 of a tiny language model (two sliding-window layers, the prior in place) and a
-    one-layer SigLIP tower (image token 110: 4 patches)."""
-    text = dict(**{**TINY, "vocab_size": 120}, head_dim=16, sliding_window=64)
+def _tiny_gemma3(window=64, **text):
+    """A Gemma 3 (eager attention) of a tiny language model (sliding-window layers of
+    ``window``) and a one-layer SigLIP tower (image token 110: 4 patches)."""
+    text = dict(**{**TINY, "vocab_size": 120}, head_dim=16, sliding_window=window, **text)
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=64, image_size=32, patch_size=16)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+    config = transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=110,
-        boi_token_index=111, eoi_token_index=112)).eval()
+        boi_token_index=111, eoi_token_index=112)
+    config._attn_implementation = config.text_config._attn_implementation = "eager"
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def _tiny_gemma3_with_images():
+    """A Gemma 3 of two sliding-window layers, the prior in place."""
+    model = _tiny_gemma3()
     apply_prior(model.model.language_model, "uniform", rope="keep")
     return model
 
@@ -1274,25 +1281,121 @@ GEMMA3_IMAGE_CALL = dict(input_ids=_GEMMA3_IDS, token_type_ids=(_GEMMA3_IDS == 1
                                                   generator=torch.Generator().manual_seed(1)))
 
 
-def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
+def _eager_with_reference_prior(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """HF's eager attention (its mask as HF builds it for eager) plus the generalized Gaussian
+    prior's bias, -(|d - mu| / alpha)^beta with d = i - j, read from the parameters of the
+    prior that ``module.reference_prior`` holds (none: eager itself). Its calls are whole
+    forwards without a cache, so d is the distance of the mask's rows and columns, padding
+    or not."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = query @ key.transpose(2, 3) * scaling
+    prior = module.__dict__.get("reference_prior")
+    if prior is not None:
+        values = {name: t[None, :, None, None] for name, t in prior.prior_params().items()}
+        d = torch.arange(query.shape[2])[:, None] - torch.arange(key.shape[2])[None, :]
+        scores = scores - ((d - values["mu"]).abs() / values["alpha"]) ** values["beta"]
+    weights = torch.softmax(scores + attention_mask, dim=-1)
+    return (weights @ value).transpose(1, 2).contiguous(), None
+
+
+def _reference_of(model, reference):
+    """``reference`` (a copy of ``model`` made before apply_prior) run by eager attention plus
+    the bias of ``model``'s priors (the same parameters: their gradients reach both)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    AttentionInterface.register("eager_reference_prior", _eager_with_reference_prior)
+    AttentionMaskInterface.register("eager_reference_prior", eager_mask)
+    reference.model.language_model.set_attn_implementation("eager_reference_prior")
+    layers = zip(model.model.language_model.layers, reference.model.language_model.layers)
+    for mine, theirs in layers:
+        theirs.self_attn.__dict__["reference_prior"] = mine.self_attn.bamgen_prior
+    return reference
+
+
+# Two rows: one left-padded with an image block, one with two blocks (4 tokens each, the
+# sliding layers' window 3: a block's first query sees keys 3 ahead, past the window's reach)
+_GEMMA3_BLOCKS = torch.tensor([[0, 0, 5, 111, 110, 110, 110, 110, 112, 6, 7, 8, 9],
+                               [5, 111, 110, 110, 110, 110, 112, 6, 111, 110, 110, 110, 110]])
+GEMMA3_BLOCKS_CALL = dict(input_ids=_GEMMA3_BLOCKS, attention_mask=(_GEMMA3_BLOCKS != PAD).long(),
+                          token_type_ids=(_GEMMA3_BLOCKS == 110).long(),
+                          pixel_values=torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1)))
+
+
+def test_gemma3_image_blocks_attend_both_ways_as_eager_and_train_as_the_reference():
     """Gemma 3's multimodal model ORs a rule into the causal mask: an image's tokens see each
-    other both ways. Through its language model (the way the multimodal refusal names),
-    bamgen's causal attention dropped that rule silently (the zero prior off by 0.08 on the
-    image tokens against eager); such a call is now refused by name. Text alone runs, and
-    EmbeddingGemma's both-ways layers (is_causal False) still equal eager."""
+    other both ways (within the window, in its sliding layers). Such a call was refused; it
+    now runs block by block: the zero prior equals eager on one and two image blocks per row,
+    left padding, a sliding layer whose window is shorter than a block and a global one; a
+    generalized Gaussian prior's logits and gradients (the prior's and the model's) equal
+    eager attention with the prior's bias added."""
+    own = _tiny_gemma3(window=3, layer_types=["sliding_attention", "full_attention"])
+    reference = copy.deepcopy(own)
+    model = copy.deepcopy(own)
+    apply_prior(model.model.language_model, "uniform", rope="keep")
+    real = GEMMA3_BLOCKS_CALL["attention_mask"].bool()
+    text_alone = {k: v for k, v in GEMMA3_BLOCKS_CALL.items() if k != "token_type_ids"}
+    with torch.no_grad():
+        want = own(**GEMMA3_BLOCKS_CALL).logits
+        torch.testing.assert_close(model(**GEMMA3_BLOCKS_CALL).logits[real], want[real], **CLOSE)
+        assert (own(**text_alone).logits - want)[real].abs().max() > 1e-2   # (the rule bites)
+
+    apply_prior(model.model.language_model, ggd, rope="keep", mu=0.3, beta=1.5)
+    reference = _reference_of(model, reference)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(3)) * real[..., None]
+
+    def run(which):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        logits = which(**GEMMA3_BLOCKS_CALL).logits
+        (logits * weights).sum().backward()
+        grads = {name: p.grad for name, p in which.named_parameters() if p.grad is not None}
+        priors = {name: p.grad for name, p in model.named_parameters() if "bamgen_prior" in name}
+        return logits.detach()[real], grads, priors
+    got, got_grads, got_priors = run(model)
+    want, want_grads, want_priors = run(reference)
+    torch.testing.assert_close(got, want, **CLOSE)
+    assert len(got_priors) == 6 and all(g.abs().max() > 0 for g in got_priors.values())
+    torch.testing.assert_close(got_priors, want_priors, **CLOSE)
+    for name, grad in want_grads.items():   # (float32 sums over every token: to the tensor's scale)
+        assert (got_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
+
+
+def test_gemma3_generates_from_a_prompt_with_an_image_as_eager():
+    """A left-padded batch of prompts holding an image block generates, with the zero prior,
+    eager's tokens and step logits, with no cache (every step runs the blocks again), the
+    dynamic cache and the static one (its slots past the prompt unwritten)."""
+    own = _tiny_gemma3(window=3, layer_types=["sliding_attention", "full_attention"])
+    model = copy.deepcopy(own)
+    apply_prior(model.model.language_model, "uniform", rope="keep")
+    ids = torch.tensor([[0, 0, 5, 111, 110, 110, 110, 110, 112, 6, 7],
+                        [5, 111, 110, 110, 110, 110, 112, 6, 8, 9, 10]])
+    prompt = dict(input_ids=ids, attention_mask=(ids != PAD).long(), token_type_ids=(ids == 110).long(),
+                  pixel_values=GEMMA3_BLOCKS_CALL["pixel_values"][:2])
+    caches = {"none": dict(use_cache=False), "dynamic": {}, "static": dict(cache_implementation="static")}
+
+    def generated(which, cache):
+        out = which.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
+                             return_dict_in_generate=True, output_logits=True, **caches[cache])
+        return out.sequences[:, ids.shape[1]:], torch.stack(out.logits)
+    tokens, logits = generated(own, "dynamic")
+    for cache in caches:
+        got_tokens, got_logits = generated(model, cache)
+        assert got_tokens.tolist() == tokens.tolist(), cache
+        torch.testing.assert_close(got_logits, logits, **CLOSE)
+
+
+def test_gemma3_text_alone_and_embedding_gemma_equal_eager():
+    """Text alone with the token_type_ids Gemma 3's processor gives every prompt (all 0): the
+    overlay is in the mask, but no token is in an image, so the mask is causal and it runs
+    (it was refused); EmbeddingGemma's both-ways layers (is_causal False) equal eager."""
     model = _tiny_gemma3_with_images()
-    with pytest.raises(ValueError, match=r"model type 'gemma3_text': its mask lets some queries "
-                                         r"see keys after them"):
-        model(**GEMMA3_IMAGE_CALL)
-    assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits).all()
-    # text alone with the token_type_ids Gemma 3's processor gives every prompt (all 0): the
-    # overlay is in the mask, but no token is in an image, so the mask is causal and it runs
-    # (it was refused); the zero prior with RoPE kept is the model's own attention
     text_ids = torch.tensor([[5, 6, 7, 8, 9]])
     text_types = torch.zeros_like(text_ids)
     with torch.no_grad():
         got = model(input_ids=text_ids, token_type_ids=text_types).logits
-    assert torch.isfinite(got).all()
+        want = _tiny_gemma3()(input_ids=text_ids, token_type_ids=text_types).logits
+    torch.testing.assert_close(got, want, **CLOSE)
     out = model.generate(input_ids=text_ids, attention_mask=torch.ones_like(text_ids),
                          token_type_ids=text_types, max_new_tokens=2, do_sample=False)
     assert out.shape == (1, 7)
@@ -1302,8 +1405,8 @@ def test_a_mask_that_lets_image_tokens_attend_both_ways_is_refused():
     mask[1, 8:] = 0
     want = _tiny_embedding_gemma()(ids, attention_mask=mask).last_hidden_state
     got = apply_prior(_tiny_embedding_gemma(), "uniform", rope="keep")(ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1, :8], want[1, :8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0], want[0], **CLOSE)
+    torch.testing.assert_close(got[1, :8], want[1, :8], **CLOSE)
 
 
 @pytest.mark.parametrize("layers", [2, 4])
@@ -1470,14 +1573,17 @@ _PALI_IDS = torch.tensor([[110] * 4 + [2, 5, 6, 7, 8]])
 PALI_PIXELS = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
-def test_paligemma_runs_causal_as_its_mask_and_refuses_a_prefix_with_images():
+def test_paligemma_runs_its_prefix_both_ways_and_its_suffix_causal_as_eager():
     """PaliGemma's Gemma layers say is_causal=False and the causal rule lives in its mask alone
     (OR-ed with the prefix's rule), which HF's eager attention applies: bamgen took the layers'
     word and ran text alone both ways, silently (the zero prior off by 0.09 against eager). The
     call's direction is now read from the mask: text alone, left-padded rows included, equals
-    eager; a prompt that is all prefix (token_type_ids all 0, the image too), whose mask is the
-    same both ways, equals eager; a prefix followed by a suffix is refused by name, eager and
-    compiled, and compiled text alone equals eager with no graph break."""
+    eager, and so does a prompt that is all prefix (token_type_ids all 0, the image too), whose
+    mask is the same both ways. A prefix followed by a suffix, refused before, runs the prefix
+    both ways and the suffix causal, equal to eager in a left-padded batch and through
+    generate(). A prefix that is not one run of
+    tokens is refused by name, and under torch.compile any prefix with a suffix; compiled text
+    alone equals eager with no graph break."""
     def both(**call):
         with torch.no_grad():
             return model(**call).logits, _tiny_paligemma()(**call).logits
@@ -1490,11 +1596,29 @@ def test_paligemma_runs_causal_as_its_mask_and_refuses_a_prefix_with_images():
     prefix = torch.zeros_like(_PALI_IDS)
     torch.testing.assert_close(*both(input_ids=_PALI_IDS, pixel_values=PALI_PIXELS,
                                      token_type_ids=prefix), **CLOSE)
-    suffix = dict(input_ids=_PALI_IDS, pixel_values=PALI_PIXELS,
-                  token_type_ids=torch.tensor([[0] * 6 + [1] * 3]))
+
+    ids, mask = left_padded([[110] * 4 + [2, 5, 6, 7, 8], [110] * 4 + [2, 5, 6]])
+    types = torch.tensor([[0] * 6 + [1] * 3, [0] * 2 + [0] * 6 + [1]])   # (padding: 0, as the prefix)
+    suffix = dict(input_ids=ids, attention_mask=mask, token_type_ids=types,
+                  pixel_values=PALI_PIXELS.repeat(2, 1, 1, 1))
+    got, want = both(**suffix)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], **CLOSE)
+    with torch.no_grad():
+        causal = _tiny_paligemma()(**{**suffix, "token_type_ids": torch.ones_like(types)}).logits
+    assert (causal - want)[mask.bool()].abs().max() > 1e-2   # (the rule bites)
+
+    def generated(which):
+        out = which.generate(**suffix, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
+                             return_dict_in_generate=True, output_logits=True)
+        return out.sequences[:, ids.shape[1]:].tolist(), torch.stack(out.logits)
+    (got_tokens, got), (want_tokens, want) = generated(model), generated(_tiny_paligemma())
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got, want, **CLOSE)
+
     refusal = r"model type 'gemma': its mask lets some queries see keys after them"
-    with pytest.raises(ValueError, match=refusal):
-        model(**suffix)
+    with pytest.raises(ValueError, match=refusal + r".*each query's keys are one range"):
+        model(input_ids=_PALI_IDS, pixel_values=PALI_PIXELS,
+              token_type_ids=torch.tensor([[0] * 4 + [1] * 2 + [0] * 3]))
     compiled = torch.compile(lambda **kw: model(**kw).logits, backend="eager")
     text = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
@@ -1559,30 +1683,34 @@ def test_gemma4_made_bidirectional_sees_its_window_as_eager():
             torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
 
 
-def test_a_compiled_gemma4_refuses_vision_tokens_and_runs_text_alone():
+def test_gemma4_vision_blocks_equal_eager_and_a_compiled_call_refuses_them():
     """Gemma 4 ORs its image rule (``mm_token_type_ids``) into its sliding layers' mask alone,
-    under the window; its global layers' mask is plain causal. Compiled, no mask showed the
-    rule and the call ran causal, silently (off by 2.86 from eager), where eager refuses it.
-    The sliding layers' mask, handed without a window of HF's own (the model ANDs the window
-    over the rule itself), now marks every mask of the call, so it is refused as eager refuses
-    it; text alone compiles and equals the eager call."""
+    under the window; its global layers' mask is plain causal. Eager, such a call was refused;
+    it now runs its sliding layers block by block and equals eager (two blocks in a row, one
+    longer than the window of 4, left padding). Compiled, no mask showed the rule and the call
+    ran causal, silently (off by 2.86 from eager): the sliding layers' mask, handed without a
+    window of HF's own (the model ANDs the window over the rule itself), marks every mask of
+    the call, which is refused; text alone compiles and equals the eager call."""
     model = _tiny_gemma4(text_only=False, use_bidirectional_attention="vision")
     own = copy.deepcopy(model)
     apply_prior(model.model.language_model, "uniform", rope="keep")
-    ids = torch.randint(1, 90, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 90, (2, 13), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     image = torch.zeros_like(ids)
-    image[:, 5:8] = 1   # one block of three vision tokens per row
+    image[0, 2:5] = image[0, 7:12] = image[1, 5:8] = 1   # blocks of vision tokens
     refusal = (r"model type 'gemma4_text': its mask lets some queries see keys after them"
                r".*under torch.compile.*without token_type_ids, mm_token_type_ids")
     compiled = torch.compile(lambda **kw: model(**kw).logits, backend="aot_eager")
     with torch.no_grad():
-        with pytest.raises(ValueError, match=refusal):
-            model(input_ids=ids, attention_mask=mask, mm_token_type_ids=image)
+        want = own(input_ids=ids, attention_mask=mask, mm_token_type_ids=image).logits
+        got = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=image).logits
+        torch.testing.assert_close(got[0], want[0], **CLOSE)
+        torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
+        causal = own(input_ids=ids, attention_mask=mask).logits
+        assert (causal - want)[mask.bool()].abs().max() > 1e-2   # (the rule bites)
         with pytest.raises(ValueError, match=refusal):
             compiled(input_ids=ids, attention_mask=mask, mm_token_type_ids=image)
-        want = own(input_ids=ids, attention_mask=mask).logits
         got = compiled(input_ids=ids, attention_mask=mask)
-    torch.testing.assert_close(got[0], want[0], **CLOSE)
-    torch.testing.assert_close(got[1, 3:], want[1, 3:], **CLOSE)
+    torch.testing.assert_close(got[0], causal[0], **CLOSE)
+    torch.testing.assert_close(got[1, 3:], causal[1, 3:], **CLOSE)
