@@ -58,6 +58,8 @@ class PaddingLayout:
     causal_rule: bool | None = None
     q_length: int | None = None   # the queries HF built the mask for (None: not known)
     seen: SeenRanges | None = None
+    batch_size: int | None = None   # (with q_length and kv_length: :attr:`shape`)
+    kv_length: int | None = None
 
     # HF's generate() builds the mask ahead of a static-cache forward, calls .contiguous() on it
     # and passes it back in as the model's attention_mask; these let it travel that way (ndim 4
@@ -66,6 +68,14 @@ class PaddingLayout:
 
     def contiguous(self):
         return self
+
+    @property
+    def shape(self) -> tuple:
+        """[B, 1, Nq, Nk], a 4-D mask's shape. A multimodal model that hands its language model
+        the mask it built as one mask (PaliGemma's) has HF build it again there, which reads
+        the keys' count from it when there is no cache (``use_cache=False``: training,
+        generate() without a cache); every such forward failed (no attribute 'shape')."""
+        return (self.batch_size, 1, self.q_length, self.kv_length)
 
     def __getitem__(self, index):
         """The layout of some of the call's queries, as HF slices a 4-D mask's query rows
@@ -120,7 +130,8 @@ def padding_layout(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
             layout = dataclasses.replace(layout, seen=grid.seen_ranges(mask_function))
     inclusive = window_inclusive(mask_function, local_size, allow_is_bidirectional_skip is not None)
     return dataclasses.replace(layout, window=local_size or None, window_inclusive=inclusive,
-                               both_ways=both_ways, causal_rule=causal_rule, q_length=q_length)
+                               both_ways=both_ways, causal_rule=causal_rule, q_length=q_length,
+                               batch_size=batch_size, kv_length=kv_length)
 
 
 def _every_key_masked(layout: PaddingLayout, attention_mask, batch_size: int, kv_start: int,

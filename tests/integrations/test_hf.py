@@ -1361,6 +1361,18 @@ def test_gemma3_image_blocks_attend_both_ways_as_eager_and_train_as_the_referenc
         assert (got_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
 
 
+def assert_generates_as(model, reference, prompt, **options):
+    """``model`` generates 3 tokens greedily from ``prompt`` as ``reference`` does: the same
+    tokens, and each step's logits to float32 rounding."""
+    def generated(which):
+        out = which.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
+                             return_dict_in_generate=True, output_logits=True, **options)
+        return out.sequences[:, prompt["input_ids"].shape[1]:].tolist(), torch.stack(out.logits)
+    (got_tokens, got), (want_tokens, want) = generated(model), generated(reference)
+    assert got_tokens == want_tokens, options
+    torch.testing.assert_close(got, want, **CLOSE)
+
+
 def test_gemma3_generates_from_a_prompt_with_an_image_as_eager():
     """A left-padded batch of prompts holding an image block generates, with the zero prior,
     eager's tokens and step logits, with no cache (every step runs the blocks again), the
@@ -1374,15 +1386,8 @@ def test_gemma3_generates_from_a_prompt_with_an_image_as_eager():
                   pixel_values=GEMMA3_BLOCKS_CALL["pixel_values"][:2])
     caches = {"none": dict(use_cache=False), "dynamic": {}, "static": dict(cache_implementation="static")}
 
-    def generated(which, cache):
-        out = which.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
-                             return_dict_in_generate=True, output_logits=True, **caches[cache])
-        return out.sequences[:, ids.shape[1]:], torch.stack(out.logits)
-    tokens, logits = generated(own, "dynamic")
-    for cache in caches:
-        got_tokens, got_logits = generated(model, cache)
-        assert got_tokens.tolist() == tokens.tolist(), cache
-        torch.testing.assert_close(got_logits, logits, **CLOSE)
+    for cache in caches.values():
+        assert_generates_as(model, own, prompt, **cache)
 
 
 def test_gemma3_text_alone_and_embedding_gemma_equal_eager():
@@ -1607,13 +1612,7 @@ def test_paligemma_runs_its_prefix_both_ways_and_its_suffix_causal_as_eager():
         causal = _tiny_paligemma()(**{**suffix, "token_type_ids": torch.ones_like(types)}).logits
     assert (causal - want)[mask.bool()].abs().max() > 1e-2   # (the rule bites)
 
-    def generated(which):
-        out = which.generate(**suffix, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
-                             return_dict_in_generate=True, output_logits=True)
-        return out.sequences[:, ids.shape[1]:].tolist(), torch.stack(out.logits)
-    (got_tokens, got), (want_tokens, want) = generated(model), generated(_tiny_paligemma())
-    assert got_tokens == want_tokens
-    torch.testing.assert_close(got, want, **CLOSE)
+    assert_generates_as(model, _tiny_paligemma(), suffix)
 
     refusal = r"model type 'gemma': its mask lets some queries see keys after them"
     with pytest.raises(ValueError, match=refusal + r".*each query's keys are one range"):
@@ -1627,6 +1626,32 @@ def test_paligemma_runs_its_prefix_both_ways_and_its_suffix_causal_as_eager():
         torch.testing.assert_close(compiled(input_ids=text), _tiny_paligemma()(input_ids=text).logits, **CLOSE)
         explained = torch._dynamo.explain(lambda **kw: model(**kw).logits)(input_ids=text)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_paligemma_runs_without_a_cache():
+    """PaliGemma hands its language model the one mask it built, which HF builds again there
+    and, with no cache, sizes by the mask's shape: every forward with use_cache=False (a
+    training step, generate() without a cache) failed ('PaddingLayout' object has no attribute
+    'shape'). Now a training step's loss equals eager's and its gradients reach the prior, and
+    generate() without a cache (each step a longer suffix after the prefix) gives eager's
+    tokens and logits."""
+    model = _tiny_paligemma()
+    apply_prior(model.model.language_model, ggd, rope="keep")
+    ids = torch.tensor([[110] * 4 + [2, 5, 6, 7, 8]])
+    types = torch.tensor([[0] * 6 + [1] * 3])
+    call = dict(input_ids=ids, token_type_ids=types, pixel_values=PALI_PIXELS, use_cache=False)
+    loss = model(**call, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for name, p in model.named_parameters() if "bamgen_prior" in name)
+
+    zero = _tiny_paligemma()
+    apply_prior(zero.model.language_model, "uniform", rope="keep")
+    with torch.no_grad():
+        torch.testing.assert_close(zero(**call, labels=ids).loss,
+                                   _tiny_paligemma()(**call, labels=ids).loss, **CLOSE)
+
+    assert_generates_as(zero, _tiny_paligemma(), call)
 
 
 def test_embedding_gemma_stays_bidirectional_compiled_too():
