@@ -116,7 +116,7 @@ def split_for_table(ir: PriorIR) -> TableIR | None:
     add to s as they add an entry; any other score tabulates the log-prior and reads it per score."""
     pos = position_symbols()
     spec = ir.spec
-    score = S + LOG_PRIOR if spec.score is None else _canonical_positions(spec.score)
+    score = S + LOG_PRIOR if spec.score is None else _score_formula(spec)
     if ir.score_is_identity:
         tabulated_expr, logit = ir.logit.xreplace({S: sp.S.Zero}), S + TABLE_VALUE
     elif score.has(LOG_PRIOR):
@@ -169,7 +169,7 @@ def _analyse(spec: PriorSpec) -> PriorIR:
     if spec.score is None:
         logit = S + log_prior
     else:
-        logit = _canonical_positions(spec.score).xreplace({LOG_PRIOR: log_prior})
+        logit = _score_formula(spec).xreplace({LOG_PRIOR: log_prior})
         check_size(logit, "score", "the score")
     symbols = runtime_symbols(spec)
     runtime = tuple(symbols)
@@ -354,6 +354,15 @@ def _simplify_log_prior(spec: PriorSpec) -> sp.Expr:
         raise SpecError("the formula is not finite (division by zero or log of zero)",
                         field=field, hint="check constants; use Abs(...) + eps under logs")
     return expr
+
+
+def _score_formula(spec: PriorSpec) -> sp.Expr:
+    """The score over s, log_prior and the positions, a softplus in it (log(1 + exp(s)), the
+    hint for softplus(s)) or a log-sigmoid (-log(1 + exp(-s))) computed as the log-prior's are,
+    as a log-sum-exp: exp(s) overflows float32 at s = 89, where the log-sum-exp stays finite.
+    Taken before log_prior is put in, whose own log-sum-exps are not taken twice."""
+    expr = _canonical_positions(spec.score)
+    return expr.replace(lambda e: _exp_sum_log(e, _interval_bounds(spec)), _log_sum_exp)
 
 
 def _even_powers_as_abs(e: sp.log) -> sp.Expr:
