@@ -49,7 +49,7 @@ from ..runtime.params import element_at as _element_at
 from ..runtime.params import index_ceil as _index_ceil, index_floor as _index_floor
 from ..compiler.printers import prepare, print_expr
 from ..compiler.spec import POSITION_SYMBOLS, ParamSpec, position_symbols
-from ..compiler.symbolic import guarded, runtime_symbols
+from ..compiler.symbolic import S, guarded, runtime_symbols
 
 DENSE = 4096                 # every distance up to this is scanned
 MAX_POSITION = 2 ** 24       # positions (offsets included) the module accepts
@@ -475,6 +475,8 @@ class _Checker:
                  **{("d", label): g for label, g in ir.grads}}
         self.reads = {key: frozenset(label for label, sym in symbols.items()
                                      if sym in expr.free_symbols) for key, expr in exprs.items()}
+        # and which of the grid's coordinates (d, i, j, n, s), so that it names no other
+        self.coordinates = _coordinates_by_expression(spec, exprs)
 
     def operations(self) -> int:
         """Printed statements run per grid point and parameter combination: the work of a
@@ -496,7 +498,7 @@ class _Checker:
                                        (len(chunk), next(iter(grid.values())).numel()))
         lp64, lp32 = lp64.expand(shape), lp32.expand(shape)
         z64, dlds64, *grads64 = (t.expand(shape) for t in bwd64)
-        where = _Where(grid, s, chunk, self.plan.score_is_identity, self.reads)
+        where = _Where(grid, s, chunk, self.plan.score_is_identity, self.reads, self.coordinates)
 
         # 1. the formula itself, in float64
         self._fail_if(torch.isnan(lp64), where, self.lp_field, "the log-prior is nan",
@@ -631,6 +633,26 @@ def _divides_or_logs(expr: sp.Expr, sym: sp.Symbol) -> bool:
         sym in e.base.free_symbols and e.exp.is_negative for e in expr.atoms(sp.Pow))
 
 
+def _coordinates_by_expression(spec, exprs: dict) -> dict:
+    """{key: the grid coordinates the expression exprs[key] reads} (_coordinates_read)."""
+    positions = position_symbols(spec.channels)
+    coordinates = {S: "s", **{sym: name[0] for name, sym in positions.items()}}   # d0 -> d
+    formulas = [e for e in (spec.log_prior, spec.score) if e is not None]
+    written = _coordinates_read(sp.Tuple(*formulas), coordinates, set())
+    return {key: _coordinates_read(expr, coordinates, written) for key, expr in exprs.items()}
+
+
+def _coordinates_read(expr: sp.Expr, coordinates: dict, written: set[str]) -> frozenset[str]:
+    """The grid coordinates (d, i, j, n, s: {symbol: its coordinate} in ``coordinates``, every
+    channel's d_c a d) that ``expr`` reads. The compiler holds i as d + j
+    (symbolic._canonical_positions), so i counts as read where the file writes it and the
+    expression reads d and j."""
+    read = {coordinates[sym] for sym in expr.free_symbols if sym in coordinates}
+    if "i" in written and {"d", "j"} <= read:
+        read.add("i")
+    return frozenset(read)
+
+
 def _table_entries(plan) -> list[str]:
     """The kernel names (tab_<stem>) of the distance table's derivative entries, in order."""
     stems = {label: stem for p in plan.params for label, stem in zip(
@@ -642,9 +664,10 @@ class _Where:
     """Names the grid point (c, k): combination c of the parameters, position k. reads:
     {expression: the labels of the parameters it reads} (_Checker.reads)."""
 
-    def __init__(self, grid, s, chunk, identity, reads=None):
+    def __init__(self, grid, s, chunk, identity, reads=None, coordinates=None):
         self.grid, self.s, self.chunk, self.identity = grid, s, chunk, identity
         self.reads = reads or {}
+        self.coordinates = coordinates or {}
 
     def only_after_query(self, bad) -> bool:
         """Every bad point has its key after its query (d < 0), where a causal-only prior is
@@ -654,10 +677,14 @@ class _Where:
     def point(self, c: int, k: int, reads=None) -> Point:
         """The positions, the score and the parameters of point (c, k): every parameter the
         failing expression ``reads`` (so the point can be rebuilt from the message, FIRE's 99
-        scalars included), then the others up to MAX_SHOWN in all."""
+        scalars included), then the others up to MAX_SHOWN in all. Of the positions and the
+        score, those it reads: a distance the formula never reads would only mislead."""
         values = [(name, float(v[k])) for name, v in self.grid.items()]
         if not self.identity:
             values.append(("s", float(self.s[k])))
+        coordinates = self.coordinates.get(reads)
+        if coordinates is not None:
+            values = [(name, v) for name, v in values if name in coordinates]
         read = self.reads.get(reads, frozenset())
         params = list(self.chunk[c].items())
         first = [(label, v) for label, v in params if label in read]
