@@ -672,6 +672,10 @@ class _Builder:
                             "split the list, or combine the terms with Piecewise")
         if name in FOLDED and all(a.is_number for a in args):
             return self._fold(FUNCTIONS[name](*args, evaluate=False))
+        if name == "log" and args[0].is_zero:
+            # log(0) is the zero of a prior, -oo, as a window's (-oo, True) writes it; SymPy
+            # makes it zoo, the complex infinity, which no formula may hold
+            return sp.S.NegativeInfinity
         return FUNCTIONS[name](*args)
 
     def _fold(self, call: sp.Expr) -> sp.Expr:
