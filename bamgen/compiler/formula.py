@@ -234,13 +234,16 @@ _COMPARE = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge,
 def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
                   line: int | None = None,
                   vectors: Mapping[str, tuple[sp.Symbol, ...]] | None = None,
-                  kinks: dict | None = None, symbols_hint: str | None = None) -> sp.Expr:
+                  kinks: dict | None = None, symbols_hint: str | None = None,
+                  unavailable: Mapping[str, tuple[str, str]] | None = None) -> sp.Expr:
     """Parse ``text`` into a SymPy expression over ``symbols`` (a name stands for its symbol,
     or for a named sub-formula's expression) and the elements of ``vectors`` (``w[e]``); raise
     SpecError on anything else. kinks: filled with {the argument u of an Abs(u) in an expanded
     Sum term: the argument as the Sum's body writes it}, so that the language's limit on kinks
     counts a body once, not once per term. symbols_hint: the hint for an unknown symbol where
-    the field reads other names than a prior's formulas (an init reads h and H only)."""
+    the field reads other names than a prior's formulas (an init reads h and H only).
+    unavailable: {name: (message, hint)} of names the file declares but this formula may not
+    read (a let entry below the one being read, or itself), which are no unknown symbols."""
     def fail(msg: str, hint: str | None = None) -> SpecError:
         return SpecError(msg, field=field, line=line, hint=hint)
 
@@ -268,7 +271,7 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
                    "put remarks in 'description'")
     source = _Source.parse(text.strip(), {*symbols, *(vectors or {})}, fail)
     builder = _Builder(symbols, fail, vectors or {}, {} if kinks is None else kinks, symbols_hint,
-                       source=source)
+                       source=source, unavailable=unavailable)
     try:
         expr = builder.build(source.tree.body, depth=0)
     except (ArithmeticError, TypeError, ValueError) as exc:
@@ -363,8 +366,10 @@ class _Builder:
 
     def __init__(self, symbols: Mapping[str, sp.Expr], fail,
                  vectors: Mapping[str, tuple[sp.Symbol, ...]], kinks: dict,
-                 symbols_hint: str | None = None, source: _Source | None = None):
+                 symbols_hint: str | None = None, source: _Source | None = None,
+                 unavailable: Mapping[str, tuple[str, str]] | None = None):
         self.symbols = dict(symbols)
+        self.unavailable = unavailable or {}
         self.symbols_hint = symbols_hint
         self.source = source     # the formula's text and tree, quoted back in hints as written
         self.fail = fail
@@ -429,6 +434,8 @@ class _Builder:
             return sp.true if name == "True" else sp.false
         if name in FUNCTIONS:
             raise self.fail(f"the function '{name}' must be called, e.g. {name}(d)")
+        if name in self.unavailable:
+            raise self.fail(*self.unavailable[name])
         known = ", ".join(sorted([*self.symbols, *(f"{v}[k]" for v in self.vectors)])) or "none"
         raise self.fail(f"unknown symbol '{name}'", self.symbols_hint or
                         f"symbols allowed here: {known}; declare parameters under 'params'")

@@ -518,10 +518,10 @@ def _string(data: dict, field: str, lines: dict, default: str) -> str:
     return value
 
 
-def _formula(text, symbols, field, lines, vectors=None, kinks=None) -> sp.Expr:
+def _formula(text, symbols, field, lines, vectors=None, kinks=None, unavailable=None) -> sp.Expr:
     with working_on(field, "reading the formula"):
         return parse_formula(text, symbols, field=field, line=lines.get(field), vectors=vectors,
-                             kinks=kinks)
+                             kinks=kinks, unavailable=unavailable)
 
 
 def _parse_lets(raw, symbols: dict, vectors: dict, params, lines, kinks) -> dict[str, sp.Expr]:
@@ -535,15 +535,31 @@ def _parse_lets(raw, symbols: dict, vectors: dict, params, lines, kinks) -> dict
                         line=lines.get("let"))
     taken = {p.name for p in params}
     lets: dict[str, sp.Expr] = {}
-    for name, text in raw.items():
+    names = list(raw)
+    for position, (name, text) in enumerate(raw.items()):
         field = f"let.{name}"
         line = lines.get(field)
         _check_name(name, field, line, "sub-formula")
         if name in taken:
             raise SpecError(f"'{name}' is already a parameter", field=field, line=line,
                             hint="give the sub-formula another name")
-        lets[name] = _formula(text, {**symbols, **lets}, field, {field: line}, vectors, kinks)
+        unavailable = _lets_not_yet_read(name, names[position + 1:])
+        lets[name] = _formula(text, {**symbols, **lets}, field, {field: line}, vectors, kinks,
+                              unavailable)
     return lets
+
+
+def _lets_not_yet_read(name: str, below: list[str]) -> dict[str, tuple[str, str]]:
+    """{let name: (message, hint)} for the entries the let entry ``name`` may not read: those
+    below it and itself. Read as unknown symbols, with the hint to declare parameters, they
+    sent the user looking for a typo."""
+    order = "let entries are read in order, and each may use only those above it"
+    out = {later: (f"'{later}' is a let entry below '{name}': {order}",
+                   f"move '{later}' above '{name}' under 'let'") for later in below}
+    out[name] = (f"the let entry '{name}' refers to itself: {order}",
+                 f"write '{name}' with the symbols and the let entries above it; a let names a "
+                 f"formula, it does not define one by recursion")
+    return out
 
 
 def _constant(value: float) -> sp.Expr:
