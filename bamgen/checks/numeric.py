@@ -81,9 +81,12 @@ def init_problem(expr: sp.Expr, inside, domain: str) -> str | None:
     stored = values.to(torch.float32)
     checks = (
         (~torch.isfinite(values), ""),
-        (torch.isinf(stored), ", beyond float32's largest value 3.4e38"),
+        # (the bounds in full: 2**128 = 3.402823669209385e+38 overflows, and read as beyond 3.4e38
+        # it looked equal to it)
+        (torch.isinf(stored), f", beyond float32's largest value {FLOAT32_MAX:.8g}: float32 "
+                              f"stores it as inf"),
         ((values != 0) & (stored.abs() < FLOAT32_TINY),
-         ", below float32's smallest normal value 1.2e-38 (a GPU flushes it to 0)"),
+         f", below float32's smallest normal value {FLOAT32_TINY:.8g} (a GPU flushes it to 0)"),
         (~inside(stored), f", outside the domain {domain}"),
     )
     for bad, why in checks:

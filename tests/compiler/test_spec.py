@@ -321,13 +321,26 @@ def test_the_printer_refuses_a_symbol_it_has_no_name_for():
     ('"1 - h/100"', "gives 0.0 for head 100 of 101, outside the domain positive"),
     ('"1/Abs(H - 100)"', "gives inf for head 0 of 100"),
     ('"exp(100)"', "beyond float32's largest value"),
-    ('"1e-45"', "below float32's smallest normal value"),
+    ('"1e-45"', "below float32's smallest normal value 1.1754944e-38"),
+    # 2**128 is 3.402823669209385e+38: the bound is given in full, where "beyond 3.4e38" read
+    # as if the value were the bound
+    ('"2**(h + 1)"', "gives 3.402823669209385e+38 for head 127 of 128, beyond float32's "
+                     "largest value 3.4028235e+38: float32 stores it as inf"),
     ('"2**(h - 1000)"', "for head 0 of 1"),
 ])
 def test_inits_are_checked_for_every_head_count_in_float32(init, words):
     with pytest.raises(SpecError) as err:
         check_inits(parse_spec(f"name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {{init: {init}, domain: positive}}\n"))
     assert "field 'params.b.init'" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_an_init_that_overflows_float32_is_refused_with_both_numbers_in_full(tmp_path):
+    text = 'name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {init: "2**(h + 1)", domain: positive}\n'
+    res = run_cli_in_process("build", str(write_prior(tmp_path, text)), "-o", str(tmp_path / "out"))
+    assert res.exit_code == 2 and not (tmp_path / "out").exists()
+    line = res.stderr.strip()
+    assert "\n" not in line and "field 'params.b.init': the init gives 3.402823669209385e+38" in line
+    assert "largest value 3.4028235e+38: float32 stores it as inf" in line, line
 
 
 def test_an_init_fine_for_every_head_count_up_to_the_bound_passes():
@@ -552,7 +565,8 @@ def _refusal(tmp_path, params: str, log_prior: str = "-Abs(d)/b") -> str:
      "(hint: give an init inside (1, 1.00001), e.g. init: 1.000005)"),
     ("  b: {init: \"exp(100)\", domain: positive}\n",
      "FILE:4: field 'params.b.init': the init gives 2.6881171418161356e+43, beyond float32's "
-     "largest value 3.4e38 (hint: give an init inside (0, inf), e.g. init: 1.0)"),
+     "largest value 3.4028235e+38: float32 stores it as inf (hint: give an init inside (0, inf), "
+     "e.g. init: 1.0)"),
 ])
 def test_a_constant_init_outside_its_domain_says_which_values_fit(tmp_path, params, message):
     """An init without h or H is one number for every head: the message names no head, and
