@@ -12,7 +12,9 @@ Ctrl-C, so that an interrupt during those imports (seconds) is reported as one l
 """
 from __future__ import annotations
 
+import errno
 import io
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,7 +134,7 @@ def main() -> None:
 @main.command()
 @click.argument("files", nargs=-1, type=PRIOR_ARG)
 @click.option("-o", "--out", "out_dir", default="generated", show_default=True,
-              type=click.Path(file_okay=False, path_type=Path),
+              type=click.Path(),   # (a str: Path("") would be the current folder)
               help="Folder for the generated modules, e.g. a package of yours: mypkg/attention "
                    "(a file there that bamgen did not generate is never replaced).")
 @click.option("--all", "build_all", is_flag=True, help="Build every shipped prior.")
@@ -143,17 +145,15 @@ def main() -> None:
 @click.option("--standalone", is_flag=True,
               help="Inline bamgen's runtime: one file per prior that runs without bamgen "
                    "installed (about 450 KB; it keeps the runtime of this build).")
-def build(files: tuple[str, ...], out_dir: Path, build_all: bool, check: bool,
+def build(files: tuple[str, ...], out_dir: str, build_all: bool, check: bool,
           strategy: str | None, standalone: bool) -> None:
     """Build prior FILES (paths, or shipped priors' names) into Python modules."""
     paths = list(files) + (shipped_priors() if build_all else [])
     if not paths:
         _fail("no prior files given; pass FILE... or --all")
-    if out_dir.exists() and not out_dir.is_dir():
-        _fail(f"--out {out_dir} exists and is not a folder")
+    out_dir = _out_folder(out_dir)
     artifacts = _compile_all(paths, strategy, standalone)
-    if not check:
-        _check_targets([out_dir / artifact.filename for artifact in artifacts], paths)
+    _check_targets([out_dir / artifact.filename for artifact in artifacts], paths)
     stale = []
     for path, artifact in zip(paths, artifacts):
         target = out_dir / artifact.filename
@@ -161,27 +161,72 @@ def build(files: tuple[str, ...], out_dir: Path, build_all: bool, check: bool,
             _warn(str(warning))
         if check:
             if not holds(target, artifact.text):
-                stale.append(str(target))
+                stale.append(_shown(target))
             continue
-        click.echo(f"{'wrote' if _write(target, artifact.text) else 'unchanged'} {target}")
+        click.echo(f"{'wrote' if _write(target, artifact.text) else 'unchanged'} {_shown(target)}")
         for note in artifact.notes:
             click.echo(f"  note: {note}")
     if check:
         if stale:
             click.echo("stale (run `bamgen build` to update): " + ", ".join(stale), err=True)
             sys.exit(1)
-        click.echo(f"{len(paths)} module(s) up to date in {out_dir}")
+        click.echo(f"{len(paths)} module(s) up to date in {_shown(out_dir)}")
+
+
+def _shown(path: str | os.PathLike) -> str:
+    """A path for a line of output: a newline or ESC in its name escaped, as in an error."""
+    return _one_line(os.fspath(path))
+
+
+def _out_folder(out_dir: str) -> Path:
+    """--out as a folder that is there or can be made, checked before anything is compiled;
+    else one line saying what is in the way (Path.exists() raises some of these: a name too
+    long for the file system, a folder that cannot be read)."""
+    if out_dir == "":
+        _fail("--out is empty; give a folder (e.g. --out generated, or --out . for the current "
+              "folder)")
+    path = Path(out_dir)
+    if _stat(path, "--out") is not None:
+        if not path.is_dir():
+            _fail(f"--out {_shown(path)} exists and is not a folder; give a folder's path")
+    elif path.is_symlink():
+        _fail(f"--out {_shown(path)} is a symbolic link to {_shown(os.readlink(path))}, which "
+              f"does not exist; create that folder, remove the link, or give another --out")
+    return path
+
+
+def _stat(path: Path, option: str) -> os.stat_result | None:
+    """path's status, or None where nothing is there; any other failure is one line naming the
+    option and what to change."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        _fail(f"{option} {_shown(path)}: {_path_problem(exc)}")
+
+
+def _path_problem(exc: OSError) -> str:
+    """Why a path cannot be used, and what to do about it, from the error that said so."""
+    if exc.errno == errno.ENAMETOOLONG:
+        return "the path is too long for the file system (a name is at most 255 bytes); give " \
+               "a shorter one"
+    if exc.errno == errno.ENOTDIR:
+        return "a part of the path is a file, not a folder; give a path whose parents are folders"
+    return f"{exc.strerror or exc}; check the path and its permissions"
 
 
 def _check_targets(targets: list[Path], paths: list) -> None:
     """Refuse, before anything is written, a target that is there but is no file (a folder, a
     FIFO): its write would fail after the modules before it had been replaced; and a file that
-    bamgen did not generate (a module of the user's package named as the prior is)."""
+    bamgen did not generate (a module of the user's package named as the prior is). --check
+    refuses them as the build would, rather than calling them stale."""
     from .driver.build import check_target
     for target, path in zip(targets, paths):
-        if (target.exists() or target.is_symlink()) and not target.is_file():
-            _fail(f"cannot write {target}: it exists and is not a regular file (a folder?); "
-                  f"nothing was written (hint: remove it or build into another --out)")
+        there = _stat(target, "--out") is not None or target.is_symlink()
+        if there and not target.is_file():
+            _fail(f"cannot write {_shown(target)}: it exists and is not a regular file (a "
+                  f"folder?); nothing was written (hint: remove it or build into another --out)")
         try:
             check_target(target, path)
         except SpecError as err:
@@ -195,7 +240,7 @@ def _write(target: Path, data: str | bytes) -> bool:
     except BuildLockTimeout as exc:
         _fail(str(exc))
     except (OSError, ValueError) as exc:
-        _fail(f"cannot write {target}: {getattr(exc, 'strerror', None) or exc}")
+        _fail(f"cannot write {_shown(target)}: {getattr(exc, 'strerror', None) or exc}")
 
 
 @contextmanager
@@ -267,8 +312,9 @@ def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layou
     from .aot import compile_module, decode_step_model, loop_model
     from .driver.loader import import_module_file, load_prior
     file = _prior_path(file)
-    if file.suffix == ".py" and not file.is_file():
-        _fail(f"{file}: {'not a regular file' if file.exists() else 'no such file'} (give a "
+    found = _stat(file, "FILE") if file.suffix == ".py" else None   # (a name too long: one line)
+    if file.suffix == ".py" and (found is None or not file.is_file()):
+        _fail(f"{_shown(file)}: {'not a regular file' if found else 'no such file'} (give a "
               f"prior's .yaml, a generated module's .py or a shipped prior's name)")
     if file.suffix == ".py" and not generated_by_bamgen(file):   # (checked before it is run)
         _not_generated(file)
@@ -331,7 +377,7 @@ def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layou
             click.echo(f"    {shape:>14s}  {step['prefill_us']:8.1f} us -> {step['decode_us']:7.1f} us"
                        f" ({step['splits']} splits, {step['ratio']:.2f}x)")
     for name, path in cubins.items():
-        click.echo(f"  wrote {path}")
+        click.echo(f"  wrote {_shown(path)}")
 
 
 def _not_generated(file: Path) -> None:
@@ -507,7 +553,7 @@ def plot(file: str, out_file: Path, heads: int, max_distance: int) -> None:
     except Exception as exc:   # a format whose writer needs what is missing (.pgf: LaTeX)
         _fail(f"--out {out_file}: matplotlib could not write a .{image_format} file "
               f"({type(exc).__name__}: {str(exc)[:200]}); give .png, .svg or .pdf")
-    click.echo(f"{'wrote' if _write(out_file, image.getvalue()) else 'unchanged'} {out_file}")
+    click.echo(f"{'wrote' if _write(out_file, image.getvalue()) else 'unchanged'} {_shown(out_file)}")
 
 
 def _image_format(out_file: Path) -> str:

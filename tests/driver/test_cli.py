@@ -39,7 +39,8 @@ def test_check_mode_flags_stale_and_writes_nothing(tmp_path):
     assert not out.exists()
     assert run_cli("build", str(prior), "-o", str(out)).returncode == 0
     assert run_cli("build", str(prior), "-o", str(out), "--check").returncode == 0
-    (out / "my_prior.py").write_text("# edited\n")
+    with open(out / "my_prior.py", "a") as module:   # (still bamgen's: its header is kept)
+        module.write("# edited\n")
     assert run_cli("build", str(prior), "-o", str(out), "--check").returncode == 1
 
 
@@ -243,3 +244,65 @@ def test_an_import_that_ctrl_c_cut_short_is_reported_as_the_interrupt(tmp_path, 
     res = run_cli_in_process("build", str(write_prior(tmp_path, GOOD)), "-o", str(out))
     assert res.exit_code == 130 and res.stderr == "interrupted\n" and res.stdout == ""
     assert not out.exists()
+
+
+def _refused(res, *words: str) -> str:
+    """The one line of a refusal (exit 2, no traceback) that holds every one of words."""
+    assert res.exit_code == 2, (res.exit_code, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("check", [[], ["--check"]])
+def test_an_out_folder_whose_name_is_too_long_is_one_line(tmp_path, check):
+    """A 300-byte --out name raised OSError (File name too long) from Path.exists(): a
+    traceback and exit 1."""
+    write_prior(tmp_path, GOOD)
+    res = run_cli_in_process("build", "prior.yaml", "-o", "b" * 300, *check, cwd=tmp_path)
+    _refused(res, "--out", "too long", "shorter")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prior.yaml"]
+
+
+def test_inspect_of_a_py_whose_name_is_too_long_is_one_line(tmp_path):
+    res = run_cli_in_process("inspect", "b" * 300 + ".py", cwd=tmp_path)
+    _refused(res, "FILE", "too long")
+
+
+def test_out_paths_that_cannot_be_a_folder_are_refused_saying_why(tmp_path):
+    """-o '' wrote into the current folder; a dangling link said 'File exists'; a path through
+    a file said 'Not a directory' with no hint. Each is now one line, and nothing is written."""
+    write_prior(tmp_path, GOOD)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "link").symlink_to("nowhere")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    cases = {"": ["--out is empty", "--out ."], "link": ["--out link", "link to nowhere",
+                                                           "does not exist"],
+             "afile/sub": ["--out afile/sub", "a part of the path is a file"]}
+    for out, words in cases.items():
+        _refused(run_cli_in_process("build", "prior.yaml", "-o", out, cwd=tmp_path), *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_control_character_in_an_out_path_is_shown_escaped(tmp_path):
+    """A newline in --out split the success line in two."""
+    write_prior(tmp_path, GOOD)
+    res = run_cli_in_process("build", "prior.yaml", "-o", "n\nl", cwd=tmp_path)
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.splitlines() == ["wrote n\\nl/my_prior.py"]
+    assert (tmp_path / "n\nl" / "my_prior.py").is_file()
+
+
+def test_check_on_a_file_bamgen_did_not_generate_is_refused_as_build_refuses_it(tmp_path):
+    """--check called a user's own module 'stale (run bamgen build)', exit 1, and the build it
+    pointed to then refused it: --check now gives the build's refusal, exit 2."""
+    write_prior(tmp_path, GOOD)
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "my_prior.py").write_text("# mine\n")
+    build = _refused(run_cli_in_process("build", "prior.yaml", "-o", "gen", cwd=tmp_path))
+    check = _refused(run_cli_in_process("build", "prior.yaml", "-o", "gen", "--check",
+                                        cwd=tmp_path), "bamgen did not generate it")
+    assert check == build
+    assert (tmp_path / "gen" / "my_prior.py").read_text() == "# mine\n"
