@@ -388,7 +388,7 @@ def _check_channel_names(channels: int, params, lets, lines: dict) -> None:
 
 def _skip_below(data: dict, lines: dict) -> float | None:
     """The optional tile-skipping bound, in nats: a positive number."""
-    value = data.get("skip_below")
+    value = _yaml_number(data.get("skip_below"))
     if value is None:
         return None
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
@@ -647,7 +647,7 @@ def _parse_param(name: str, settings: dict, field: str, line: int | None) -> Par
             raise SpecError(f"expected true or false, got {_show(value)}", field=f"{field}.{flag}",
                             line=line)
     size = _parse_size(settings.get("size"), f"{field}.size", line)
-    value = settings.get("value")
+    value = _yaml_number(settings.get("value"))
     random = None
     if value is not None:
         if size is not None:
@@ -699,7 +699,9 @@ def _parse_size(raw, field: str, line: int | None) -> int | None:
 
 
 def _yaml_number(x):
-    """x, or the float a string such as "2e-2" spells (PyYAML 1.1 needs a dot in a float)."""
+    """x, or the float a string such as "2e-2" spells (PyYAML 1.1 needs a dot in a float): every
+    field that takes a number (value, skip_below, a domain's bounds, a random init's arguments)
+    reads it so, as init's formula does."""
     if isinstance(x, str):
         try:
             return float(x)
@@ -745,6 +747,8 @@ def _parse_random(raw: dict, domain: Domain, field: str, line: int | None) -> tu
 def _parse_domain(raw, field: str, line: int | None) -> Domain:
     if isinstance(raw, str) and raw in DOMAINS:
         return Domain(raw)
+    if isinstance(raw, list):   # (YAML reads 1e3, with no dot, as a string)
+        raw = [_yaml_number(x) for x in raw]
     if isinstance(raw, list) and len(raw) == 2 and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in raw):
         lo, hi = float(raw[0]), float(raw[1])

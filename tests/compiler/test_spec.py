@@ -823,3 +823,27 @@ def test_errors_about_a_keyword_parameter_name_it_as_written(tmp_path):
         module.attention(q, k, v, **given, **{"lambda": -0.5})
     with pytest.raises(ValueError, match="init: lambda must be positive"):
         module.DecayAttention(num_heads=2, init={"lambda": -1.0})
+
+
+def test_a_number_yaml_reads_as_a_string_is_a_number_in_every_numeric_field():
+    """YAML 1.1 reads 1e-3 (no dot) as a string: init took it, while value, skip_below and a
+    domain's bounds refused it as 'not a number'."""
+    spec = parse_spec("""
+name: e_numbers
+log_prior: -Abs(d) / b - c * d**2
+skip_below: 1e2
+params:
+  b: {init: 1e-3, domain: [0, 1e3]}
+  c: {value: 1e-3, domain: positive}
+""")
+    b, c = spec.params
+    assert spec.skip_below == 100.0
+    assert (b.domain.lo, b.domain.hi) == (0.0, 1000.0)
+    assert c.value == 0.001
+
+
+@pytest.mark.parametrize("field, text", [("params.c.value", "c: {value: 'abc'}"),
+                                         ("params.c.domain", "c: {init: 1.0, domain: [0, nan]}")])
+def test_a_string_that_spells_no_finite_number_is_still_refused(field, text):
+    with pytest.raises(SpecError, match=re.escape(field)):
+        parse_spec(f"name: x\nlog_prior: -Abs(d) * c\nparams:\n  {text}\n")
