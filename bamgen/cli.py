@@ -434,6 +434,7 @@ def show(file: str, heads: int) -> None:
     from .driver.build import plan_prior as make_plan
     ir = _load_ir(file)
     spec = ir.spec
+    _check_inits_at(ir.spec, heads)
     with _reported(file, "planning"):   # (the plan scans the printed code over the domain)
         kernel_plan = make_plan(ir)
         analysis = analyse_prior(ir, num_heads=heads)
@@ -499,6 +500,18 @@ def show(file: str, heads: int) -> None:
     for h in analysis.heads:
         reach = f"{h.reach:.0f}" if h.reach is not None else "never (< 2^30)"
         click.echo(f"  {h.head:4d} {h.mode:6d} {reach:>20s}  {_show_params(h.params)}")
+
+
+def _check_inits_at(spec, heads: int) -> None:
+    """--heads above the head counts the build checks: refused as the module built for that
+    many heads refuses its inits, rather than analysed as nan."""
+    from .checks.inits import init_problem_at
+    from .checks.numeric import MAX_HEADS
+    if heads > MAX_HEADS:
+        problem = init_problem_at(spec, heads)
+        if problem:
+            _fail(f"--heads {heads}: {problem} (the build checks the inits for up to "
+                  f"{MAX_HEADS} heads)")
 
 
 def _show_params(values) -> str:

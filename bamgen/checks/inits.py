@@ -5,9 +5,13 @@ grids). A random init is checked by its bounds in the spec stage. A module built
 checks its own inits and names the parameter, head and value that fail (default_params)."""
 from __future__ import annotations
 
+import torch
+
 from ..compiler.spec import PriorSpec
 from ..compiler.timeout import cpu_budget, working_on
 from ..errors import SpecError
+from ..runtime.params import describe_domain
+from ..runtime.traits import ParamTraits
 from . import numeric
 
 
@@ -35,6 +39,35 @@ def check_inits(spec: PriorSpec) -> None:
             if problem:
                 raise SpecError(f"the init {problem}", field=field, line=p.line,
                                 hint=_init_hint(p))
+
+
+def init_problem_at(spec: PriorSpec, heads: int) -> str | None:
+    """Why the module built for ``heads`` heads would refuse its own inits, in the words it
+    refuses them (default_params, then the constructor's domain check), or None. For a head
+    count above numeric.MAX_HEADS, which the build does not check: `bamgen show --heads 250`
+    would otherwise analyse nan."""
+    for p in spec.params:
+        if p.is_constant or p.random is not None or not p.init_expr.free_symbols:
+            continue   # (one number for every head: checked by the build)
+        rows = heads if p.size is None or p.per_head else 1
+        grid = {"h": torch.arange(rows, dtype=torch.float64),
+                "H": torch.full((rows,), float(heads), dtype=torch.float64)}
+        values = numeric.evaluate_tensor(p.init_expr, {s: grid[s.name]
+                                                       for s in p.init_expr.free_symbols})
+        values = values.expand(rows)
+        if not bool(torch.isfinite(values).all()):
+            head = int(torch.nonzero(~torch.isfinite(values))[0])
+            return (f"the init of {p.name} cannot be computed for head {head} of {heads} (it "
+                    f"gives {float(values[head])!r}); build the module for another number of "
+                    f"heads or change the init in the prior file")
+        outside = ~p.domain.inside(values.to(torch.float32))
+        if bool(outside.any()):
+            head = int(torch.nonzero(outside)[0])
+            traits = ParamTraits(p.name, 0, p.learnable, p.per_head, p.domain.kind,
+                                 p.domain.lo, p.domain.hi)
+            return (f"init: {p.name} must be {describe_domain(traits)} and finite (its domain "
+                    f"in the prior file), got {float(values[head].float())!r} for head {head}")
+    return None
 
 
 def _init_hint(p) -> str:

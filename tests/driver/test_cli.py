@@ -306,3 +306,16 @@ def test_check_on_a_file_bamgen_did_not_generate_is_refused_as_build_refuses_it(
                                         cwd=tmp_path), "bamgen did not generate it")
     assert check == build
     assert (tmp_path / "gen" / "my_prior.py").read_text() == "# mine\n"
+
+
+@pytest.mark.parametrize("init, words", [
+    ("log(200 - H)", ["--heads 250", "the init of b cannot be computed for head 0 of 250"]),
+    ("150 - H", ["--heads 250", "b must be positive (> 0)", "got -100.0 for head 0"])])
+def test_show_for_more_heads_than_the_build_checks_refuses_what_the_module_refuses(
+        tmp_path, init, words):
+    """The build checks inits up to 128 heads; `show --heads 250` printed b=nan for every head
+    and exited 0, where the module built for 250 heads refuses its inits."""
+    write_prior(tmp_path, f"name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {{init: '{init}', "
+                          f"domain: positive}}\n")
+    _refused(run_cli_in_process("show", "prior.yaml", "--heads", "250", cwd=tmp_path), *words)
+    assert run_cli_in_process("show", "prior.yaml", "--heads", "120", cwd=tmp_path).exit_code == 0
