@@ -25,6 +25,7 @@ import click
 from . import __version__
 from .compiler import STRATEGIES
 from .errors import SpecError
+from .driver.cache import CacheUnwritable
 from .driver.files import BuildLockTimeout, generated_by_bamgen, holds, write_if_different
 from .resources import GENERATED_BY, resolve_prior, shipped_priors
 from .compiler.timeout import BuildTimeout, time_limit
@@ -251,6 +252,8 @@ def _reported(path: Path, doing: str = "building"):
             yield
     except SpecError as err:
         _fail(str(err.located(str(path))))
+    except CacheUnwritable as err:   # (BAMGEN_CACHE_DIR: the user's setting, not a bug)
+        _fail(f"{path}: {err.strerror}")
     except BuildTimeout:
         _fail(f"{path}: {doing} took longer than {BUILD_SECONDS} s; simplify the formula")
     except RecursionError:

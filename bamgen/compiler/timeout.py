@@ -31,6 +31,7 @@ from ..errors import SpecError
 # idle laptop and a loaded CI runner. The shipped priors need a few seconds at most (FIRE,
 # 99 learnable scalars); BAMGEN_BUILD_CPU_SECONDS overrides it.
 STAGE_CPU_SECONDS = 60.0
+CPU_SECONDS_ENV = "BAMGEN_BUILD_CPU_SECONDS"
 
 _fields: list[tuple[str, str]] = []    # (field, what), innermost last: see working_on
 
@@ -46,13 +47,20 @@ class BuildTimeout(BaseException):
 
 
 def stage_cpu_seconds() -> float:
-    """The CPU budget of one stage: STAGE_CPU_SECONDS unless BAMGEN_BUILD_CPU_SECONDS is set."""
-    raw = os.environ.get("BAMGEN_BUILD_CPU_SECONDS")
+    """The CPU budget of one stage: STAGE_CPU_SECONDS unless BAMGEN_BUILD_CPU_SECONDS is set;
+    a setting that is no number of seconds > 0 is refused, naming it, as BAMGEN_LOCK_TIMEOUT
+    is (it was ignored: the user believed the budget changed)."""
+    raw = os.environ.get(CPU_SECONDS_ENV, "").strip()
+    if not raw:
+        return STAGE_CPU_SECONDS
     try:
-        value = float(raw) if raw else STAGE_CPU_SECONDS
+        value = float(raw)
     except ValueError:
-        value = STAGE_CPU_SECONDS
-    return value if value > 0 else STAGE_CPU_SECONDS
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise SpecError(f"{CPU_SECONDS_ENV}={raw!r}: give a finite number of seconds > 0",
+                        hint=f"unset it for the default {STAGE_CPU_SECONDS:g} s")
+    return value
 
 
 def _usable() -> bool:
@@ -119,4 +127,5 @@ def cpu_budget(field: str, what: str, seconds: float | None = None):
         where, doing = exc.where or (field, what)
         raise SpecError(f"{doing} took more than {seconds:g} s of CPU time", field=where,
                         hint="simplify the formula: fewer nested functions, Abs kinks or "
-                             "Min/Max arguments") from None
+                             f"Min/Max arguments; or give the build more with "
+                             f"{CPU_SECONDS_ENV}=<seconds>") from None

@@ -42,6 +42,13 @@ MANIFEST = "build.json"
 CACHE_ENV = "BAMGEN_CACHE_DIR"
 _ARTIFACT = re.compile(r"(?P<name>[a-z][a-z0-9_]*)_(?P<strategy>[a-z]+)_(?P<hash>[0-9a-f]{16})")
 
+
+
+class CacheUnwritable(OSError):
+    """The cache folder cannot be written (BAMGEN_CACHE_DIR names a file, a read-only folder):
+    the user's setting to change, which the CLI reports as one line, not as a bug."""
+
+
 # Cache roots that bamgen.load used in this process (cache_dir=...), searched before the default.
 _roots_used: list[Path] = []
 

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-from .cache import cache_root, import_cached, store
+from .cache import CacheUnwritable, cache_root, import_cached, store
 from .build import compile_spec
 from ..errors import PriorWarning, SpecError
 from .files import BuildLockTimeout
@@ -48,7 +48,7 @@ def build_into_cache(spec: PriorSpec, source: bytes, source_name: str, strategy:
     except BuildLockTimeout:
         raise
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot write the bamgen cache in {root} "
+        raise CacheUnwritable(exc.errno, f"cannot write the bamgen cache in {root} "
                                  f"({exc.strerror or exc}); set BAMGEN_CACHE_DIR to a writable "
                                  f"folder") from exc
 

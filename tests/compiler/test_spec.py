@@ -427,8 +427,28 @@ def test_the_build_budget_is_cpu_time_and_can_be_raised(monkeypatch):
     from bamgen.compiler.timeout import stage_cpu_seconds
     monkeypatch.setenv("BAMGEN_BUILD_CPU_SECONDS", "12.5")
     assert stage_cpu_seconds() == 12.5
-    monkeypatch.setenv("BAMGEN_BUILD_CPU_SECONDS", "nonsense")
+    monkeypatch.delenv("BAMGEN_BUILD_CPU_SECONDS")
     assert stage_cpu_seconds() == 60.0
+
+
+@pytest.mark.parametrize("setting", ["nonsense", "-1", "0", "inf"])
+def test_a_cpu_budget_that_is_no_number_of_seconds_is_refused_naming_it(tmp_path, monkeypatch,
+                                                                          setting):
+    """BAMGEN_BUILD_CPU_SECONDS=abc, -1 or 0 were silently ignored (the budget stayed 60 s)."""
+    monkeypatch.setenv("BAMGEN_BUILD_CPU_SECONDS", setting)
+    write_prior(tmp_path, GOOD)
+    res = run_cli_in_process("build", "prior.yaml", "-o", "out", cwd=tmp_path)
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"BAMGEN_BUILD_CPU_SECONDS={setting!r}" in res.stderr.strip().splitlines()[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stage_out_of_its_cpu_budget_names_the_setting_that_raises_it():
+    from bamgen.compiler.timeout import cpu_budget
+    with pytest.raises(SpecError, match="BAMGEN_BUILD_CPU_SECONDS=<seconds>"):
+        with cpu_budget("score", "spinning", seconds=0.05):
+            while True:
+                pass
 
 
 def test_a_prior_over_two_channels_reads_each_and_differentiates_in_each():

@@ -319,3 +319,13 @@ def test_show_for_more_heads_than_the_build_checks_refuses_what_the_module_refus
                           f"domain: positive}}\n")
     _refused(run_cli_in_process("show", "prior.yaml", "--heads", "250", cwd=tmp_path), *words)
     assert run_cli_in_process("show", "prior.yaml", "--heads", "120", cwd=tmp_path).exit_code == 0
+
+
+def test_a_cache_folder_that_is_a_file_is_a_user_error_naming_the_variable(tmp_path):
+    """BAMGEN_CACHE_DIR naming a file was 'internal error ... please report it'."""
+    (tmp_path / "afile").write_text("x")
+    env = {**os.environ, "BAMGEN_CACHE_DIR": str(tmp_path / "afile")}
+    res = run_cli("inspect", "laplace", env=env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    line = res.stderr.strip()
+    assert "BAMGEN_CACHE_DIR" in line and "internal error" not in line and "\n" not in line
