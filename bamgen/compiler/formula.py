@@ -231,6 +231,17 @@ _COMPARE = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge,
             ast.Eq: sp.Eq, ast.NotEq: sp.Ne}
 
 
+def _literal_problem(value: float) -> str:
+    """Why a float literal is refused: one beyond the float limit (1e400) reads as infinity,
+    which the message says rather than showing only 'inf'."""
+    if math.isinf(value):
+        return (f"the number is beyond the largest float (about 1.8e308), so YAML or Python "
+                f"reads it as {value!r}; numbers up to {MAX_LITERAL:g} in magnitude are allowed")
+    if math.isnan(value):
+        return "the number is nan (not a number)"
+    return f"the number {value!r} is larger than {MAX_LITERAL:g}"
+
+
 def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
                   line: int | None = None,
                   vectors: Mapping[str, tuple[sp.Symbol, ...]] | None = None,
@@ -254,7 +265,7 @@ def parse_formula(text: object, symbols: Mapping[str, sp.Expr], *, field: str,
         if isinstance(text, int) and abs(text) > MAX_LITERAL:   # before repr: 10**5000 has none
             raise fail(f"the number ({text.bit_length()} bits) is larger than {MAX_LITERAL:g}")
         if isinstance(text, float) and not (math.isfinite(text) and abs(text) <= MAX_LITERAL):
-            raise fail(f"the number {text!r} is not finite or larger than {MAX_LITERAL:g}")
+            raise fail(_literal_problem(text))
         text = repr(text)
     if not text.strip():
         raise fail("the formula is empty", "write an expression such as '-Abs(d)/b'")
@@ -413,7 +424,7 @@ class _Builder:
             return sp.Integer(value)
         if isinstance(value, float):
             if not math.isfinite(value) or abs(value) > MAX_LITERAL:
-                raise self.fail(f"the number {value!r} is not finite or larger than {MAX_LITERAL:g}")
+                raise self.fail(_literal_problem(value))
             return sp.Float(repr(value))
         raise self.fail(f"the constant {value!r} is not a number")
 

@@ -294,6 +294,9 @@ def _parse(raw: bytes | str, path: str) -> PriorSpec:
     data, lines = _load_yaml(text)
     _check_fields(data, TOP_LEVEL_FIELDS, lines, where="the prior file")
 
+    if "name" in data and data["name"] is None:
+        raise SpecError("name: is empty", field="name", line=lines.get("name"),
+                        hint="remove the line to use the file's name, or give a name")
     name = data.get("name", Path(path).stem if path != "<prior>" else None)
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise SpecError(f"invalid name {_show(name)}", field="name", line=lines.get("name"),
@@ -607,8 +610,7 @@ def _check_name(name, field: str, line: int | None, what: str) -> None:
         # YAML reads the keys true/false/yes/no/on/off/null and numbers as such, not as text
         raise SpecError(f"invalid {what} name {_show(name)}: YAML reads that key as "
                         f"{type(name).__name__}, not as a name", field=field, line=line,
-                        hint="YAML reads the keys yes, no, on, off, true and false as booleans: "
-                             "quote it (\"off\": ...) or choose another name")
+                        hint=_yaml_key_hint(name))
     if not isinstance(name, str) or not name.isidentifier() or len(name) > MAX_NAME:
         raise SpecError(f"invalid {what} name {_show(name)}", field=field, line=line,
                         hint="use letters (σ and λ are letters too), digits and '_', not "
@@ -624,6 +626,17 @@ def _check_name(name, field: str, line: int | None, what: str) -> None:
         better = next(n for n in (f"{name}_", f"p_{name}") if not _reserved_because(n))
         raise SpecError(f"the {what} name '{name}' is reserved: {why}", field=field,
                         line=line, hint=f"rename it, e.g. {better}")
+
+
+def _yaml_key_hint(name) -> str:
+    """How to fix a key that YAML read as no text: a number needs a letter first; a boolean
+    or null, quoting or another name."""
+    if isinstance(name, bool):
+        return "YAML reads the keys yes, no, on, off, true and false as booleans: quote it " \
+               "(\"off\": ...) or choose another name"
+    if name is None:
+        return "YAML reads the key null or ~ (or an empty key) as null: choose a name"
+    return "a name starts with a letter or '_', never a digit: e.g. p5 or b_5"
 
 
 def _reserved_because(name: str) -> str | None:

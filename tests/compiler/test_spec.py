@@ -867,3 +867,23 @@ params:
 def test_a_string_that_spells_no_finite_number_is_still_refused(field, text):
     with pytest.raises(SpecError, match=re.escape(field)):
         parse_spec(f"name: x\nlog_prior: -Abs(d) * c\nparams:\n  {text}\n")
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("name: x\nlog_prior: -Abs(d)/b\nparams:\n  5: {init: 1.0}\n", "params.5",
+     ("YAML reads that key as int", "starts with a letter")),
+    ("name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {init: 1e400}\n", "params.b.init",
+     ("beyond the largest float", "reads it as inf")),
+    ("name: x\nlog_prior: -Abs(d)/b\nparams:\n  b: {init: 1.0e400}\n", "params.b.init",
+     ("beyond the largest float", "reads it as inf")),
+    ("name:\nlog_prior: -Abs(d)\n", "name", ("name: is empty", "remove the line")),
+])
+def test_messages_say_what_yaml_read_and_how_to_fix_it(text, field, words):
+    """A key 5 got a hint about yes/no/on/off; init 1e400 said only 'the number inf is not
+    finite'; an empty name: said 'invalid name None'."""
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text, path="p.yaml")
+    assert caught.value.field == field
+    for word in words:
+        assert word in str(caught.value), str(caught.value)
+    assert "yes, no, on, off" not in str(caught.value)
