@@ -16,6 +16,7 @@ import errno
 import io
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -212,7 +213,7 @@ def _path_problem(exc: OSError) -> str:
     if exc.errno == errno.ENAMETOOLONG:
         return "the path is too long for the file system (a name is at most 255 bytes); give " \
                "a shorter one"
-    if exc.errno == errno.ENOTDIR:
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):   # (EEXIST: making a folder where a file is)
         return "a part of the path is a file, not a folder; give a path whose parents are folders"
     return f"{exc.strerror or exc}; check the path and its permissions"
 
@@ -241,7 +242,8 @@ def _write(target: Path, data: str | bytes) -> bool:
     except BuildLockTimeout as exc:
         _fail(str(exc))
     except (OSError, ValueError) as exc:
-        _fail(f"cannot write {_shown(target)}: {getattr(exc, 'strerror', None) or exc}")
+        _fail(f"cannot write {_shown(target)}: "
+              f"{_path_problem(exc) if isinstance(exc, OSError) else exc}")
 
 
 @contextmanager
@@ -274,10 +276,27 @@ def _compile_all(paths: list[Path], strategy: str | None, standalone: bool = Fal
         with _reported(path):
             artifact = compile_spec(load_spec(resolve_prior(path)), strategy, standalone=standalone)
         if artifact.name in names:
-            _fail(f"{path} and {names[artifact.name]} both define the prior '{artifact.name}'")
+            _fail(_same_prior_twice(path, names[artifact.name], artifact.name))
         names[artifact.name] = path
         artifacts.append(artifact)
     return artifacts
+
+
+def _same_prior_twice(path, earlier, name: str) -> str:
+    """Two FILEs that would write one module: the same file given twice, or two that share a
+    name."""
+    if _same_file(resolve_prior(path), resolve_prior(earlier)):
+        shown = str(path) if str(path) == str(earlier) else f"{path} (as {earlier} too)"
+        return f"{shown} is given twice; give each prior file once"
+    return (f"{path} and {earlier} both define the prior '{name}'; give one of them another "
+            f"name: in its file")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
 
 
 @main.command()
@@ -307,7 +326,8 @@ def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layou
     """Compile FILE's kernels ahead of time for a GPU and report their resources.
 
     FILE is a prior (.yaml), a module bamgen generated (.py, as `bamgen build` wrote it: any
-    other .py is refused before it is run) or a shipped prior's name. No GPU is needed.
+    other .py is refused before it is run) or a shipped prior's name. No GPU is needed. A .py
+    is imported, which runs its code: inspect only files you trust.
     """
     import json
     import os
@@ -557,19 +577,30 @@ def plot(file: str, out_file: Path, heads: int, max_distance: int) -> None:
     for head, values in enumerate(init_values(ir, heads)):
         f = log_prior_function(ir, values)
         ax.plot(distances, [f(d) for d in distances], label=f"head {head}", linewidth=1.2)
-    ax.set_xlabel("d = i - j (how far back the key is)")
+    ax.set_xlabel(_distance_label(ir.spec.channels))
     ax.set_ylabel("log prior")
     ax.set_title(f"{ir.spec.name}: {ir.spec.formulas[0][1]}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
     image = io.BytesIO()   # (written whole, by a rename: an interrupted plot leaves no half file)
-    try:
-        fig.savefig(image, format=image_format)
-    except Exception as exc:   # a format whose writer needs what is missing (.pgf: LaTeX)
-        _fail(f"--out {out_file}: matplotlib could not write a .{image_format} file "
-              f"({type(exc).__name__}: {str(exc)[:200]}); give .png, .svg or .pdf")
+    with warnings.catch_warnings():   # (a long --max-distance: 'loc="best" can be slow')
+        warnings.filterwarnings("ignore", message='Creating legend with loc="best"')
+        fig.tight_layout()
+        try:
+            fig.savefig(image, format=image_format)
+        except Exception as exc:   # a format whose writer needs what is missing (.pgf: LaTeX)
+            _fail(f"--out {out_file}: matplotlib could not write a .{image_format} file "
+                  f"({type(exc).__name__}: {str(exc)[:200]}); give .png, .svg or .pdf")
     click.echo(f"{'wrote' if _write(out_file, image.getvalue()) else 'unchanged'} {_shown(out_file)}")
+
+
+def _distance_label(channels: int) -> str:
+    """The x axis: d, or for a prior over several position channels the first one, the others
+    held at 0 (what log_prior_function draws)."""
+    if channels == 1:
+        return "d = i - j (how far back the key is)"
+    rest = ", ".join(f"d{c}" for c in range(1, channels))
+    return f"d0 = i0 - j0 (with {rest} = 0)"
 
 
 def _image_format(out_file: Path) -> str:
@@ -579,8 +610,9 @@ def _image_format(out_file: Path) -> str:
     formats = FigureCanvasBase.get_supported_filetypes()
     image_format = out_file.suffix.lower().lstrip(".")
     if image_format not in formats:
-        given = f"'{out_file.suffix}'" if out_file.suffix else "no extension"
-        _fail(f"--out {out_file}: {given} names no image format matplotlib writes; give one of "
+        problem = (f"'{out_file.suffix}' is not an image format matplotlib writes"
+                   if out_file.suffix else "the name has no extension, which picks the format")
+        _fail(f"--out {_shown(out_file)}: {problem}; end it with one of "
               f"{', '.join('.' + name for name in sorted(formats))}")
     return image_format
 

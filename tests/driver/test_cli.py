@@ -329,3 +329,43 @@ def test_a_cache_folder_that_is_a_file_is_a_user_error_naming_the_variable(tmp_p
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     line = res.stderr.strip()
     assert "BAMGEN_CACHE_DIR" in line and "internal error" not in line and "\n" not in line
+
+
+def test_a_file_given_twice_is_named_as_given_twice(tmp_path):
+    """`build okp.yaml okp.yaml` said 'okp.yaml and okp.yaml both define the prior'."""
+    write_prior(tmp_path, GOOD)
+    write_prior(tmp_path, GOOD, "copy.yaml")
+    for twice in (["prior.yaml", "prior.yaml"], ["prior.yaml", "./prior.yaml"]):
+        _refused(run_cli_in_process("build", *twice, "-o", "out", cwd=tmp_path),
+                 "is given twice", "once")
+    _refused(run_cli_in_process("build", "prior.yaml", "copy.yaml", "-o", "out", cwd=tmp_path),
+             "copy.yaml and prior.yaml both define the prior 'my_prior'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_plot_to_a_name_without_an_extension_names_the_extensions(tmp_path):
+    """It said 'no extension names no image format'."""
+    pytest.importorskip("matplotlib")
+    line = _refused(run_cli_in_process("plot", "laplace", "-o", "pfile", cwd=tmp_path),
+                    "--out pfile", "no extension", ".png", ".svg")
+    assert "names no image format" not in line
+    assert not (tmp_path / "pfile").exists()
+
+
+def test_plot_of_a_two_channel_prior_labels_the_channel_it_draws(tmp_path):
+    """alibi_2d's plot draws d0 with d1 = 0, and its axis said 'd = i - j'. (matplotlib's SVG
+    keeps each text as a comment beside its glyphs.)"""
+    pytest.importorskip("matplotlib")
+    res = run_cli_in_process("plot", "alibi_2d", "-o", "p.svg", cwd=tmp_path)
+    assert res.exit_code == 0, res.stderr
+    svg = (tmp_path / "p.svg").read_text()
+    assert "<!-- d0 = i0 - j0 (with d1 = 0) -->" in svg and "d = i - j" not in svg
+
+
+def test_plot_into_a_path_through_a_file_says_so(tmp_path):
+    """It said 'cannot write afile/x.png: File exists'."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "afile").write_text("x")
+    _refused(run_cli_in_process("plot", "laplace", "-o", "afile/x.png", cwd=tmp_path),
+             "afile/x.png", "a part of the path is a file")
+    assert (tmp_path / "afile").read_text() == "x"
