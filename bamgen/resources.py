@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import stat
 from pathlib import Path
 
 from .errors import SpecError
@@ -76,10 +77,18 @@ def resolve_prior(prior: str | os.PathLike) -> Path:
                         hint="give the path of a prior file (.yaml) or a shipped prior's name")
     if not isinstance(text, str) or not _NAME.fullmatch(text):
         return path
-    if path.exists() and not path.is_dir():
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        found = None
+    except OSError as exc:   # (a name too long for the file system: no shipped prior either)
+        raise SpecError(f"cannot read the file: {exc.strerror}", file=text,
+                        hint="check the path, or give a shipped prior's name") from None
+    folder = found is not None and stat.S_ISDIR(found.st_mode)
+    if found is not None and not folder:
         return path
     shipped = shipped_prior(text)
-    if shipped is None and path.is_dir():
+    if shipped is None and folder:
         return path   # (refused by load_spec as a folder, one line)
     if shipped is None:
         names = ", ".join(p.stem for p in shipped_priors())

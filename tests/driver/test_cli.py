@@ -369,3 +369,10 @@ def test_plot_into_a_path_through_a_file_says_so(tmp_path):
     _refused(run_cli_in_process("plot", "laplace", "-o", "afile/x.png", cwd=tmp_path),
              "afile/x.png", "a part of the path is a file")
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_a_prior_name_too_long_for_the_file_system_is_one_line(tmp_path):
+    """`bamgen show aaa...` (300 letters, a shipped prior's name in form) was 'internal error
+    ... please report it'."""
+    line = _refused(run_cli_in_process("show", "a" * 300, cwd=tmp_path), "File name too long")
+    assert "internal error" not in line
