@@ -167,19 +167,24 @@ def test_ctrl_c_while_importing_torch_is_one_line_and_exit_130(tmp_path):
     traceback (forty lines, exit 1): the heavy imports ran when bamgen.cli was imported, before
     the command line could handle anything. Now: 'interrupted', exit 130, nothing written."""
     prior = write_prior(tmp_path, GOOD)
-    out = tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-m", "bamgen.cli", "build", str(prior), "-o",
-                                str(out)], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for_torch_import(process)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        process.kill()
-    assert process.returncode == 130, stderr
-    assert stderr == "interrupted\n" and stdout == ""
-    assert not out.exists()
+    for attempt in range(5):
+        out = tmp_path / f"out{attempt}"
+        process = subprocess.Popen([sys.executable, "-m", "bamgen.cli", "build", str(prior), "-o",
+                                    str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for_torch_import(process)
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = process.communicate(timeout=120)
+        finally:
+            process.kill()
+        if process.returncode == 0 and stderr == "" and out.exists():
+            continue   # (a loaded machine: the build was done before the signal left; again)
+        assert process.returncode == 130, stderr
+        assert stderr == "interrupted\n" and stdout == ""
+        assert not out.exists()
+        return
+    pytest.fail("every build finished before its Ctrl-C: the machine is too loaded to test it")
 
 
 def test_ctrl_c_while_writing_leaves_the_old_module_whole(tmp_path, monkeypatch):
