@@ -143,7 +143,8 @@ def unviewed(out):
     key head), as a tensor of its own over the same memory: an autograd Function's view output
     refused an in-place edit of the result ('Output 0 of PriorAttentionBackward is a view'), and
     FSDP2 warns of a view returned by a wrapped module. The edit is then caught where the
-    backward needs the saved result, as for any saved output."""
+    backward needs the saved result, as for any saved output. (The calls without a graph
+    return it too: the same result whether or not grad is on.)"""
     return out.detach() if out._base is not None else out
 
 

@@ -54,9 +54,9 @@ def attend(prior, q, k, v, theta, causal, scale, layout, backend, pos=None):
                 t.requires_grad for t in (q, k, v, theta, pos.q, pos.k)):
             if q.numel() == 0 or k.shape[2] == 0:
                 return torch.zeros_like(q, memory_format=torch.contiguous_format)
-            return autograd.positional_forward(prior, q, k, v, theta, (pos.q, pos.k), causal,
-                                               scale, layout, use_triton, False, False,
-                                               pos.extent)[0]
+            return autograd.unviewed(autograd.positional_forward(
+                prior, q, k, v, theta, (pos.q, pos.k), causal, scale, layout, use_triton, False,
+                False, pos.extent)[0])
         return autograd.PositionalAttention.apply(prior, q, k, v, theta, pos.q, pos.k, causal,
                                                   scale, layout, use_triton, pos.extent)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, theta)):
@@ -64,7 +64,7 @@ def attend(prior, q, k, v, theta, causal, scale, layout, backend, pos=None):
         # Function's bookkeeping, which costs a decode step of a small model a tenth of its time
         if q.numel() == 0 or k.shape[2] == 0:
             return torch.zeros_like(q, memory_format=torch.contiguous_format)
-        return autograd.forward(prior, q, k, v, theta, causal, scale, layout, use_triton, False,
-                                stats=False)[0]
+        return autograd.unviewed(autograd.forward(prior, q, k, v, theta, causal, scale, layout,
+                                                  use_triton, False, stats=False)[0])
     return autograd.PriorAttention.apply(prior, q, k, v, theta, causal, scale, layout, use_triton,
                                          True)
