@@ -440,10 +440,10 @@ def _prior_path(file: str | Path) -> Path:
 
 def _load_ir(file: str | Path):
     from .compiler.spec import load_spec
-    from .compiler.symbolic import analyse
+    from .compiler.symbolic import analysed
     file = _prior_path(file)
     with _reported(file, "analysing"):
-        return analyse(load_spec(file))
+        return analysed(load_spec(file))
 
 
 @main.command()
@@ -454,12 +454,16 @@ def show(file: str, heads: int) -> None:
     """Show FILE's derived log-prior, its derivatives, the kernel plan and an analysis (FILE: a
     prior file or a shipped prior's name)."""
     from .compiler.analysis import analyse_prior
+    from .compiler.spec import load_spec
+    from .compiler.symbolic import analysed
     from .driver.build import plan_prior as make_plan
-    ir = _load_ir(file)
-    spec = ir.spec
-    _check_inits_at(ir.spec, heads)
+    path = _prior_path(file)
+    with _reported(path, "analysing"):
+        spec = load_spec(path)
+    _check_inits_at(spec, heads)
     with _reported(file, "planning"):   # (the plan scans the printed code over the domain)
-        kernel_plan = make_plan(ir)
+        # (analysed with its plan, as a build does: the same clamps where limits by sign outgrow it)
+        ir, kernel_plan = analysed(spec, lambda ir: (ir, make_plan(ir)))
         analysis = analyse_prior(ir, num_heads=heads)
     click.echo(f"prior '{spec.name}' ({file})" + (f": {spec.description}" if spec.description else ""))
     if spec.source:

@@ -22,6 +22,7 @@ Whether the results are finite over the domain is checked on the printed code
 """
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import sympy as sp
@@ -38,6 +39,19 @@ MAX_DERIVATIVE_NODES = 200_000   # nodes of the logit's derivatives, all togethe
 MAX_LIMITS = 32                  # symbolic limits taken at kinks, all expressions together
 MAX_KINKS = 8         # distinct Abs(u) kinks per expression; each costs a symbolic limit
 MAX_SIGN_SPLITS = 2   # parameters by whose signs a kink's limit is taken, case by case (3**2 limits)
+
+
+@dataclass
+class _SignSplits:
+    """Whether this analysis may take a kink's limit by the signs of parameters (allowed), and
+    how many kinks it took so (taken): an analysis that split and then outgrew a limit on its
+    size is run again with one clamp per kink, as before splits existed (analyse)."""
+    allowed: bool = True
+    taken: int = 0
+
+
+_SPLITS: contextvars.ContextVar[_SignSplits | None] = contextvars.ContextVar("bamgen_sign_splits",
+                                                                              default=None)
 MAX_LIMIT_TREE = 500   # nodes of an expression whose limit at a kink is taken (limits are slow,
                        # and a kink without a finite limit doubles the expression)
 
@@ -154,6 +168,30 @@ def analyse(spec: PriorSpec) -> PriorIR:
     field = formula_field(spec)
     with cpu_budget(field, "deriving the formula"):
         return _analyse(spec)
+
+
+def analysed(spec: PriorSpec, then=lambda ir: ir):
+    """then(analyse(spec)), the stages after the analysis (the plan, whose table form guards
+    the logit again) included; where a kink's limit was taken by the signs of parameters and
+    a stage then outgrew a limit on the formula's size, all of it again with one clamp per
+    kink, as before limits were taken by sign: a prior that built so
+    (-(|d|**p + |d - 2|**r)/b, two kinks with exponents of their own) still builds."""
+    splits = _SignSplits()
+    try:
+        return _with_splits(splits, lambda: then(analyse(spec)))
+    except SpecError:
+        if not splits.taken:
+            raise
+    return _with_splits(_SignSplits(allowed=False), lambda: then(analyse(spec)))
+
+
+def _with_splits(splits: _SignSplits, fn):
+    """fn() with ``splits`` as the analysis's _SignSplits."""
+    token = _SPLITS.set(splits)
+    try:
+        return fn()
+    finally:
+        _SPLITS.reset(token)
 
 
 def formula_field(spec: PriorSpec) -> str:
@@ -568,10 +606,18 @@ def _kink_value(expr: sp.Expr, u: sp.Expr, value: bool, counter: _LimitCounter) 
         return limit, f"at {u} = 0 the value is {_outcome(limit)}"
     if not undecided:
         return _clamped(expr, u), f"the limit at {u} = 0 is not finite; {_clamp_words(u)}"
+    splits = _SPLITS.get()
+    if splits is not None and not splits.allowed:
+        names = ", ".join(map(str, undecided))
+        return _clamped(expr, u), (f"the limit at {u} = 0 depends on the signs of {names}; taken "
+                                   f"by sign, the formula outgrew its limits, so "
+                                   f"{_clamp_words(u)} for every sign")
     if len(undecided) > MAX_SIGN_SPLITS:
         names = ", ".join(map(str, undecided))
         return _clamped(expr, u), (f"the limit at {u} = 0 depends on the signs of {names}, more "
                                    f"than {MAX_SIGN_SPLITS} parameters to take it by; {_clamp_words(u)}")
+    if splits is not None:
+        splits.taken += 1
     limit, cases = _by_sign(expr, u, value, undecided, counter)
     detail = "; ".join(f"for {cond} {outcome}" for cond, outcome in cases)
     signs = ", ".join(map(str, undecided))
@@ -647,7 +693,7 @@ def _by_sign(expr: sp.Expr, u: sp.Expr, value: bool, undecided: list[sp.Symbol],
             inner, deeper = _by_sign(case_expr, u, value, [s for s in rest if s in still], counter)
             notes = [(f"{words} and {w}", outcome) for w, outcome in deeper]
         else:
-            inner, notes = _clamped(case_expr, u), [(words, f"no finite limit: {_clamp_words(u)}")]
+            inner, notes = _clamped(case_expr, u), [(words, f"no limit settled: {_clamp_words(u)}")]
         branches.append((inner.xreplace(back), cond))
         cases.extend(notes)
     if all(b[0] == branches[0][0] for b in branches):

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..compiler import lower
 from ..compiler.codegen import Artifact, render
 from ..compiler.spec import PriorSpec, load_spec
-from ..compiler.symbolic import analyse, formula_field
+from ..compiler.symbolic import analysed, formula_field
 from ..compiler.timeout import cpu_budget, working_on
 from ..checks.inits import check_inits
 from ..errors import SpecError
@@ -36,7 +36,7 @@ def compile_spec(spec: PriorSpec, strategy: str | None = None, *, standalone: bo
     inlined (bamgen/driver/standalone.py)."""
     try:   # (every stage's error names the file: the stages below the spec do not know it)
         check_inits(spec)
-        artifact = render(spec, plan_prior(analyse(spec), strategy))
+        artifact = render(spec, analysed(spec, lambda ir: plan_prior(ir, strategy)))
     except SpecError as err:
         raise err.located(spec.path) from None
     artifact = replace(artifact, warnings=tuple(w.located(spec.path) for w in artifact.warnings))

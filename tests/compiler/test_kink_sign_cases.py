@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import bamgen
-from tests.helpers import write_prior
+from tests.helpers import run_cli_in_process, write_prior
 from tests.reference import reference_attention
 from tests.tolerance import assert_all_close
 
@@ -158,3 +158,20 @@ def test_a_kink_hanging_on_three_signs_is_clamped_with_a_note(tmp_path):
     logit = next(n for n in module.PRIOR["notes"] if n.startswith("the logit:"))
     assert "depends on the signs of c, p, t, more than 2 parameters" in logit
     assert "clamped to |d| = 1e-05" in logit
+
+
+def test_kinks_whose_split_would_outgrow_the_formula_build_clamped_as_before(tmp_path):
+    """Two kinks, each with an exponent of its own: taken by sign, the second kink's formula
+    grows past its size limit; the build falls back to one clamp per kink, as before the split
+    existed (it was refused), and its notes say so."""
+    text = ("name: k8\nparams:\n  b: {init: 1.0, domain: positive}\n  p: {init: 1.0}\n"
+            "  r: {init: 1.0}\nlog_prior: -(Abs(d)**p + Abs(d - 2)**r)/b\n")
+    prior = write_prior(tmp_path, text)
+    shown = run_cli_in_process("show", str(prior))   # (show plans as a build does)
+    assert shown.exit_code == 0 and "outgrew its limits" in shown.output, shown.output
+    module = bamgen.load(prior, cache_dir=tmp_path / "cache")
+    logit = next(n for n in module.PRIOR["notes"] if n.startswith("the logit:"))
+    assert "outgrew its limits" in logit and "clamped to |d| = 1e-05" in logit
+    d = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    got = module.log_prior_at(d, b=1.0, p=1.0, r=1.0, num_heads=1).flatten().tolist()
+    assert got == pytest.approx([-(1e-5 + 2.0), -2.0, -(2.0 + 1e-5), -4.0], rel=1e-6)
