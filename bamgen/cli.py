@@ -331,7 +331,10 @@ def inspect(file: str, arch: str, dtype: str, head_dim: int, causal: bool, layou
     """
     import json
     import os
-    os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU, not the interpreter
+    interpret = os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU, not the interpreter
+    if interpret is not None:   # (put back when the command ends: a caller in-process keeps it)
+        click.get_current_context().call_on_close(
+            lambda: os.environ.__setitem__("TRITON_INTERPRET", interpret))
     from .aot import compile_module, decode_step_model, loop_model
     from .driver.loader import import_module_file, load_prior
     file = _prior_path(file)

@@ -279,6 +279,16 @@ def test_inspect_of_a_py_whose_name_is_too_long_is_one_line(tmp_path):
     assert len(lines) == 1 and "FILE" in lines[0] and "too long" in lines[0], res.stderr
 
 
+def test_inspect_in_process_leaves_triton_interpret_as_it_found_it(tmp_path, monkeypatch):
+    """inspect compiles for the GPU, so it unsets TRITON_INTERPRET; called in-process (a test,
+    a notebook's CliRunner) it left it unset, and later Triton calls of that process went to
+    CUDA. It puts it back when the command ends, refused or not."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    res = run_cli_in_process("inspect", "b" * 300 + ".py", cwd=tmp_path)
+    assert res.exit_code == 2 and "too long" in res.output
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def test_out_paths_that_cannot_be_a_folder_are_refused_saying_why(tmp_path):
     """-o '' wrote into the current folder; a dangling link said 'File exists'; a path through
     a file said 'Not a directory' with no hint. Each is now one line, and nothing is written."""
